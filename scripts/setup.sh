@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create .venv at the repo root and install zio-spark with its test extras.
+# Idempotent: re-installs only when pyproject.toml changed since the last run.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+py=${PYTHON:-python3}
+if ! command -v "$py" >/dev/null 2>&1; then
+  echo "setup: $py not found; zio-spark needs Python >= 3.10" >&2; exit 2
+fi
+if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  echo "setup: $("$py" --version) is too old; zio-spark needs Python >= 3.10" >&2; exit 2
+fi
+if ! command -v java >/dev/null 2>&1; then
+  echo "setup: java not found; Spark 4 needs Java 17 (apt-get install openjdk-17-jre-headless)" >&2
+  exit 2
+fi
+
+stamp=.venv/.zio-spark-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "setup: installing zio-spark and its test dependencies into .venv (about a minute)"
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+echo "$want" > "$stamp"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh clone and run the whole test suite:
+#   1. .venv with zio-spark and test extras (scripts/setup.sh)
+#   2. .venv-draft with a draft-API pyzmq (scripts/build-draft-pyzmq.sh), so the
+#      CLIENT/SERVER socket path is tested on every run, not only the stock wheel's
+#   3. ruff (check + format), mypy strict, pytest (stock pyzmq), pytest tests/transport
+#      again on the draft build with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never skip)
+# Extra arguments go to the main pytest run.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+bash scripts/setup.sh
+bash scripts/build-draft-pyzmq.sh
+
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy"
+.venv/bin/mypy
+echo "== pytest (stock pyzmq $(.venv/bin/python -c 'import zmq; print(zmq.__version__)'))"
+.venv/bin/python -m pytest --cov=zio_spark.protocol --cov-branch --cov-report=term \
+  --cov-fail-under=95 "$@"
+echo "== pytest tests/transport (draft pyzmq)"
+ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest tests/transport -p no:cacheprovider

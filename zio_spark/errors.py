@@ -1,0 +1,120 @@
+"""The zio-spark error tree.
+
+Every error this package raises on purpose derives from :class:`ZioSparkError`; any
+other exception escaping the package is a bug. The split follows h11/h2:
+
+- :class:`LocalProtocolError`: *we* misused the API (sent DAT without credit, called
+  ``put`` on a taker, ...). Fix the calling code.
+- :class:`RemoteProtocolError`: the *peer* broke the spec (bad bytes, illegal message
+  for the state). The peer is dropped and counted; other flows go on.
+- :class:`FlowControlError`: a credit violation, local or remote (it is a
+  :class:`RemoteProtocolError` because it is almost always raised on input).
+- :class:`ConfigError`: a bad option value; also a :class:`ValueError`.
+- :class:`TransportError`: socket-level trouble; keeps the endpoint.
+- :class:`DataLossError`: records are known to be missing; raised only when
+  ``failOnDataLoss`` is true.
+
+Errors carry their facts as attributes (``field``, ``value``, ``peer``, ``credit``) so
+callers and tests need not parse messages, and messages name the field, the value and
+what was expected.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DataLossError",
+    "FlowControlError",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "TransportError",
+    "ZioSparkError",
+]
+
+
+class ZioSparkError(Exception):
+    """Base class of every error zio-spark raises on purpose."""
+
+
+class ConfigError(ZioSparkError, ValueError):
+    """A bad option or setting.
+
+    Parameters
+    ----------
+    option
+        The option's name, as the user wrote it (e.g. ``"maxBacklog"``).
+    value
+        The offending value (``None`` when the option is missing).
+    expected
+        What would have been accepted, in words.
+    """
+
+    def __init__(self, option: str, value: object, expected: str) -> None:
+        self.option = option
+        self.value = value
+        self.expected = expected
+        super().__init__(f"option {option!r}: got {value!r}, expected {expected}")
+
+
+class ProtocolError(ZioSparkError):
+    """Base of protocol violations. ``field``/``value`` name what was wrong, if known."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        value: object = None,
+        peer: object = None,
+    ) -> None:
+        self.field = field
+        self.value = value
+        self.peer = peer
+        super().__init__(message)
+
+
+class LocalProtocolError(ProtocolError):
+    """This side misused the protocol API; the peer did nothing wrong."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the spec forbids, or bytes that do not decode."""
+
+
+class FlowControlError(RemoteProtocolError):
+    """A credit violation: DAT without credit, PAY beyond what is held, credit <= 0.
+
+    ``credit`` is the credit the offending side held at the time, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        credit: int | None = None,
+        field: str | None = None,
+        value: object = None,
+        peer: object = None,
+    ) -> None:
+        self.credit = credit
+        super().__init__(message, field=field, value=value, peer=peer)
+
+
+class TransportError(ZioSparkError):
+    """Socket trouble: unreachable endpoint, timeout, refused handshake.
+
+    ``endpoint`` names the address involved. Raise it ``from`` the underlying error.
+    """
+
+    def __init__(self, message: str, *, endpoint: str | None = None) -> None:
+        self.endpoint = endpoint
+        super().__init__(f"{message} (endpoint {endpoint})" if endpoint else message)
+
+
+class DataLossError(ZioSparkError):
+    """Records are known to be missing (raised only when ``failOnDataLoss`` is true)."""
+
+    def __init__(self, message: str, *, producer: str | None = None) -> None:
+        self.producer = producer
+        super().__init__(message)

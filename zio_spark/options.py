@@ -1,0 +1,341 @@
+"""User-facing options of the source, the sink and the queue, parsed once.
+
+Spark hands a data source its options as a case-insensitive mapping with lower-cased
+keys and string values. They are parsed here, on the driver, into frozen dataclasses; only
+those (and partitions) travel to executors. Every error is a
+:class:`~zio_spark.errors.ConfigError` naming the option as documented (camelCase), the
+value and what would be accepted, like Spark's Kafka connector. Unknown options are an
+error that lists the known ones: a typo must fail before the query starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from zio_spark.errors import ConfigError
+
+__all__ = [
+    "SinkOptions",
+    "SourceOptions",
+    "ZreOptions",
+    "parse_bool",
+    "parse_duration",
+    "parse_endpoints",
+    "parse_sink_options",
+    "parse_source_options",
+]
+
+T = TypeVar("T")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
+_Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """Parse ``true``/``false`` (any case)."""
+    v = value.strip().lower()
+    if v in ("true", "false"):
+        return v == "true"
+    raise ConfigError(name, value, "true or false")
+
+
+def parse_int(name: str, value: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """Parse a decimal integer within ``minimum..maximum``."""
+    try:
+        n = int(value.strip())
+    except ValueError:
+        n = None
+    if n is None or n < minimum or (maximum is not None and n > maximum):
+        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(name, value, f"an integer {bound}")
+    return n
+
+
+def parse_duration(name: str, value: str) -> float:
+    """Parse a duration: a number of seconds, or with a unit (``500ms``, ``30s``, ``2m``)."""
+    m = _DURATION.match(value)
+    if not m:
+        raise ConfigError(name, value, "a duration such as 500ms, 30s, 2m or 1h")
+    seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ConfigError(name, value, "a duration greater than zero")
+    return seconds
+
+
+def parse_endpoints(name: str, value: str) -> tuple[str, ...]:
+    """Parse a comma-separated list of ZeroMQ endpoints (tcp://, ipc://, inproc://)."""
+    parts = tuple(p.strip() for p in value.split(","))
+    if not parts or any(not p for p in parts):
+        raise ConfigError(name, value, "a comma-separated list of endpoints, e.g. tcp://host:5555")
+    for p in parts:
+        if not _ENDPOINT.match(p):
+            raise ConfigError(
+                name, p, "a ZeroMQ endpoint such as tcp://host:5555, ipc:///path or inproc://name"
+            )
+    if len(set(parts)) != len(parts):
+        raise ConfigError(name, value, "each endpoint listed once")
+    return parts
+
+
+def parse_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    v = value.strip().lower()
+    if v not in choices:
+        raise ConfigError(name, value, "one of " + ", ".join(choices))
+    return v
+
+
+def parse_curve_key(name: str, value: str) -> bytes:
+    """Parse a Z85-encoded CURVE key (40 characters)."""
+    v = value.strip()
+    if not _Z85_KEY.match(v):
+        raise ConfigError(
+            name,
+            "<redacted>" if "secret" in name.lower() else value,
+            "a 40-character Z85 CURVE key (see `zio-spark keys`)",
+        )
+    return v.encode("ascii")
+
+
+@dataclass(frozen=True, slots=True)
+class ZreOptions:
+    """ZRE discovery settings."""
+
+    group: str
+    beacon_port: int = 5670
+    broadcast: str = "255.255.255.255"
+    interface: str | None = None
+    interval: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """CURVE keys, Z85 text as bytes. ``server_key`` is the peer's public key."""
+
+    server_key: bytes
+    public_key: bytes
+    secret_key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    endpoints: tuple[str, ...] = ()
+    zre: ZreOptions | None = None
+    stream: str = "zio"
+    credit: int = 1000
+    max_backlog: int = 1_000_000
+    max_records_per_trigger: int | None = None
+    spool_path: str = ""
+    spool_path_given: bool = False
+    spool_access: str = "auto"
+    fail_on_data_loss: bool = True
+    connect_timeout: float = 30.0
+    socket: str = "auto"
+    curve: Curve | None = None
+    max_records: int | None = None  # batch reads only
+    timeout: float | None = None  # batch reads only
+
+
+@dataclass(frozen=True, slots=True)
+class SinkOptions:
+    endpoint: str | None = None
+    zre: ZreOptions | None = None
+    stream: str = "zio"
+    credit: int = 1000
+    format: str = "arrow"
+    connect_timeout: float = 30.0
+    socket: str = "auto"
+    curve: Curve | None = None
+
+
+# Each option: documented name -> (parser or None for free text, description).
+_Parser = Callable[[str, str], Any]
+
+_COMMON: dict[str, tuple[_Parser | None, str]] = {
+    "group": (None, "ZRE group to find peers in (instead of explicit endpoints)"),
+    "stream": (None, "stream name sent in BOT"),
+    "credit": (lambda n, v: parse_int(n, v, minimum=1, maximum=1_000_000), "flow credit window"),
+    "connectTimeout": (parse_duration, "how long to wait for a peer"),
+    "socket": (
+        lambda n, v: parse_choice(n, v, ("auto", "clientserver", "routerdealer")),
+        "socket pair: auto, clientserver (draft) or routerdealer",
+    ),
+    "zreBeaconPort": (
+        lambda n, v: parse_int(n, v, minimum=1, maximum=65535),
+        "UDP port of ZRE beacons",
+    ),
+    "zreBroadcast": (None, "address ZRE beacons are sent to"),
+    "zreInterface": (None, "network interface for ZRE"),
+    "zreInterval": (parse_duration, "interval between ZRE beacons"),
+    "curveServerKey": (parse_curve_key, "the peer's CURVE public key (Z85)"),
+    "curvePublicKey": (parse_curve_key, "our CURVE public key (Z85)"),
+    "curveSecretKey": (parse_curve_key, "our CURVE secret key (Z85)"),
+}
+
+SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
+    "endpoints": (parse_endpoints, "comma-separated producer endpoints"),
+    **_COMMON,
+    "maxBacklog": (
+        lambda n, v: parse_int(n, v, minimum=1),
+        "most records received but not committed",
+    ),
+    "maxRecordsPerTrigger": (
+        lambda n, v: parse_int(n, v, minimum=1),
+        "most records per micro-batch",
+    ),
+    "spoolPath": (None, "folder of the spool (shared path on clusters)"),
+    "spoolAccess": (
+        lambda n, v: parse_choice(n, v, ("auto", "local", "remote")),
+        "how executors read the spool",
+    ),
+    "failOnDataLoss": (parse_bool, "fail the query when records are known lost"),
+    "maxRecords": (lambda n, v: parse_int(n, v, minimum=1), "batch read: stop after this many"),
+    "timeout": (parse_duration, "batch read: stop after this long"),
+}
+
+SINK_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
+    "endpoint": (lambda n, v: _one_endpoint(n, v), "consumer endpoint"),
+    **_COMMON,
+    "format": (
+        lambda n, v: parse_choice(n, v, ("arrow", "record")),
+        "arrow (Arrow IPC per DAT) or record (one record per DAT)",
+    ),
+}
+
+
+def _one_endpoint(name: str, value: str) -> str:
+    if "," in value:
+        raise ConfigError(
+            name, value, "exactly one endpoint (use a ZRE group for several consumers)"
+        )
+    return parse_endpoints(name, value)[0]
+
+
+def _parse(
+    raw: Mapping[str, str], table: Mapping[str, tuple[_Parser | None, str]], what: str
+) -> dict[str, Any]:
+    by_lower = {k.lower(): k for k in table}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = by_lower.get(key.lower())
+        if name is None:
+            known = ", ".join(sorted(table))
+            raise ConfigError(key, value, f"a known {what} option: {known}")
+        if not isinstance(value, str):
+            value = str(value)
+        parser = table[name][0]
+        if parser is None:
+            if not value.strip():
+                raise ConfigError(name, value, "a non-empty value")
+            out[name] = value.strip()
+        else:
+            out[name] = parser(name, value)
+    return out
+
+
+def _zre(opts: dict[str, Any]) -> ZreOptions | None:
+    if "group" not in opts:
+        for k in ("zreBeaconPort", "zreBroadcast", "zreInterface", "zreInterval"):
+            if k in opts:
+                raise ConfigError(k, opts[k], "to be used together with the 'group' option")
+        return None
+    return ZreOptions(
+        group=opts["group"],
+        beacon_port=opts.get("zreBeaconPort", 5670),
+        broadcast=opts.get("zreBroadcast", os.environ.get("ZIO_ZRE_BROADCAST", "255.255.255.255")),
+        interface=opts.get("zreInterface"),
+        interval=opts.get("zreInterval", 1.0),
+    )
+
+
+def _curve(opts: dict[str, Any]) -> Curve | None:
+    names = ("curveServerKey", "curvePublicKey", "curveSecretKey")
+    given = [n for n in names if n in opts]
+    if not given:
+        return None
+    if len(given) != len(names):
+        missing = [n for n in names if n not in opts]
+        raise ConfigError(missing[0], None, "all three of " + ", ".join(names) + " together")
+    return Curve(opts["curveServerKey"], opts["curvePublicKey"], opts["curveSecretKey"])
+
+
+def default_spool_path(stream: str, endpoints: tuple[str, ...], group: str | None) -> str:
+    """A per-stream folder under the system temp directory (stable across restarts)."""
+    import hashlib
+
+    ident = "|".join([stream, group or "", *endpoints]).encode()
+    digest = hashlib.sha256(ident).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), "zio-spark-spool", f"{stream}-{digest}")
+
+
+def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
+    """Parse the options of ``spark.readStream.format("zio")``.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown option, a bad value, or neither/both of ``endpoints`` and ``group``.
+    """
+    opts = _parse(raw, SOURCE_OPTIONS, "source")
+    if ("endpoints" in opts) == ("group" in opts):
+        raise ConfigError(
+            "endpoints",
+            opts.get("endpoints"),
+            "exactly one of 'endpoints' (comma-separated producer endpoints) or 'group' "
+            "(a ZRE group)" + (", not both" if "group" in opts else ""),
+        )
+    zre = _zre(opts)
+    endpoints = opts.get("endpoints", ())
+    stream = opts.get("stream", "zio")
+    spool = opts.get("spoolPath")
+    return SourceOptions(
+        endpoints=endpoints,
+        zre=zre,
+        stream=stream,
+        credit=opts.get("credit", 1000),
+        max_backlog=opts.get("maxBacklog", 1_000_000),
+        max_records_per_trigger=opts.get("maxRecordsPerTrigger"),
+        spool_path=spool or default_spool_path(stream, endpoints, zre.group if zre else None),
+        spool_path_given=spool is not None,
+        spool_access=opts.get("spoolAccess", "auto"),
+        fail_on_data_loss=opts.get("failOnDataLoss", True),
+        connect_timeout=opts.get("connectTimeout", 30.0),
+        socket=opts.get("socket", "auto"),
+        curve=_curve(opts),
+        max_records=opts.get("maxRecords"),
+        timeout=opts.get("timeout"),
+    )
+
+
+def parse_sink_options(raw: Mapping[str, str]) -> SinkOptions:
+    """Parse the options of ``df.writeStream.format("zio")``.
+
+    Raises
+    ------
+    ConfigError
+        For an unknown option, a bad value, or neither/both of ``endpoint`` and ``group``.
+    """
+    opts = _parse(raw, SINK_OPTIONS, "sink")
+    if ("endpoint" in opts) == ("group" in opts):
+        raise ConfigError(
+            "endpoint",
+            opts.get("endpoint"),
+            "exactly one of 'endpoint' (a consumer endpoint) or 'group' (a ZRE group)"
+            + (", not both" if "group" in opts else ""),
+        )
+    return SinkOptions(
+        endpoint=opts.get("endpoint"),
+        zre=_zre(opts),
+        stream=opts.get("stream", "zio"),
+        credit=opts.get("credit", 1000),
+        format=opts.get("format", "arrow"),
+        connect_timeout=opts.get("connectTimeout", 30.0),
+        socket=opts.get("socket", "auto"),
+        curve=_curve(opts),
+    )

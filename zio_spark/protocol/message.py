@@ -1,0 +1,358 @@
+"""ZIO messages: the multipart codec and the czmq single-frame codec.
+
+Theory of operation (specs/zio-wire.md, "Message = parts"):
+
+A ZIO message is a list of parts. Part 0, the *prefix*, is ``b"ZIO"``, one ASCII level
+digit ``'0'``..``'8'``, the *form* (exactly four bytes, space padded, e.g. ``b"FLOW"``)
+and the *label* (UTF-8, possibly empty). Part 1, the *coord*, is exactly 24 bytes:
+``origin``, ``granule`` and ``seqno`` as little-endian uint64. Any further parts are the
+application's payload.
+
+CLIENT/SERVER sockets carry one frame only, so there the parts are concatenated, each
+preceded by its length: one byte when shorter than 255, else ``0xFF`` and a 4-byte
+big-endian length (czmq's ``zmsg_encode``).
+
+Messages of form ``FLOW`` carry a JSON object in the label (the *flow object*); it must
+be a JSON object and must have a ``flow`` attribute. Decoding checks that, so a message
+that gets past :func:`decode_frames` is safe to hand to the flow state machine.
+
+Everything here is pure: bytes in, :class:`Message` out, and back.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from types import MappingProxyType
+from typing import Any
+
+from zio_spark.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "FLOW_FORM",
+    "Level",
+    "Message",
+    "decode_frames",
+    "decode_single",
+    "encode_flow_label",
+    "encode_frames",
+    "encode_single",
+    "join_single",
+    "parse_flow_label",
+    "split_single",
+]
+
+MAGIC = b"ZIO"
+FLOW_FORM = "FLOW"
+COORD_SIZE = 24
+_COORD = struct.Struct("<QQQ")
+_U32BE = struct.Struct(">I")
+_LEVEL_DIGITS = frozenset(b"012345678")
+
+
+class Level(IntEnum):
+    """Message levels (zio-wire.md); FLOW messages use ``UNDEFINED``."""
+
+    UNDEFINED = 0
+    TRACE = 1
+    VERBOSE = 2
+    DEBUG = 3
+    INFO = 4
+    SUMMARY = 5
+    WARNING = 6
+    ERROR = 7
+    FATAL = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One ZIO message.
+
+    Attributes
+    ----------
+    form
+        Four ASCII characters (``"FLOW"`` for flow messages).
+    label
+        The label text; for FLOW messages, the flow object as JSON.
+    level
+        0..8, see :class:`Level`.
+    origin, granule, seqno
+        The coord, each an unsigned 64-bit integer.
+    payload
+        Application frames.
+    """
+
+    form: str
+    label: str = ""
+    level: int = 0
+    origin: int = 0
+    granule: int = 0
+    seqno: int = 0
+    payload: tuple[bytes, ...] = ()
+
+    @property
+    def flow_object(self) -> Mapping[str, Any]:
+        """The parsed flow object (read-only view).
+
+        Raises
+        ------
+        RemoteProtocolError
+            If the label is not a JSON object with a ``flow`` attribute.
+        """
+        return parse_flow_label(self.label)
+
+
+# Flow labels repeat endlessly (every DAT of a flow has the same one), so parsed labels
+# are cached. The cache is bounded: once full, new labels are parsed but not kept.
+_LABEL_CACHE: dict[str, Mapping[str, Any]] = {}
+_LABEL_CACHE_MAX = 4096
+
+
+def parse_flow_label(label: str) -> Mapping[str, Any]:
+    """Parse a flow object from a label; the result is a read-only mapping.
+
+    Raises
+    ------
+    RemoteProtocolError
+        ``field="label"`` if the label is not JSON or not a JSON object;
+        ``field="flow"`` if the object has no ``flow`` attribute or it is not a string.
+    """
+    cached = _LABEL_CACHE.get(label)
+    if cached is not None:
+        return cached
+    try:
+        obj = json.loads(label)
+    except (ValueError, RecursionError) as e:
+        raise RemoteProtocolError(
+            f"flow label is not JSON: {label[:80]!r} ({e})", field="label", value=label
+        ) from None
+    if not isinstance(obj, dict):
+        raise RemoteProtocolError(
+            f"flow label must be a JSON object, got {type(obj).__name__}: {label[:80]!r}",
+            field="label",
+            value=label,
+        )
+    flow = obj.get("flow")
+    if not isinstance(flow, str):
+        raise RemoteProtocolError(
+            f"flow object needs a string 'flow' attribute, got {flow!r} in {label[:80]!r}",
+            field="flow",
+            value=flow,
+        )
+    view: Mapping[str, Any] = MappingProxyType(obj)
+    if len(_LABEL_CACHE) < _LABEL_CACHE_MAX:
+        _LABEL_CACHE[label] = view
+    return view
+
+
+def encode_flow_label(obj: Mapping[str, Any]) -> str:
+    """Encode a flow object the way the Python reference does (``json.dumps`` spacing).
+
+    Raises
+    ------
+    LocalProtocolError
+        If the object has no string ``flow`` attribute or is not JSON-serialisable.
+    """
+    if not isinstance(obj.get("flow"), str):
+        raise LocalProtocolError(
+            f"flow object needs a string 'flow' attribute, got {obj.get('flow')!r}",
+            field="flow",
+            value=obj.get("flow"),
+        )
+    try:
+        return json.dumps(dict(obj))
+    except (TypeError, ValueError) as e:
+        raise LocalProtocolError(f"flow object is not JSON-serialisable: {e}") from None
+
+
+def _encode_prefix(msg: Message) -> bytes:
+    level = msg.level
+    if not (isinstance(level, int) and 0 <= level <= 8):
+        raise LocalProtocolError(
+            f"level must be an integer 0..8, got {level!r}", field="level", value=level
+        )
+    form = msg.form
+    try:
+        form_bytes = form.encode("ascii")
+    except (UnicodeEncodeError, AttributeError):
+        raise LocalProtocolError(
+            f"form must be ASCII text, got {form!r}", field="form", value=form
+        ) from None
+    if len(form_bytes) > 4 or not form_bytes:
+        raise LocalProtocolError(
+            f"form must be 1..4 ASCII characters, got {form!r}", field="form", value=form
+        )
+    try:
+        label = msg.label.encode("utf-8")
+    except (UnicodeEncodeError, AttributeError):
+        raise LocalProtocolError(
+            f"label must be text encodable as UTF-8, got {msg.label!r}",
+            field="label",
+            value=msg.label,
+        ) from None
+    return b"%s%c%s%s" % (MAGIC, 48 + level, form_bytes.ljust(4), label)
+
+
+def _encode_coord(msg: Message) -> bytes:
+    try:
+        return _COORD.pack(msg.origin, msg.granule, msg.seqno)
+    except struct.error:
+        raise LocalProtocolError(
+            "origin, granule and seqno must be integers 0..2**64-1, got "
+            f"{msg.origin!r}, {msg.granule!r}, {msg.seqno!r}",
+            field="coord",
+            value=(msg.origin, msg.granule, msg.seqno),
+        ) from None
+
+
+def encode_frames(msg: Message) -> list[bytes]:
+    """Encode a message into its multipart form ``[prefix, coord, *payload]``.
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field is out of range (level, form, coord values).
+    """
+    return [_encode_prefix(msg), _encode_coord(msg), *msg.payload]
+
+
+def decode_frames(frames: Sequence[bytes]) -> Message:
+    """Decode the multipart form ``[prefix, coord, *payload]``.
+
+    Raises
+    ------
+    RemoteProtocolError
+        With ``field`` set to ``frames``, ``magic``, ``level``, ``form``, ``coord``,
+        ``label`` or ``flow``, naming what was wrong.
+    """
+    if len(frames) < 2:
+        raise RemoteProtocolError(
+            f"a ZIO message needs at least 2 frames (prefix, coord), got {len(frames)}",
+            field="frames",
+            value=len(frames),
+        )
+    prefix = bytes(frames[0])
+    coord = frames[1]
+    if len(prefix) < 8:
+        raise RemoteProtocolError(
+            f"prefix must be at least 8 bytes (ZIO + level + 4-byte form), got {prefix!r}",
+            field="prefix",
+            value=prefix,
+        )
+    if prefix[:3] != MAGIC:
+        raise RemoteProtocolError(
+            f"bad magic: expected b'ZIO', got {prefix[:3]!r}", field="magic", value=prefix[:3]
+        )
+    level_byte = prefix[3]
+    if level_byte not in _LEVEL_DIGITS:
+        raise RemoteProtocolError(
+            f"bad level: expected an ASCII digit '0'..'8', got {prefix[3:4]!r}",
+            field="level",
+            value=prefix[3:4],
+        )
+    try:
+        form = prefix[4:8].decode("ascii").rstrip(" ")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError(
+            f"form must be 4 ASCII bytes, got {prefix[4:8]!r}", field="form", value=prefix[4:8]
+        ) from None
+    try:
+        label = prefix[8:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RemoteProtocolError(
+            f"label is not valid UTF-8 ({e.reason} at byte {e.start}): {prefix[8:88]!r}",
+            field="label",
+            value=prefix[8:],
+        ) from None
+    if len(coord) != COORD_SIZE:
+        raise RemoteProtocolError(
+            f"coord must be exactly 24 bytes, got {len(coord)}",
+            field="coord",
+            value=len(coord),
+        )
+    origin, granule, seqno = _COORD.unpack(coord)
+    if form == FLOW_FORM:
+        parse_flow_label(label)
+    return Message(
+        form=form,
+        label=label,
+        level=level_byte - 48,
+        origin=origin,
+        granule=granule,
+        seqno=seqno,
+        payload=tuple(bytes(f) for f in frames[2:]),
+    )
+
+
+def join_single(frames: Sequence[bytes]) -> bytes:
+    """Concatenate frames in czmq's ``zmsg_encode`` format (pure framing, no ZIO)."""
+    out = bytearray()
+    for f in frames:
+        n = len(f)
+        if n < 255:
+            out.append(n)
+        else:
+            out.append(255)
+            out += _U32BE.pack(n)
+        out += f
+    return bytes(out)
+
+
+def split_single(data: bytes) -> list[bytes]:
+    """Split czmq's ``zmsg_encode`` format back into frames.
+
+    Raises
+    ------
+    RemoteProtocolError
+        ``field="length"`` if a length prefix is truncated or runs past the end.
+    """
+    frames: list[bytes] = []
+    view = memoryview(data)
+    pos = 0
+    end = len(data)
+    while pos < end:
+        n = data[pos]
+        pos += 1
+        if n == 255:
+            if pos + 4 > end:
+                raise RemoteProtocolError(
+                    f"truncated 4-byte length prefix at offset {pos - 1} of {end} bytes",
+                    field="length",
+                    value=pos - 1,
+                )
+            (n,) = _U32BE.unpack_from(data, pos)
+            pos += 4
+        if pos + n > end:
+            raise RemoteProtocolError(
+                f"frame at offset {pos} claims {n} bytes but only {end - pos} remain",
+                field="length",
+                value=n,
+            )
+        frames.append(bytes(view[pos : pos + n]))
+        pos += n
+    return frames
+
+
+def encode_single(msg: Message) -> bytes:
+    """Encode a message into czmq's single-frame form (CLIENT/SERVER sockets).
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field is out of range.
+    """
+    return join_single(encode_frames(msg))
+
+
+def decode_single(data: bytes) -> Message:
+    """Decode czmq's single-frame form.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the framing is broken or the parts are not a valid ZIO message.
+    """
+    return decode_frames(split_single(data))
