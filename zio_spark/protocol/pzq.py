@@ -1,0 +1,1156 @@
+"""PZQ producer, consumer and monitor frames, plus the queue's in-flight table.
+
+Theory of operation (spec: ``specs/pzq-sockets-and-formats.txt``)
+-----------------------------------------------------------------
+A PZQ queue has three sockets. Producers (DEALER) push messages into the *receive*
+socket and get one ack per message; consumers (ROUTER) receive deliveries from the *send*
+socket and answer each with an ack or nack; a monitor (REQ) asks the *monitor* socket for
+``MONITOR`` and gets ``key: value`` lines back. Every PZQ frame puts protocol fields first,
+then an empty *delimiter* part, then user data, so headers may be added without breaking
+readers: parts between the fixed fields and the delimiter are kept as ``extra`` and
+otherwise ignored.
+
+This module is pure: frames in, dataclasses out, and back. It never touches a socket or a
+clock; time is passed in as ``now_us`` (integer microseconds).
+
+Routing envelopes are *not* part of the frames handled here. Each ROUTER socket prepends
+the sender's identity on receive and consumes a destination identity on send; the
+transport strips or adds that part (:func:`split_identity` helps). Concretely:
+
+===================  ============================================  ===========================
+frame                what the sender writes                        what the receiver reads
+===================  ============================================  ===========================
+producer message     DEALER: ``[id, *extra, b"", *body]``          queue ROUTER: ``[producer
+                                                                   identity] + those``
+producer ack         queue ROUTER: ``[producer identity, id,``     DEALER: ``[id, b"1"|b"0",
+                     ``b"1"|b"0", *extra, b"", reason]``           *extra, b"", reason]``
+delivery             queue ROUTER: ``[consumer identity, id,``     consumer ROUTER: ``[queue
+                     ``sent, timeout, *extra, b"", *body]``        identity, id, sent,
+                                                                   timeout, *extra, b"",
+                                                                   *body]``
+consumer ack         consumer ROUTER: ``[queue identity, id,``     queue ROUTER: ``[consumer
+                     ``b"1"|b"0"]``                                identity, id, b"1"|b"0"]``
+monitor request      REQ: ``[b"MONITOR"]``                         REP: ``[b"MONITOR"]``
+monitor reply        REP: ``[b"key: value\\n..."]``                REQ: the same one part
+===================  ============================================  ===========================
+
+Decoders take the right-hand column with any leading ROUTER identity removed (a DEALER
+or REP receives no identity; a ROUTER serving REQ monitors must also drop the REQ's empty
+envelope part). The "queue identity" a consumer sees (spec part 0) is what it must put
+first when it acks, and lets one consumer read from several queues.
+
+Decoders raise only :class:`~zio_spark.errors.RemoteProtocolError` on bad input, whatever
+the bytes; constructing a message with bad fields or passing a non-sequence raises
+:class:`~zio_spark.errors.LocalProtocolError`.
+
+The spec text is the contract. The 2011 C++ PZQ differs from it in places (its producer
+acks carry ``OK``/``NOT OK`` after a REQ-style empty part and no reason delimiter; its
+PHP consumer acks with ``[queue identity, b"", id]``), so it is not wire-compatible with
+this module, nor with the spec, on those frames.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from zio_spark.errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "ACK_FAILURE",
+    "ACK_SUCCESS",
+    "DELIMITER",
+    "MAX_TIMESTAMP_US",
+    "MONITOR_KEYS",
+    "MONITOR_REQUEST",
+    "ConsumerAck",
+    "Delivery",
+    "InFlight",
+    "InFlightEntry",
+    "ProducerAck",
+    "ProducerMessage",
+    "decode_consumer_ack",
+    "decode_delivery",
+    "decode_monitor_reply",
+    "decode_monitor_request",
+    "decode_producer_ack",
+    "decode_producer_message",
+    "encode_consumer_ack",
+    "encode_delivery",
+    "encode_monitor_reply",
+    "encode_monitor_request",
+    "encode_producer_ack",
+    "encode_producer_message",
+    "is_expired",
+    "split_identity",
+]
+
+ACK_SUCCESS = b"1"
+"""Status / ACK value meaning success (producer ack) or "done, delete it" (consumer ack)."""
+
+ACK_FAILURE = b"0"
+"""Status / ACK value meaning failure (producer ack) or "requeue now" (consumer ack)."""
+
+DELIMITER = b""
+"""The empty part between protocol fields and user data."""
+
+MONITOR_REQUEST = b"MONITOR"
+"""The one part a monitor sends to ask for statistics."""
+
+MONITOR_KEYS: tuple[str, ...] = (
+    "messages",
+    "messages_in_flight",
+    "db_size",
+    "in_flightdb_size",
+    "syncs",
+    "expired_messages",
+)
+"""The statistics a PZQ monitor reply carries, in the spec's order and spelling."""
+
+MAX_TIMESTAMP_US = 2**64 - 1
+"""Largest ``sent``/``ack timeout`` value accepted: PZQ writes them as unsigned 64-bit."""
+
+# 2**64 - 1 has 20 digits; bounding the length first keeps int() cheap on hostile input.
+_MAX_DIGITS = 20
+_SHOW_LIMIT = 48
+_BYTES_LIKE = (bytes, bytearray, memoryview, str)
+# Rebuild the deadline heap once this many stale entries outnumber the live ones.
+_COMPACT_MIN_STALE = 64
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _show(value: bytes) -> str:
+    if len(value) <= _SHOW_LIMIT:
+        return repr(value)
+    return f"{value[:_SHOW_LIMIT]!r}... ({len(value)} bytes)"
+
+
+def _remote(kind: str, field: str, got: str, expected: str, value: object) -> RemoteProtocolError:
+    return RemoteProtocolError(
+        f"PZQ {kind}: {field} {got}; expected {expected}", field=field, value=value
+    )
+
+
+def _local(kind: str, field: str, got: str, expected: str, value: object) -> LocalProtocolError:
+    return LocalProtocolError(
+        f"{kind}: {field} {got}; expected {expected}", field=field, value=value
+    )
+
+
+def _as_parts(frames: Sequence[bytes], kind: str) -> list[bytes]:
+    """Copy ``frames`` to a list of ``bytes`` (zmq ``Frame``/``bytearray`` are accepted)."""
+    if isinstance(frames, _BYTES_LIKE) or not isinstance(frames, Sequence):
+        raise _local(
+            f"decoding a PZQ {kind}",
+            "frames",
+            f"is a {type(frames).__name__}",
+            "a sequence of parts (list of bytes)",
+            frames,
+        )
+    parts: list[bytes] = []
+    for index, part in enumerate(frames):
+        if type(part) is bytes:
+            parts.append(part)
+            continue
+        try:
+            parts.append(bytes(memoryview(part)))
+        except TypeError:
+            raise _local(
+                f"decoding a PZQ {kind}",
+                "frames",
+                f"has a {type(part).__name__} at index {index}",
+                "bytes or a buffer",
+                part,
+            ) from None
+    return parts
+
+
+def _find_delimiter(parts: list[bytes], start: int) -> int:
+    """Index of the first empty part at or after ``start``, or -1."""
+    try:
+        return parts.index(DELIMITER, start)
+    except ValueError:
+        return -1
+
+
+def _decode_message_id(parts: list[bytes], kind: str) -> bytes:
+    if not parts:
+        raise _remote(kind, "message_id", "is missing (no parts)", "a non-empty id part", None)
+    message_id = parts[0]
+    if not message_id:
+        raise _remote(kind, "message_id", "is empty", "a non-empty id part", message_id)
+    return message_id
+
+
+def _decode_delimiter(parts: list[bytes], start: int, kind: str) -> int:
+    delimiter = _find_delimiter(parts, start)
+    if delimiter < 0:
+        raise _remote(
+            kind,
+            "delimiter",
+            f"is missing (no empty part after part {start - 1} in {len(parts)} parts)",
+            "an empty part between the protocol fields and the data",
+            len(parts),
+        )
+    return delimiter
+
+
+def _decode_timestamp(parts: list[bytes], index: int, field: str, kind: str) -> int:
+    if len(parts) <= index:
+        raise _remote(
+            kind,
+            field,
+            f"is missing (only {len(parts)} parts)",
+            f"an ASCII decimal at part {index}",
+            None,
+        )
+    raw = parts[index]
+    # bytes.isdigit() is ASCII-only, so signs, spaces, "_" and non-ASCII digits all fail,
+    # where int() alone would accept " +1_0 ".
+    if not (0 < len(raw) <= _MAX_DIGITS and raw.isdigit()):
+        raise _remote(
+            kind,
+            field,
+            f"is {_show(raw)}",
+            f"a non-negative ASCII decimal integer of 1 to {_MAX_DIGITS} digits (microseconds)",
+            raw,
+        )
+    value = int(raw)
+    if value > MAX_TIMESTAMP_US:
+        raise _remote(kind, field, f"is {value}", f"at most {MAX_TIMESTAMP_US} (2**64 - 1)", raw)
+    return value
+
+
+def _check_message_id(kind: str, message_id: object) -> None:
+    if not isinstance(message_id, bytes):
+        raise _local(kind, "message_id", f"is a {type(message_id).__name__}", "bytes", message_id)
+    if not message_id:
+        raise _local(kind, "message_id", "is empty", "a non-empty id", message_id)
+
+
+def _check_parts(kind: str, field: str, value: object, *, data: bool) -> tuple[bytes, ...]:
+    """Validate a body (``data=True``: >= 1 part, empty parts fine) or extra parts.
+
+    Extra parts must be non-empty: an empty one would be read back as the delimiter.
+    """
+    if isinstance(value, _BYTES_LIKE) or not isinstance(value, Iterable):
+        raise _local(kind, field, f"is a {type(value).__name__}", "a tuple of bytes parts", value)
+    parts = tuple(value)
+    for index, part in enumerate(parts):
+        if not isinstance(part, bytes):
+            raise _local(
+                kind, field, f"has a {type(part).__name__} at index {index}", "bytes parts", value
+            )
+        if not data and not part:
+            raise _local(
+                kind,
+                field,
+                f"has an empty part at index {index}",
+                "non-empty parts (an empty part is the delimiter)",
+                value,
+            )
+    if data and not parts:
+        raise _local(kind, field, "has no parts", "at least one body part", value)
+    return parts
+
+
+def _check_bool(kind: str, field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _local(kind, field, f"is a {type(value).__name__}", "a bool", value)
+
+
+def _check_time(kind: str, field: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _local(kind, field, f"is a {type(value).__name__}", "an int (microseconds)", value)
+    if not 0 <= value <= MAX_TIMESTAMP_US:
+        raise _local(kind, field, f"is {value}", f"0 <= value <= {MAX_TIMESTAMP_US}", value)
+
+
+def _check_instance(kind: str, value: object, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise _local(kind, "message", f"is a {type(value).__name__}", cls.__name__, value)
+
+
+# --------------------------------------------------------------------------- producer
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerMessage:
+    """A message a producer adds to the queue (producer DEALER -> queue *receive* socket).
+
+    Wire form: ``[message_id, *extra, b"", *body]``.
+
+    Parameters
+    ----------
+    message_id
+        The producer's id for the message; the queue's ack carries it back. Non-empty.
+    body
+        The user data, at least one part; parts may be empty and pass through unmodified.
+    extra
+        Protocol parts between the id and the delimiter. Readers ignore them; they are kept
+        so a decode/encode round trip is exact. Each must be non-empty.
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field has the wrong type, the id is empty, the body has no parts, or an extra
+        part is empty.
+    """
+
+    message_id: bytes
+    body: tuple[bytes, ...]
+    extra: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = "ProducerMessage"
+        _check_message_id(kind, self.message_id)
+        object.__setattr__(self, "body", _check_parts(kind, "body", self.body, data=True))
+        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+
+
+def encode_producer_message(message: ProducerMessage) -> list[bytes]:
+    """Frames for a producer to send: ``[message_id, *extra, b"", *body]``.
+
+    Parameters
+    ----------
+    message
+        The message to send.
+
+    Returns
+    -------
+    list[bytes]
+        The multipart message for a DEALER socket (no identity part).
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``message`` is not a :class:`ProducerMessage`.
+    """
+    _check_instance("encode_producer_message", message, ProducerMessage)
+    return [message.message_id, *message.extra, DELIMITER, *message.body]
+
+
+def decode_producer_message(frames: Sequence[bytes]) -> ProducerMessage:
+    """Parse a producer's message, as the queue reads it after the producer's identity.
+
+    The first empty part after the id is the delimiter; any parts between the id and it
+    are kept in ``extra`` and otherwise ignored; everything after it is the body.
+
+    Parameters
+    ----------
+    frames
+        The parts after the ROUTER identity: ``[message_id, *extra, b"", *body]``.
+
+    Returns
+    -------
+    ProducerMessage
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the id is missing or empty (field ``message_id``), there is no empty part after
+        it (``delimiter``), or nothing follows the delimiter (``body``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    kind = "producer message"
+    parts = _as_parts(frames, kind)
+    message_id = _decode_message_id(parts, kind)
+    delimiter = _decode_delimiter(parts, 1, kind)
+    if delimiter == len(parts) - 1:
+        raise _remote(
+            kind, "body", "is missing (delimiter is the last part)", "at least one part", None
+        )
+    return ProducerMessage(message_id, tuple(parts[delimiter + 1 :]), tuple(parts[1:delimiter]))
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerAck:
+    """The queue's answer to one producer message (queue *receive* socket -> producer).
+
+    Wire form: ``[message_id, b"1" | b"0", *extra, b"", reason]``.
+
+    Parameters
+    ----------
+    message_id
+        The id of the acknowledged :class:`ProducerMessage`.
+    ok
+        True when the queue has stored the message durably.
+    reason
+        Human-readable detail, typically why ``ok`` is False; may be empty. Sent as one
+        UTF-8 part.
+    extra
+        Protocol parts between the status and the delimiter (ignored by readers).
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field has the wrong type, the id is empty, an extra part is empty, or
+        ``reason`` cannot be encoded as UTF-8.
+    """
+
+    message_id: bytes
+    ok: bool
+    reason: str = ""
+    extra: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = "ProducerAck"
+        _check_message_id(kind, self.message_id)
+        _check_bool(kind, "ok", self.ok)
+        if not isinstance(self.reason, str):
+            raise _local(kind, "reason", f"is a {type(self.reason).__name__}", "a str", self.reason)
+        try:
+            self.reason.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _local(
+                kind, "reason", f"is {self.reason!r}", "text encodable as UTF-8", self.reason
+            ) from None
+        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+
+
+def encode_producer_ack(ack: ProducerAck) -> list[bytes]:
+    """Frames for the queue to send back: ``[message_id, b"1"|b"0", *extra, b"", reason]``.
+
+    Parameters
+    ----------
+    ack
+        The acknowledgement.
+
+    Returns
+    -------
+    list[bytes]
+        The multipart message, without the producer identity the ROUTER needs first.
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``ack`` is not a :class:`ProducerAck`.
+    """
+    _check_instance("encode_producer_ack", ack, ProducerAck)
+    status = ACK_SUCCESS if ack.ok else ACK_FAILURE
+    return [ack.message_id, status, *ack.extra, DELIMITER, ack.reason.encode("utf-8")]
+
+
+def decode_producer_ack(frames: Sequence[bytes]) -> ProducerAck:
+    """Parse the queue's ack, as a producer's DEALER receives it.
+
+    Only a status of exactly ``b"1"`` is success. The spec's prose also mentions ``OK`` /
+    ``NO``; following its rule that anything but the success value is a failure, every
+    other non-empty status (``b"0"``, ``b"OK"``, ``b"NO"``, ...) decodes as ``ok=False``,
+    so a producer never mistakes an unknown status for a stored message. The parts after
+    the delimiter are the reason: decoded as UTF-8 (bad bytes replaced, since it is only
+    for humans) and joined with ``"\\n"``; there may be none.
+
+    Parameters
+    ----------
+    frames
+        ``[message_id, status, *extra, b"", *reason]``.
+
+    Returns
+    -------
+    ProducerAck
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the id is missing or empty (``message_id``), the status is missing or empty
+        (``status``), or there is no empty part after the status (``delimiter``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    kind = "producer ack"
+    parts = _as_parts(frames, kind)
+    message_id = _decode_message_id(parts, kind)
+    if len(parts) < 2 or not parts[1]:
+        got = "is missing (only 1 part)" if len(parts) < 2 else "is empty"
+        raise _remote(kind, "status", got, 'b"1" (success) or b"0" (failure) at part 1', None)
+    delimiter = _decode_delimiter(parts, 2, kind)
+    reason = b"\n".join(parts[delimiter + 1 :]).decode("utf-8", "replace")
+    return ProducerAck(message_id, parts[1] == ACK_SUCCESS, reason, tuple(parts[2:delimiter]))
+
+
+# --------------------------------------------------------------------------- consumer
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A message the queue hands to a consumer (queue *send* socket -> consumer ROUTER).
+
+    Wire form after the routing identity:
+    ``[message_id, sent_us, ack_timeout_us, *extra, b"", *body]``, the two times as ASCII
+    decimal microseconds. The consumer's ROUTER receives ``[queue identity] + those``.
+
+    Parameters
+    ----------
+    message_id
+        The queue's id for the message (not necessarily the producer's); ack with it.
+    sent_us
+        When the queue sent it, in microseconds since the epoch.
+    ack_timeout_us
+        How long the queue waits for an ack before it resends, in microseconds.
+    body
+        The user data, at least one part.
+    extra
+        Header parts between the times and the delimiter (ignored by readers).
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field has the wrong type, the id is empty, a time is outside
+        ``0..MAX_TIMESTAMP_US``, the body has no parts, or an extra part is empty.
+    """
+
+    message_id: bytes
+    sent_us: int
+    ack_timeout_us: int
+    body: tuple[bytes, ...]
+    extra: tuple[bytes, ...] = ()
+
+    def __post_init__(self) -> None:
+        kind = "Delivery"
+        _check_message_id(kind, self.message_id)
+        _check_time(kind, "sent_us", self.sent_us)
+        _check_time(kind, "ack_timeout_us", self.ack_timeout_us)
+        object.__setattr__(self, "body", _check_parts(kind, "body", self.body, data=True))
+        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+
+    @property
+    def deadline_us(self) -> int:
+        """``sent_us + ack_timeout_us``: after this the queue will resend the message."""
+        return self.sent_us + self.ack_timeout_us
+
+
+def encode_delivery(delivery: Delivery) -> list[bytes]:
+    """Frames for the queue to send: ``[message_id, sent, timeout, *extra, b"", *body]``.
+
+    Parameters
+    ----------
+    delivery
+        The delivery.
+
+    Returns
+    -------
+    list[bytes]
+        The multipart message, without the consumer identity the ROUTER needs first.
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``delivery`` is not a :class:`Delivery`.
+    """
+    _check_instance("encode_delivery", delivery, Delivery)
+    return [
+        delivery.message_id,
+        str(delivery.sent_us).encode("ascii"),
+        str(delivery.ack_timeout_us).encode("ascii"),
+        *delivery.extra,
+        DELIMITER,
+        *delivery.body,
+    ]
+
+
+def decode_delivery(frames: Sequence[bytes]) -> Delivery:
+    """Parse a delivery, given the parts *after* the queue identity a consumer ROUTER adds.
+
+    A consumer's ROUTER receives ``[queue identity, message_id, sent, timeout, *extra,
+    b"", *body]``; strip part 0 first (see :func:`split_identity`) and keep it to address
+    the ack.
+
+    Parameters
+    ----------
+    frames
+        ``[message_id, sent_us, ack_timeout_us, *extra, b"", *body]``.
+
+    Returns
+    -------
+    Delivery
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the id is missing or empty (``message_id``); a time is missing, not plain ASCII
+        digits (so also if negative) or above ``MAX_TIMESTAMP_US`` (``sent_us``,
+        ``ack_timeout_us``); there is no empty part after the times (``delimiter``); or
+        nothing follows it (``body``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    kind = "delivery"
+    parts = _as_parts(frames, kind)
+    message_id = _decode_message_id(parts, kind)
+    sent_us = _decode_timestamp(parts, 1, "sent_us", kind)
+    ack_timeout_us = _decode_timestamp(parts, 2, "ack_timeout_us", kind)
+    delimiter = _decode_delimiter(parts, 3, kind)
+    if delimiter == len(parts) - 1:
+        raise _remote(
+            kind, "body", "is missing (delimiter is the last part)", "at least one part", None
+        )
+    return Delivery(
+        message_id,
+        sent_us,
+        ack_timeout_us,
+        tuple(parts[delimiter + 1 :]),
+        tuple(parts[3:delimiter]),
+    )
+
+
+def is_expired(delivery: Delivery, now_us: int) -> bool:
+    """Whether the queue will already have resent ``delivery`` at ``now_us``.
+
+    True when ``sent_us + ack_timeout_us < now_us`` (the spec's "greater than"); a
+    consumer may then discard the message to avoid a duplicate.
+
+    Parameters
+    ----------
+    delivery
+        The delivery.
+    now_us
+        The current time in microseconds since the epoch.
+
+    Returns
+    -------
+    bool
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``delivery`` is not a :class:`Delivery` or ``now_us`` is not an int.
+    """
+    _check_instance("is_expired", delivery, Delivery)
+    if not isinstance(now_us, int) or isinstance(now_us, bool):
+        raise _local("is_expired", "now_us", f"is a {type(now_us).__name__}", "an int", now_us)
+    return delivery.deadline_us < now_us
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerAck:
+    """A consumer's answer to a delivery (consumer ROUTER -> queue *send* socket).
+
+    Wire form after the routing identity: ``[message_id, b"1" | b"0"]``.
+
+    Parameters
+    ----------
+    message_id
+        The :attr:`Delivery.message_id` being answered.
+    ok
+        True (``1``): processed, the queue deletes it. False (``0``): requeue it now.
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field has the wrong type or the id is empty.
+    """
+
+    message_id: bytes
+    ok: bool
+
+    def __post_init__(self) -> None:
+        _check_message_id("ConsumerAck", self.message_id)
+        _check_bool("ConsumerAck", "ok", self.ok)
+
+
+def encode_consumer_ack(ack: ConsumerAck) -> list[bytes]:
+    """Frames for a consumer to send: ``[message_id, b"1"|b"0"]``.
+
+    Prepend the queue identity received with the delivery before sending on the ROUTER.
+
+    Parameters
+    ----------
+    ack
+        The acknowledgement.
+
+    Returns
+    -------
+    list[bytes]
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``ack`` is not a :class:`ConsumerAck`.
+    """
+    _check_instance("encode_consumer_ack", ack, ConsumerAck)
+    return [ack.message_id, ACK_SUCCESS if ack.ok else ACK_FAILURE]
+
+
+def decode_consumer_ack(frames: Sequence[bytes]) -> ConsumerAck:
+    """Parse a consumer's ack, as the queue reads it after the consumer's identity.
+
+    Parts after the ACK value are ignored: the spec defines none, and its general rule is
+    that added headers must not break readers.
+
+    Parameters
+    ----------
+    frames
+        ``[message_id, ack_value, *ignored]``.
+
+    Returns
+    -------
+    ConsumerAck
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the id is missing or empty (``message_id``), or the ACK value is missing or
+        anything but exactly ``b"0"`` or ``b"1"`` (``ack``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    kind = "consumer ack"
+    parts = _as_parts(frames, kind)
+    message_id = _decode_message_id(parts, kind)
+    if len(parts) < 2:
+        raise _remote(kind, "ack", "is missing (only 1 part)", 'b"0" or b"1" at part 1', None)
+    value = parts[1]
+    if value == ACK_SUCCESS:
+        return ConsumerAck(message_id, True)
+    if value == ACK_FAILURE:
+        return ConsumerAck(message_id, False)
+    raise _remote(kind, "ack", f"is {_show(value)}", 'b"0" (nack) or b"1" (ack)', value)
+
+
+def split_identity(frames: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
+    """Split what a ROUTER socket received into the sender's identity and the frames.
+
+    Parameters
+    ----------
+    frames
+        ``[identity, *rest]`` as received on a ROUTER socket.
+
+    Returns
+    -------
+    tuple[bytes, list[bytes]]
+        The identity (use it to reply) and the remaining parts, ready for a decoder.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If there are no parts or the identity is empty (``identity``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    parts = _as_parts(frames, "routed message")
+    if not parts or not parts[0]:
+        got = "is missing (no parts)" if not parts else "is empty"
+        raise _remote("routed message", "identity", got, "a non-empty routing identity", None)
+    return parts[0], parts[1:]
+
+
+# --------------------------------------------------------------------------- monitor
+
+
+def encode_monitor_request() -> list[bytes]:
+    """The monitor request, ``[b"MONITOR"]`` (a REQ socket adds its own envelope).
+
+    Returns
+    -------
+    list[bytes]
+    """
+    return [MONITOR_REQUEST]
+
+
+def decode_monitor_request(frames: Sequence[bytes]) -> None:
+    """Check a monitor request, as a REP socket delivers it (REQ envelope removed).
+
+    Parameters
+    ----------
+    frames
+        Must be exactly ``[b"MONITOR"]`` (case-sensitive, no padding).
+
+    Raises
+    ------
+    RemoteProtocolError
+        If it is anything else (field ``request``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    parts = _as_parts(frames, "monitor request")
+    if len(parts) != 1:
+        raise _remote(
+            "monitor request", "request", f"has {len(parts)} parts", 'one part, b"MONITOR"', None
+        )
+    if parts[0] != MONITOR_REQUEST:
+        raise _remote("monitor request", "request", f"is {_show(parts[0])}", 'b"MONITOR"', parts[0])
+
+
+def encode_monitor_reply(stats: Mapping[str, int | str]) -> list[bytes]:
+    """The monitor reply: one UTF-8 part of ``key: value`` lines, each ending in ``\\n``.
+
+    Keys are written in the mapping's order; :data:`MONITOR_KEYS` are the ones the spec
+    shows. Lines end with a newline, as the reference queue writes them.
+
+    Parameters
+    ----------
+    stats
+        Statistic name -> value. Keys must be non-empty, without ``:`` or newlines and
+        without surrounding whitespace; str values without newlines or surrounding
+        whitespace (readers strip it); ints are written in decimal.
+
+    Returns
+    -------
+    list[bytes]
+        A one-part message.
+
+    Raises
+    ------
+    LocalProtocolError
+        If a key or value would not survive being written and read back.
+    """
+    kind = "encode_monitor_reply"
+    if not isinstance(stats, Mapping):
+        raise _local(kind, "stats", f"is a {type(stats).__name__}", "a mapping", stats)
+    lines: list[str] = []
+    for key, value in stats.items():
+        if not isinstance(key, str):
+            raise _local(kind, "key", f"is a {type(key).__name__}", "a str", key)
+        if not key or ":" in key or "\n" in key or key != key.strip():
+            raise _local(
+                kind,
+                "key",
+                f"is {key!r}",
+                "non-empty text without ':', newlines or surrounding whitespace",
+                key,
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise _local(
+                kind, "value", f"of {key!r} is a {type(value).__name__}", "int or str", value
+            )
+        try:
+            text = str(value)
+        except ValueError:  # an int beyond sys.get_int_max_str_digits()
+            raise _local(
+                kind, "value", f"of {key!r} is too large", "a printable int", key
+            ) from None
+        if "\n" in text or text != text.strip():
+            raise _local(
+                kind,
+                "value",
+                f"of {key!r} is {text!r}",
+                "text without newlines or surrounding whitespace",
+                value,
+            )
+        lines.append(f"{key}: {text}\n")
+    blob = "".join(lines)
+    try:
+        return [blob.encode("utf-8")]
+    except UnicodeEncodeError:
+        raise _local(kind, "stats", f"is {blob!r}", "text encodable as UTF-8", stats) from None
+
+
+def decode_monitor_reply(frames: Sequence[bytes]) -> dict[str, str]:
+    """Parse a monitor reply into ``{key: value}``.
+
+    The single part is split on ``\\n``; blank lines are skipped; each other line is split
+    at its first ``:`` and both sides are stripped (so ``\\r\\n`` endings are fine).
+
+    Parameters
+    ----------
+    frames
+        One part of UTF-8 ``key: value`` lines.
+
+    Returns
+    -------
+    dict[str, str]
+        Values stay text; the standard ones (:data:`MONITOR_KEYS`) are decimal integers.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If there is not exactly one part or it is not UTF-8 (``reply``), a line has no
+        ``:`` (``line``), or a key is empty or repeated (``key``).
+    LocalProtocolError
+        If ``frames`` is not a sequence of bytes-like parts.
+    """
+    kind = "monitor reply"
+    parts = _as_parts(frames, kind)
+    if len(parts) != 1:
+        raise _remote(kind, "reply", f"has {len(parts)} parts", "exactly one part", None)
+    try:
+        text = parts[0].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _remote(
+            kind, "reply", f"is not UTF-8 ({e.reason} at byte {e.start})", "UTF-8 text", parts[0]
+        ) from None
+    stats: dict[str, str] = {}
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        key, colon, value = line.partition(":")
+        if not colon:
+            raise _remote(kind, "line", f"{number} is {line!r}", "'key: value'", line)
+        key = key.strip()
+        if not key:
+            raise _remote(kind, "key", f"on line {number} is empty", "a non-empty key", line)
+        if key in stats:
+            raise _remote(
+                kind, "key", f"{key!r} repeats on line {number}", "each key at most once", key
+            )
+        stats[key] = value.strip()
+    return stats
+
+
+# --------------------------------------------------------------------------- in flight
+
+
+@dataclass(frozen=True, slots=True)
+class InFlightEntry:
+    """One delivery awaiting its consumer's ack.
+
+    Parameters
+    ----------
+    message_id
+        The delivered message's id.
+    consumer
+        The consumer's routing identity.
+    sent_us
+        When it was sent, in microseconds.
+    timeout_us
+        The ack timeout it was sent with, in microseconds.
+    """
+
+    message_id: bytes
+    consumer: bytes
+    sent_us: int
+    timeout_us: int
+
+    @property
+    def deadline_us(self) -> int:
+        """``sent_us + timeout_us``; the entry expires once ``now_us`` passes it."""
+        return self.sent_us + self.timeout_us
+
+
+class InFlight:
+    """The queue's table of deliveries awaiting an ack, for redelivery and in-flight limits.
+
+    No clock: callers pass ``now_us``. A message expires when
+    ``sent_us + timeout_us < now_us``, the same rule as :func:`is_expired`, so the queue
+    resends exactly when a consumer would discard. Deadlines sit in a heap; acks delete
+    from the table only and leave their heap entry to be skipped later (lazy deletion),
+    with a rebuild once stale entries outnumber live ones, so every operation is
+    O(log n) amortised.
+
+    Parameters
+    ----------
+    per_consumer_limit
+        Most messages one consumer may hold unacked (``None``: no limit).
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``per_consumer_limit`` is not None or a positive int.
+    """
+
+    __slots__ = ("_by_consumer", "_entries", "_heap", "_limit", "_seq", "_stale")
+
+    def __init__(self, per_consumer_limit: int | None = None) -> None:
+        if per_consumer_limit is not None and (
+            not isinstance(per_consumer_limit, int)
+            or isinstance(per_consumer_limit, bool)
+            or per_consumer_limit < 1
+        ):
+            raise _local(
+                "InFlight",
+                "per_consumer_limit",
+                f"is {per_consumer_limit!r}",
+                "None or an int >= 1",
+                per_consumer_limit,
+            )
+        self._limit = per_consumer_limit
+        # message id -> (entry, heap sequence number of its live heap item)
+        self._entries: dict[bytes, tuple[InFlightEntry, int]] = {}
+        self._heap: list[tuple[int, int, bytes]] = []
+        self._by_consumer: dict[bytes, int] = {}
+        self._seq = 0
+        self._stale = 0
+
+    @property
+    def per_consumer_limit(self) -> int | None:
+        """The limit given at construction."""
+        return self._limit
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, message_id: object) -> bool:
+        return message_id in self._entries
+
+    def get(self, message_id: bytes) -> InFlightEntry | None:
+        """The entry for ``message_id``, or None if it is not in flight."""
+        slot = self._entries.get(message_id)
+        return None if slot is None else slot[0]
+
+    def count(self, consumer: bytes) -> int:
+        """How many messages ``consumer`` holds unacked."""
+        return self._by_consumer.get(consumer, 0)
+
+    def can_send(self, consumer: bytes) -> bool:
+        """Whether ``consumer`` is below the per-consumer limit."""
+        return self._limit is None or self.count(consumer) < self._limit
+
+    def add(
+        self, message_id: bytes, consumer: bytes, sent_us: int, timeout_us: int
+    ) -> InFlightEntry:
+        """Record that ``message_id`` was sent to ``consumer`` at ``sent_us``.
+
+        Parameters
+        ----------
+        message_id
+            The delivered message's id; must not already be in flight.
+        consumer
+            The consumer's routing identity.
+        sent_us, timeout_us
+            Send time and ack timeout, microseconds, each in ``0..MAX_TIMESTAMP_US``.
+
+        Returns
+        -------
+        InFlightEntry
+
+        Raises
+        ------
+        LocalProtocolError
+            If an argument has the wrong type or range, the id is already in flight, or
+            ``consumer`` is at its limit (check :meth:`can_send` first).
+        """
+        kind = "InFlight.add"
+        _check_message_id(kind, message_id)
+        if not isinstance(consumer, bytes):
+            raise _local(kind, "consumer", f"is a {type(consumer).__name__}", "bytes", consumer)
+        _check_time(kind, "sent_us", sent_us)
+        _check_time(kind, "timeout_us", timeout_us)
+        if message_id in self._entries:
+            raise _local(
+                kind,
+                "message_id",
+                f"{_show(message_id)} is already in flight",
+                "ack, nack or expire it before sending it again",
+                message_id,
+            )
+        if not self.can_send(consumer):
+            raise _local(
+                kind,
+                "consumer",
+                f"{_show(consumer)} holds {self.count(consumer)} unacked messages",
+                f"fewer than the limit of {self._limit}",
+                consumer,
+            )
+        entry = InFlightEntry(message_id, consumer, sent_us, timeout_us)
+        self._seq += 1
+        self._entries[message_id] = (entry, self._seq)
+        heapq.heappush(self._heap, (entry.deadline_us, self._seq, message_id))
+        self._by_consumer[consumer] = self._by_consumer.get(consumer, 0) + 1
+        return entry
+
+    def ack(self, message_id: bytes) -> bool:
+        """Forget ``message_id`` after a positive ack.
+
+        Returns
+        -------
+        bool
+            True if it was in flight; False for an unknown, late or repeated ack.
+        """
+        return self._discard(message_id) is not None
+
+    def nack(self, message_id: bytes) -> bool:
+        """Forget ``message_id`` after a negative ack; the caller requeues it now.
+
+        Returns
+        -------
+        bool
+            True if it was in flight.
+        """
+        return self._discard(message_id) is not None
+
+    def drop_consumer(self, consumer: bytes) -> list[bytes]:
+        """Forget everything ``consumer`` holds (it went away); the caller requeues them.
+
+        Returns
+        -------
+        list[bytes]
+            The message ids, earliest deadline first.
+        """
+        if consumer not in self._by_consumer:
+            return []
+        held = sorted(
+            (slot for slot in self._entries.values() if slot[0].consumer == consumer),
+            key=lambda slot: (slot[0].deadline_us, slot[1]),
+        )
+        for entry, _ in held:
+            self._discard(entry.message_id)
+        return [entry.message_id for entry, _ in held]
+
+    def expired(self, now_us: int) -> list[bytes]:
+        """Remove and return the messages whose deadline is before ``now_us``.
+
+        They are no longer in flight: the caller requeues them for redelivery.
+
+        Parameters
+        ----------
+        now_us
+            The current time in microseconds.
+
+        Returns
+        -------
+        list[bytes]
+            Message ids, earliest deadline first (ties in the order they were added).
+
+        Raises
+        ------
+        LocalProtocolError
+            If ``now_us`` is not an int.
+        """
+        if not isinstance(now_us, int) or isinstance(now_us, bool):
+            raise _local(
+                "InFlight.expired", "now_us", f"is a {type(now_us).__name__}", "an int", now_us
+            )
+        heap = self._heap
+        out: list[bytes] = []
+        while heap and heap[0][0] < now_us:
+            _, seq, message_id = heapq.heappop(heap)
+            slot = self._entries.get(message_id)
+            if slot is None or slot[1] != seq:
+                self._stale -= 1
+                continue
+            self._forget(slot[0])
+            out.append(message_id)
+        return out
+
+    def next_deadline(self) -> int | None:
+        """The earliest deadline in flight (microseconds), or None when empty.
+
+        :meth:`expired` returns it once ``now_us`` exceeds this value, so a poll loop can
+        sleep until then.
+        """
+        heap = self._heap
+        while heap:
+            _, seq, message_id = heap[0]
+            slot = self._entries.get(message_id)
+            if slot is not None and slot[1] == seq:
+                return heap[0][0]
+            heapq.heappop(heap)
+            self._stale -= 1
+        return None
+
+    def _discard(self, message_id: bytes) -> InFlightEntry | None:
+        slot = self._entries.get(message_id)
+        if slot is None:
+            return None
+        self._forget(slot[0])
+        self._stale += 1
+        if self._stale > _COMPACT_MIN_STALE and self._stale > len(self._entries):
+            self._heap = [
+                (entry.deadline_us, seq, mid) for mid, (entry, seq) in self._entries.items()
+            ]
+            heapq.heapify(self._heap)
+            self._stale = 0
+        return slot[0]
+
+    def _forget(self, entry: InFlightEntry) -> None:
+        del self._entries[entry.message_id]
+        remaining = self._by_consumer[entry.consumer] - 1
+        if remaining:
+            self._by_consumer[entry.consumer] = remaining
+        else:
+            del self._by_consumer[entry.consumer]
