@@ -1,0 +1,307 @@
+"""Blocking, thread-friendly flow endpoints in the spirit of ZIO's ``zio::flow::Flow``.
+
+A :class:`FlowEndpoint` drives one :class:`~zio_spark.protocol.flow.Flow` state machine
+over a *channel*: anything with ``send(msg)`` and ``recv(timeout_ms) -> Message | None``
+(a :class:`~zio_spark.transport.port.ClientPort`, or one client's view of a server port).
+Every call that waits takes a timeout; a wait that runs out raises
+:class:`~zio_spark.errors.TransportError` naming the endpoint (or returns ``None`` where
+documented), so a lost peer never hangs a Spark task.
+
+An endpoint is used from one thread at a time (pyzmq sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from zio_spark.errors import LocalProtocolError, TransportError
+from zio_spark.protocol.flow import (
+    BotReceived,
+    Credit,
+    Data,
+    Direction,
+    EotReceived,
+    Event,
+    Flow,
+    FlowState,
+    Rejected,
+    Role,
+)
+from zio_spark.protocol.message import Message
+from zio_spark.transport.port import BadMessage
+
+__all__ = ["Channel", "FlowEndpoint", "FlowRejected"]
+
+
+class Channel(Protocol):
+    """What a flow endpoint needs from a port."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def send(self, msg: Message) -> None: ...
+
+    def recv(self, timeout_ms: int) -> Message | BadMessage | None: ...
+
+
+class FlowRejected(TransportError):
+    """The server answered our BOT with EOT; ``attrs`` holds its reasons."""
+
+    def __init__(self, endpoint: str, attrs: Mapping[str, Any]) -> None:
+        self.attrs = dict(attrs)
+        super().__init__(f"flow rejected by the server: {self.attrs}", endpoint=endpoint)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining_ms(deadline: float | None) -> int:
+    if deadline is None:
+        return 1000  # wait in slices so a closed endpoint is noticed
+    return max(0, int((deadline - time.monotonic()) * 1000))
+
+
+class FlowEndpoint:
+    """One end of a flow over ``channel``.
+
+    Parameters
+    ----------
+    channel
+        Where messages go and come from.
+    role
+        Client (speaks first) or server.
+    origin
+        The ``origin`` stamped on our messages.
+    on_credit
+        Called with every PAY the giver receives (the zio-spark ``ack`` rides on it).
+    """
+
+    def __init__(
+        self,
+        channel: Channel,
+        role: Role,
+        *,
+        origin: int = 0,
+        on_credit: Callable[[Credit], None] | None = None,
+    ) -> None:
+        self.channel = channel
+        self.flow = Flow(role, origin=origin)
+        self.on_credit = on_credit
+        self.bot: BotReceived | None = None
+        self._pending_eot: EotReceived | None = None
+
+    # -- small helpers -------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return self.channel.endpoint
+
+    @property
+    def is_sender(self) -> bool:
+        """True if this end gives (sends DATs)."""
+        return self.flow.is_giver
+
+    @property
+    def state(self) -> FlowState:
+        return self.flow.state
+
+    def _timeout(self, what: str, timeout: float | None) -> TransportError:
+        return TransportError(
+            f"timed out after {timeout} s waiting for {what}", endpoint=self.endpoint
+        )
+
+    def _next(self, deadline: float | None, what: str, timeout: float | None) -> Event:
+        while True:
+            msg = self.channel.recv(_remaining_ms(deadline))
+            if isinstance(msg, BadMessage):
+                raise msg.error
+            if msg is not None:
+                return self.flow.receive(msg)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self._timeout(what, timeout)
+
+    # -- handshake -----------------------------------------------------------------
+
+    def send_bot(
+        self, direction: Direction, credit: int, attrs: Mapping[str, Any] | None = None
+    ) -> None:
+        """Client: send our BOT (``direction`` is ours: extract = we give)."""
+        self.channel.send(self.flow.send_bot(direction, credit, attrs))
+
+    def recv_bot(self, timeout: float | None = 30.0) -> BotReceived:
+        """Wait for the peer's BOT.
+
+        Raises
+        ------
+        TransportError
+            On timeout.
+        FlowRejected
+            If the server answered with EOT.
+        RemoteProtocolError
+            If the peer sent anything else.
+        """
+        deadline = _deadline(timeout)
+        event = self._next(deadline, "the peer's BOT", timeout)
+        if isinstance(event, Rejected):
+            raise FlowRejected(self.endpoint, event.attrs)
+        assert isinstance(event, BotReceived)  # the machine allows nothing else here
+        self.bot = event
+        return event
+
+    def accept(self, credit: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
+        """Server: answer the client's BOT."""
+        self.channel.send(self.flow.accept(credit, attrs))
+
+    def connect(
+        self,
+        direction: Direction,
+        credit: int,
+        attrs: Mapping[str, Any] | None = None,
+        timeout: float | None = 30.0,
+    ) -> BotReceived:
+        """Client: :meth:`send_bot` then :meth:`recv_bot`."""
+        self.send_bot(direction, credit, attrs)
+        return self.recv_bot(timeout)
+
+    # -- giver ---------------------------------------------------------------------
+
+    def _handle_giver_event(self, event: Event) -> bool:
+        if isinstance(event, Credit):
+            if self.on_credit is not None:
+                self.on_credit(event)
+            return True
+        assert isinstance(event, EotReceived)
+        self._pending_eot = event
+        return False
+
+    def poll(self) -> bool:
+        """Giver: take in every PAY already waiting, without blocking.
+
+        Returns False if the peer sent EOT (answer with :meth:`send_eot`).
+        """
+        while True:
+            msg = self.channel.recv(0)
+            if isinstance(msg, BadMessage):
+                raise msg.error
+            if msg is None:
+                return True
+            if not self._handle_giver_event(self.flow.receive(msg)):
+                return False
+
+    def put(
+        self,
+        payload: tuple[bytes, ...],
+        attrs: Mapping[str, Any] | None = None,
+        timeout: float | None = 30.0,
+    ) -> bool:
+        """Giver: send one DAT, waiting for credit if needed.
+
+        Returns False (nothing sent) if the peer sent EOT instead of credit.
+
+        Raises
+        ------
+        TransportError
+            If no credit came within ``timeout``.
+        """
+        if self._pending_eot is not None:
+            return False
+        deadline = _deadline(timeout)
+        while self.flow.credit <= 0:
+            event = self._next(deadline, "credit (PAY)", timeout)
+            if not self._handle_giver_event(event):
+                return False
+        self.channel.send(self.flow.send_dat(payload, attrs))
+        return True
+
+    # -- taker ---------------------------------------------------------------------
+
+    def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
+        """Taker: hand out ``amount`` credits (default all held), with extra attributes."""
+        self.channel.send(self.flow.pay(amount, attrs))
+
+    def get(self, timeout: float | None = 30.0, *, auto_pay: bool = True) -> Data | None:
+        """Taker: the next DAT, or None if the peer sent EOT (answer with :meth:`send_eot`).
+
+        With ``auto_pay`` every credit held is handed back first (the reference's
+        behaviour); without it, the caller decides when to :meth:`pay`.
+
+        Raises
+        ------
+        TransportError
+            If no DAT came within ``timeout``.
+        """
+        if self._pending_eot is not None:
+            return None
+        if self.flow.is_giver:
+            raise LocalProtocolError("get() on a giver; use put()", field="direction")
+        if auto_pay and self.flow.credit > 0:
+            self.pay()
+        event = self._next(_deadline(timeout), "a DAT", timeout)
+        if isinstance(event, Data):
+            return event
+        assert isinstance(event, EotReceived)
+        self._pending_eot = event
+        return None
+
+    # -- end of transmission ------------------------------------------------------
+
+    @property
+    def peer_eot(self) -> EotReceived | None:
+        """The EOT the peer sent, once seen."""
+        return self._pending_eot
+
+    def send_eot(
+        self,
+        attrs: Mapping[str, Any] | None = None,
+        timeout: float | None = 30.0,
+        on_data: Callable[[Data], None] | None = None,
+    ) -> EotReceived:
+        """End the flow and wait until both sides agree.
+
+        If the peer already sent EOT this only echoes it. Otherwise our EOT goes out and
+        we drain DATs (passed to ``on_data``) and PAYs until the echo arrives: only then
+        is every message the peer sent accounted for (FACTS.md: closing right after the
+        last send can lose data over ipc).
+
+        Raises
+        ------
+        TransportError
+            If the echo does not come within ``timeout``.
+        """
+        if self._pending_eot is None and self.flow.state is FlowState.READY:
+            # The peer's EOT may already be queued: take in what is waiting first.
+            while (msg := self.channel.recv(0)) is not None:
+                if isinstance(msg, BadMessage):
+                    raise msg.error
+                event = self.flow.receive(msg)
+                if isinstance(event, EotReceived):
+                    self._pending_eot = event
+                    break
+                self._dispatch_drain(event, on_data)
+        if self._pending_eot is not None:
+            self.channel.send(self.flow.send_eot(attrs))
+            return self._pending_eot
+        self.channel.send(self.flow.send_eot(attrs))
+        return self.recv_eot(timeout, on_data)
+
+    def recv_eot(
+        self, timeout: float | None = 30.0, on_data: Callable[[Data], None] | None = None
+    ) -> EotReceived:
+        """After our EOT: drain until the peer's echo."""
+        deadline = _deadline(timeout)
+        while True:
+            event = self._next(deadline, "the EOT echo", timeout)
+            if isinstance(event, EotReceived):
+                self._pending_eot = event
+                return event
+            self._dispatch_drain(event, on_data)
+
+    def _dispatch_drain(self, event: Event, on_data: Callable[[Data], None] | None) -> None:
+        if isinstance(event, Data):
+            if on_data is not None:
+                on_data(event)
+        elif isinstance(event, Credit) and self.on_credit is not None:
+            self.on_credit(event)

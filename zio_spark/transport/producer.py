@@ -1,0 +1,444 @@
+"""An ack-capable ZIO giver: keeps every record until the taker acknowledges it.
+
+The producer binds a server port; a taker (the Spark source, or any ZIO flow client
+with direction ``inject``) connects and sends its BOT. Records are numbered from 1 in
+the order :meth:`Producer.send` is called and kept in memory until acknowledged:
+
+- A zio-spark taker says ``ack: true`` and ``resume: R`` (the last sequence number it
+  holds durably) in its BOT. The producer then resends from ``R + 1`` and forgets a
+  record only when a PAY carries ``ack >= seq``. Records go many to a DAT, packed as
+  one Arrow IPC frame (see :mod:`zio_spark.records`) when the taker lists ``arrow``
+  among its ``encoding`` values.
+- A plain ZIO taker (no ``ack``) gets one record per DAT, the payload being the value,
+  and a record is forgotten once sent: at most once, as plain ZIO promises.
+
+One taker at a time: a new taker's BOT replaces the previous flow (the old client is
+dead or about to be; its unacknowledged records are resent to the new one).
+
+Producer ids must be stable across restarts for exactly-once. A restarted producer
+numbers from 1 again; when a taker's ``resume`` shows it already holds more than this
+process ever sent, records not yet sent are renumbered to continue after ``resume``
+(counted in ``stats["renumbered"]``), so nothing new is mistaken for a duplicate.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from zio_spark.errors import RemoteProtocolError, TransportError
+from zio_spark.protocol.flow import (
+    BotReceived,
+    Credit,
+    Direction,
+    EotReceived,
+    FlowState,
+    pay_ack,
+    profile_bot,
+)
+from zio_spark.records import ENCODING, encode_records
+from zio_spark.transport.port import ServerPort
+from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
+
+__all__ = ["Producer"]
+
+log = logging.getLogger("zio_spark.transport")
+
+
+@dataclass(slots=True)
+class _Record:
+    seq: int
+    value: bytes
+    key: bytes | None
+    granule: int | None
+    headers: Mapping[str, str] | None
+
+
+class _Taker(FlowHandler):
+    def __init__(self, producer: Producer) -> None:
+        self.producer = producer
+        self.acks = False
+        self.arrow = False
+        self.next_seq = 1  # next record to send to this taker
+
+    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
+        p = self.producer
+        if bot.direction is not Direction.INJECT:
+            conn.reject({"reason": "this port is a producer: connect with direction inject"})
+            return
+        try:
+            prof = profile_bot(bot.attrs)
+        except RemoteProtocolError as e:
+            conn.reject({"reason": str(e)})
+            raise
+        if prof.stream is not None and prof.stream != p.stream:
+            conn.reject({"reason": f"no stream {prof.stream!r} here (this is {p.stream!r})"})
+            return
+        encodings = bot.attrs.get("encoding", ())
+        self.acks = prof.ack
+        self.arrow = isinstance(encodings, list) and ENCODING in encodings
+        self.next_seq = p._attach(self, conn, prof.resume if prof.ack else None)
+        attrs: dict[str, Any] = {"producer": p.producer_id, "stream": p.stream, "ack": True}
+        if self.arrow:
+            attrs["encoding"] = ENCODING
+        conn.accept(None, attrs)
+
+    def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
+        ack = pay_ack(credit.attrs)
+        if ack is not None and self.acks:
+            self.producer._ack(ack)
+        self.on_tick(conn, 0.0)
+
+    def on_tick(self, conn: ServerFlow, now: float) -> None:
+        p = self.producer
+        if p._taker is not self or conn.flow.state is not FlowState.READY:
+            return
+        while conn.flow.credit > 0:
+            batch = p._take(self.next_seq, p.batch if self.arrow else 1, release=not self.acks)
+            if not batch:
+                return
+            if self.arrow:
+                payload = encode_records(
+                    batch[0].seq,
+                    [r.value for r in batch],
+                    [r.key for r in batch],
+                    [r.granule for r in batch],
+                    [r.headers for r in batch],
+                )
+                conn.send_dat((payload,))
+            else:
+                r = batch[0]
+                attrs: dict[str, Any] = {"seq": r.seq}
+                if r.key is not None:
+                    attrs["key"] = base64.b64encode(r.key).decode("ascii")
+                if r.headers:
+                    attrs["headers"] = dict(r.headers)
+                if r.granule is not None:
+                    attrs["granule"] = r.granule
+                conn.send_dat((r.value,), attrs)
+            self.next_seq = batch[-1].seq + 1
+            p._sent(batch[-1].seq, len(batch))
+
+    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
+        self.producer.stats["eot_received"] += 1
+
+    def on_close(self, conn: ServerFlow, reason: str) -> None:
+        self.producer._detach(self, reason)
+
+
+class Producer:
+    """Give records to a ZIO taker, keeping each until it is acknowledged.
+
+    Parameters
+    ----------
+    bind
+        Endpoint to bind (``tcp://127.0.0.1:*`` picks a free port).
+    producer_id
+        Stable id of this producer (default: host name and bound endpoint).
+    stream
+        Stream name; a taker asking for another stream is rejected.
+    batch
+        Most records per DAT (Arrow-encoded flows).
+    max_unacked
+        :meth:`send` blocks while this many records are held unacknowledged.
+    mode, curve_secret_key, linger_ms
+        Passed to the :class:`~zio_spark.transport.port.ServerPort`.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        producer_id: str | None = None,
+        stream: str = "zio",
+        batch: int = 1000,
+        max_unacked: int = 100_000,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        mode: str | None = None,
+        curve_secret_key: str | bytes | None = None,
+        linger_ms: int = 1000,
+        idle_timeout: float | None = None,
+    ) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if max_unacked < 1:
+            raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
+        self.ctx = ctx or zmq.Context.instance()
+        port = ServerPort(
+            self.ctx, mode=mode, linger_ms=linger_ms, curve_secret_key=curve_secret_key
+        )
+        try:
+            self.endpoint = port.bind(bind)
+        except BaseException:
+            port.close(0)
+            raise
+        self.curve_public_key = port.curve_public_key
+        self.producer_id = producer_id or f"{socket.gethostname()}|{self.endpoint}"
+        self.stream = stream
+        self.batch = batch
+        self.max_unacked = max_unacked
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._cond = threading.Condition()
+        self._records: collections.deque[_Record] = collections.deque()
+        self._next_seq = 1
+        self._ever_sent = 0  # highest seq sent to any taker by this process
+        self._acked = 0
+        self._taker: _Taker | None = None
+        self._taker_conn: ServerFlow | None = None
+        self._wake_pending = False
+        self._closed = False
+        self._server = FlowServer(
+            port,
+            lambda: _Taker(self),
+            ctx=self.ctx,
+            idle_timeout=idle_timeout,
+            name=f"producer {self.producer_id}",
+        ).start()
+
+    # -- application side (any thread) --------------------------------------------
+
+    def send(
+        self,
+        value: bytes,
+        *,
+        key: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        granule: int | None = None,
+        timeout: float | None = 30.0,
+    ) -> int:
+        """Queue one record; returns its sequence number.
+
+        Raises
+        ------
+        TransportError
+            If the buffer stays full (``max_unacked``) for ``timeout`` seconds.
+        """
+        return self.send_many(
+            [value],
+            keys=None if key is None else [key],
+            headers=None if headers is None else [headers],
+            granules=None if granule is None else [granule],
+            timeout=timeout,
+        )
+
+    def send_many(
+        self,
+        values: Sequence[bytes],
+        *,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Mapping[str, str] | None] | None = None,
+        granules: Sequence[int | None] | None = None,
+        timeout: float | None = 30.0,
+    ) -> int:
+        """Queue many records; returns the sequence number of the last one.
+
+        Raises
+        ------
+        TransportError
+            If the buffer has no room for them within ``timeout`` seconds.
+        ValueError
+            If the optional columns do not match ``values`` in length.
+        """
+        n = len(values)
+        for name, col in (("keys", keys), ("headers", headers), ("granules", granules)):
+            if col is not None and len(col) != n:
+                raise ValueError(f"{name} has {len(col)} entries for {n} values")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            i = 0
+            while i < n:
+                if self._closed:
+                    raise TransportError("producer is closed", endpoint=self.endpoint)
+                room = self.max_unacked - len(self._records)
+                if room <= 0:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TransportError(
+                            f"producer buffer full ({self.max_unacked} unacknowledged records) "
+                            f"for {timeout} s: is a taker connected and acknowledging?",
+                            endpoint=self.endpoint,
+                        )
+                    self._cond.wait(left)
+                    continue
+                for j in range(i, min(n, i + room)):
+                    self._records.append(
+                        _Record(
+                            self._next_seq,
+                            values[j],
+                            None if keys is None else keys[j],
+                            None if granules is None else granules[j],
+                            None if headers is None else headers[j],
+                        )
+                    )
+                    self._next_seq += 1
+                i = min(n, i + room)
+                self._wake_locked()
+            return self._next_seq - 1
+
+    def _wake_locked(self) -> None:
+        if not self._wake_pending and self._taker is not None:
+            self._wake_pending = True
+            self._server.call_soon(self._woken)
+
+    def _woken(self) -> None:
+        with self._cond:
+            self._wake_pending = False
+        if self._taker is not None and self._taker_conn is not None:
+            self._taker.on_tick(self._taker_conn, 0.0)
+
+    @property
+    def acked(self) -> int:
+        """Highest sequence number acknowledged by a taker."""
+        with self._cond:
+            return self._acked
+
+    @property
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._next_seq - 1
+
+    @property
+    def pending(self) -> int:
+        """Records held: not yet acknowledged (or, for plain takers, not yet sent)."""
+        with self._cond:
+            return len(self._records)
+
+    @property
+    def connected(self) -> bool:
+        return self._taker is not None
+
+    def flush(self, timeout: float | None = 30.0) -> None:
+        """Wait until every record sent so far is acknowledged (or sent, to a plain taker).
+
+        Raises
+        ------
+        TransportError
+            On timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._records:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportError(
+                        f"{len(self._records)} records still unacknowledged after {timeout} s",
+                        endpoint=self.endpoint,
+                    )
+                self._cond.wait(left if left is None else min(left, 0.5))
+
+    def close(self, timeout: float | None = 30.0, *, flush: bool = True) -> None:
+        """Flush (optionally), end the flow with an acknowledged EOT, stop the server."""
+        try:
+            if flush and not self._closed:
+                self.flush(timeout)
+            done = threading.Event()
+
+            def end() -> None:
+                conn = self._taker_conn
+                if conn is not None and conn.flow.state is FlowState.READY:
+                    self._eot_done = done
+                    conn.send_eot()
+                else:
+                    done.set()
+
+            self._eot_done: threading.Event | None = None
+            if self._server._thread is not None:
+                self._server.call_soon(end)
+                if not done.wait(timeout if timeout is not None else None):
+                    log.warning("producer %s: no EOT echo before close", self.producer_id)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._server.stop()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(flush=exc[0] is None)
+
+    # -- loop side (server thread) ---------------------------------------------------
+
+    def _attach(self, taker: _Taker, conn: ServerFlow, resume: int | None) -> int:
+        with self._cond:
+            if self._taker is not None and self._taker is not taker:
+                self.stats["takers_replaced"] += 1
+            self._taker = taker
+            self._taker_conn = conn
+            self.stats["takers"] += 1
+            start = self._records[0].seq if self._records else self._next_seq
+            if resume is not None:
+                never_sent = self._ever_sent + 1
+                if resume >= never_sent and self._next_seq > never_sent:
+                    shift = resume + 1 - never_sent
+                    kept = collections.deque(r for r in self._records if r.seq >= never_sent)
+                    for r in kept:
+                        r.seq += shift
+                    self._records = kept
+                    self._next_seq += shift
+                    self.stats["renumbered"] += len(kept)
+                    log.warning(
+                        "producer %s: taker resumes at %d beyond what this process sent; "
+                        "%d unsent records renumbered from %d",
+                        self.producer_id,
+                        resume,
+                        len(kept),
+                        resume + 1,
+                    )
+                elif resume >= never_sent:
+                    self._next_seq = max(self._next_seq, resume + 1)
+                self._release(resume)
+                start = max(start, resume + 1)
+            self._cond.notify_all()
+            return start
+
+    def _detach(self, taker: _Taker, reason: str) -> None:
+        with self._cond:
+            if self._taker is taker:
+                self._taker = None
+                self._taker_conn = None
+        done = getattr(self, "_eot_done", None)
+        if done is not None:
+            done.set()
+        log.info("producer %s: taker left (%s)", self.producer_id, reason)
+
+    def _take(self, first: int, n: int, release: bool) -> list[_Record]:
+        with self._cond:
+            if not self._records:
+                return []
+            start = max(0, first - self._records[0].seq)
+            out = [self._records[i] for i in range(start, min(len(self._records), start + n))]
+            if release and out:
+                for _ in range(len(out) + start):
+                    self._records.popleft()
+                self._cond.notify_all()
+            return out
+
+    def _sent(self, last: int, n: int) -> None:
+        with self._cond:
+            self._ever_sent = max(self._ever_sent, last)
+        self.stats["records_sent"] += n
+        self.stats["dats_sent"] += 1
+
+    def _ack(self, ack: int) -> None:
+        with self._cond:
+            self._release(ack)
+            self._cond.notify_all()
+
+    def _release(self, upto: int) -> None:
+        records = self._records
+        while records and records[0].seq <= upto:
+            records.popleft()
+        if upto > self._acked:
+            self.stats["acked"] += upto - self._acked
+            self._acked = upto

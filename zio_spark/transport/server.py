@@ -1,0 +1,332 @@
+"""A multi-client flow server: one flow state machine and one handler per client.
+
+Like ZIO's flow broker, one :class:`~zio_spark.transport.port.ServerPort` accepts many
+clients; each client's first message must be its BOT, and a handler made by the
+factory serves that client's flow. Unlike the reference, a client is *removed*: when its
+EOT exchange completes, when it breaks the protocol (the violation is logged with the
+peer, counted in ``stats["dropped"]``, and no other flow notices), or when it has been
+silent for ``idle_timeout`` seconds.
+
+Everything runs in one thread that owns the socket. Other threads talk to the loop with
+:meth:`FlowServer.call_soon` (a waker socket interrupts the poll), so handlers never need
+locks for flow state.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import zmq
+
+from zio_spark.errors import ProtocolError, TransportError
+from zio_spark.protocol.flow import (
+    BotReceived,
+    Credit,
+    Data,
+    EotReceived,
+    Flow,
+    FlowState,
+    Role,
+)
+from zio_spark.protocol.message import Message
+from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
+
+__all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
+
+log = logging.getLogger("zio_spark.transport")
+
+_waker_ids = itertools.count()
+
+
+class ServerFlow:
+    """The server's side of one client's flow; handed to every handler callback."""
+
+    def __init__(self, server: FlowServer, peer: PeerId, origin: int) -> None:
+        self.server = server
+        self.peer = peer
+        self.flow = Flow(Role.SERVER, origin=origin)
+        self.last_seen = time.monotonic()
+        self.bot: BotReceived | None = None
+
+    @property
+    def name(self) -> str:
+        return format_peer(self.peer)
+
+    def _send(self, msg: Message) -> None:
+        self.server.port.send(msg, self.peer)
+
+    def accept(self, credit: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
+        self._send(self.flow.accept(credit, attrs))
+
+    def reject(self, attrs: Mapping[str, Any] | None = None) -> None:
+        self._send(self.flow.reject(attrs))
+
+    def send_dat(
+        self, payload: tuple[bytes, ...] = (), attrs: Mapping[str, Any] | None = None
+    ) -> None:
+        self._send(self.flow.send_dat(payload, attrs))
+
+    def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
+        self._send(self.flow.pay(amount, attrs))
+
+    def send_eot(self, attrs: Mapping[str, Any] | None = None) -> None:
+        self._send(self.flow.send_eot(attrs))
+
+
+class FlowHandler:
+    """Serves one client flow. Override what you need; all run in the server thread.
+
+    The default :meth:`on_bot` accepts the client's offer; the default :meth:`on_eot`
+    does nothing, and the server echoes the EOT after it returns.
+    """
+
+    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
+        conn.accept()
+
+    def on_data(self, conn: ServerFlow, data: Data) -> None:
+        pass
+
+    def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
+        pass
+
+    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
+        pass
+
+    def on_tick(self, conn: ServerFlow, now: float) -> None:
+        """Called on every loop turn while the flow is in transfer (givers push here)."""
+
+    def on_close(self, conn: ServerFlow, reason: str) -> None:
+        pass
+
+
+class FlowServer:
+    """Serve flows on ``port`` with a handler per client, in a background thread.
+
+    Parameters
+    ----------
+    port
+        A bound :class:`ServerPort` (in "return" bad-message mode); the server owns it
+        from :meth:`start` on and closes it on :meth:`stop`.
+    handler_factory
+        Called with no arguments for each new client's BOT.
+    idle_timeout
+        Remove a client silent for this many seconds (None: never).
+    tick
+        Longest poll wait in seconds; handlers' :meth:`~FlowHandler.on_tick` run at
+        least this often.
+    """
+
+    def __init__(
+        self,
+        port: ServerPort,
+        handler_factory: Callable[[], FlowHandler],
+        *,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        idle_timeout: float | None = None,
+        tick: float = 0.05,
+        origin: int = 0,
+        name: str = "flow-server",
+    ) -> None:
+        self.port = port
+        self.handler_factory = handler_factory
+        self.idle_timeout = idle_timeout
+        self.tick = tick
+        self.origin = origin
+        self.name = name
+        self.ctx = ctx or zmq.Context.instance()
+        self.flows: dict[PeerId, tuple[ServerFlow, FlowHandler]] = {}
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._calls: collections.deque[Callable[[], None]] = collections.deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._waker_addr = f"inproc://zio-flow-server-waker-{id(self)}-{next(_waker_ids)}"
+        self._wake_in: zmq.Socket[bytes] | None = None
+        self._wake_out: zmq.Socket[bytes] | None = None
+        self._wake_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        ep = self.port.endpoint
+        if ep is None:
+            raise TransportError("flow server port is not bound")
+        return ep
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def start(self) -> FlowServer:
+        self._wake_in = self.ctx.socket(zmq.PULL)
+        self._wake_in.linger = 0
+        self._wake_in.bind(self._waker_addr)
+        self._wake_out = self.ctx.socket(zmq.PUSH)
+        self._wake_out.linger = 0
+        self._wake_out.connect(self._waker_addr)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop and close the port (idempotent)."""
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TransportError(f"{self.name} did not stop within {timeout} s")
+            self._thread = None
+        with self._wake_lock:
+            for s in (self._wake_out, self._wake_in):
+                if s is not None:
+                    s.close(0)
+            self._wake_out = self._wake_in = None
+        self.port.close()
+
+    def __enter__(self) -> FlowServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the server thread at the next loop turn (thread-safe)."""
+        self._calls.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_out is not None:
+                with contextlib.suppress(zmq.Again):  # a wake-up is already pending
+                    self._wake_out.send(b"", zmq.NOBLOCK)
+
+    # -- the loop ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        assert self._wake_in is not None
+        poller = zmq.Poller()
+        poller.register(self.port.socket, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(self.tick * 1000))
+                if self._wake_in in events:
+                    while True:
+                        try:
+                            self._wake_in.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                if self.port.socket in events:
+                    for _ in range(1000):  # bounded, so ticks and calls still run
+                        got = self.port.recv(0)
+                        if got is None:
+                            break
+                        self._dispatch(got)
+                while self._calls:
+                    self._calls.popleft()()
+                self._tick()
+        except BaseException as e:  # pragma: no cover - reported, never silent
+            self.error = e
+            log.exception("%s: loop failed", self.name)
+        finally:
+            for conn, handler in list(self.flows.values()):
+                self._remove(conn, handler, "server stopped")
+
+    def _dispatch(self, got: tuple[PeerId, Message] | BadMessage) -> None:
+        if isinstance(got, BadMessage):
+            self.stats["bad_messages"] += 1
+            if got.peer is not None and not isinstance(got.peer, str):
+                entry = self.flows.get(got.peer)
+                if entry is not None:
+                    self._drop(entry[0], entry[1], got.error)
+            return
+        peer, msg = got
+        entry = self.flows.get(peer)
+        if entry is None:
+            conn = ServerFlow(self, peer, self.origin)
+            handler: FlowHandler | None = None
+        else:
+            conn, handler = entry
+        conn.last_seen = time.monotonic()
+        try:
+            event = conn.flow.receive(msg)
+        except ProtocolError as e:
+            self._drop(conn, handler, e)
+            return
+        try:
+            if isinstance(event, BotReceived):
+                handler = self.handler_factory()
+                conn.bot = event
+                self.flows[peer] = (conn, handler)
+                self.stats["flows"] += 1
+                handler.on_bot(conn, event)
+                if conn.flow.state is FlowState.CLOSED:  # rejected
+                    self._remove(conn, handler, "rejected")
+            elif handler is None:  # pragma: no cover - the machine only allows BOT first
+                raise AssertionError("event before BOT")
+            elif isinstance(event, Data):
+                handler.on_data(conn, event)
+            elif isinstance(event, Credit):
+                handler.on_credit(conn, event)
+            elif isinstance(event, EotReceived):
+                handler.on_eot(conn, event)
+                if conn.flow.state is FlowState.EOT_RECEIVED:
+                    conn.send_eot()
+                if conn.flow.state is FlowState.CLOSED:
+                    self._remove(conn, handler, "end of transmission")
+        except ProtocolError as e:
+            self._drop(conn, handler, e)
+        except TransportError as e:
+            log.warning("%s: cannot reply to %s: %s", self.name, conn.name, e)
+            if handler is not None:
+                self._remove(conn, handler, f"transport error: {e}")
+        except Exception as e:  # a handler bug ends its flow, not the server
+            self.stats["handler_errors"] += 1
+            log.exception("%s: handler of %s failed", self.name, conn.name)
+            if handler is not None:
+                self._remove(conn, handler, f"handler error: {e!r}")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for conn, handler in list(self.flows.values()):
+            if self.idle_timeout is not None and now - conn.last_seen > self.idle_timeout:
+                self.stats["idle_removed"] += 1
+                self._remove(conn, handler, f"idle for more than {self.idle_timeout} s")
+                continue
+            if conn.flow.state in (FlowState.READY, FlowState.EOT_SENT):
+                try:
+                    handler.on_tick(conn, now)
+                except ProtocolError as e:
+                    self._drop(conn, handler, e)
+                except TransportError as e:
+                    self._remove(conn, handler, f"transport error: {e}")
+                except Exception as e:
+                    self.stats["handler_errors"] += 1
+                    log.exception("%s: on_tick of %s failed", self.name, conn.name)
+                    self._remove(conn, handler, f"handler error: {e!r}")
+
+    def _drop(self, conn: ServerFlow, handler: FlowHandler | None, error: ProtocolError) -> None:
+        self.stats["dropped"] += 1
+        log.warning(
+            "%s: dropping peer %s: %s: %s",
+            self.name,
+            conn.name,
+            type(error).__name__,
+            error,
+        )
+        if handler is not None:
+            self._remove(conn, handler, f"protocol error: {error}")
+
+    def _remove(self, conn: ServerFlow, handler: FlowHandler, reason: str) -> None:
+        if self.flows.get(conn.peer, (None,))[0] is conn:
+            del self.flows[conn.peer]
+        try:
+            handler.on_close(conn, reason)
+        except Exception:  # a handler bug must not take the server down
+            self.stats["handler_errors"] += 1
+            log.exception("%s: on_close of %s failed", self.name, conn.name)
