@@ -934,3 +934,35 @@ def test_pay_ack_from_the_wire() -> None:
     assert event == Credit(2, {"ack": 41})
     assert isinstance(event, Credit)
     assert pay_ack(event.attrs) == 41
+
+
+# -- profile: ack-only PAY (credit 0 with "ack") ------------------------------------------
+
+
+def test_ack_only_pay_with_zero_credit():
+    pair = FlowPair()
+    pair.handshake(Direction.INJECT, 2)
+    pair.to_server(pair.client.pay())  # all credit out
+    assert pair.client.credit == 0
+    event = pair.to_server(pair.client.pay(0, {"ack": 5}))
+    assert isinstance(event, Credit)
+    assert (event.amount, pay_ack(event.attrs)) == (0, 5)
+    assert pair.server.credit == 2
+    assert pair.server.state is FlowState.READY
+
+
+def test_zero_pay_without_ack_is_local_error():
+    pair = FlowPair()
+    pair.handshake(Direction.INJECT, 2)
+    with pytest.raises(LocalProtocolError):
+        pair.client.pay(0)
+    assert pair.client.state is FlowState.ERROR
+
+
+def test_zero_pay_without_ack_from_peer_is_flow_control_error():
+    pair = FlowPair()
+    pair.handshake(Direction.INJECT, 2)
+    bad = Message(FLOW_FORM, '{"flow": "PAY", "credit": 0}')
+    with pytest.raises(FlowControlError):
+        pair.server.receive(bad)
+    assert pair.server.state is FlowState.ERROR

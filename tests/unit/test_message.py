@@ -245,6 +245,8 @@ def test_blank_form_of_the_python_reference_decodes():
     # The Python reference's default form is four spaces; it must decode (to "").
     msg = decode_frames([b"ZIO4    hello", ZERO_COORD])
     assert (msg.form, msg.label, msg.level) == ("", "hello", 4)
+    # ... and re-encode as four spaces, so a relay passes it on unchanged.
+    assert encode_frames(msg)[0] == b"ZIO4    hello"
 
 
 def test_non_flow_label_is_not_parsed():
@@ -612,7 +614,7 @@ def test_parse_flow_label_rejects(label, field):
         ({"level": None}, "level"),
         ({"form": "ABCDE"}, "form"),
         ({"form": "FLOWS"}, "form"),
-        ({"form": ""}, "form"),
+        ({"level": True}, "level"),
         ({"form": "FLÖW"}, "form"),
         ({"form": "É"}, "form"),
         ({"form": None}, "form"),

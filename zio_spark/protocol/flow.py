@@ -26,8 +26,11 @@ The zio-spark profile adds attributes that plain ZIO peers ignore (unknown attri
 pass through untouched): in BOT, ``stream`` (name), ``producer`` (a stable producer id),
 ``resume`` (the last sequence number the taker holds durably) and ``ack`` (true if the
 giver keeps records until acknowledged); in PAY, ``ack`` (the highest record sequence
-number whose delivery is final). :func:`profile_bot` and :func:`pay_ack` read and check
-them.
+number whose delivery is final). A PAY with ``credit`` 0 is legal only when it carries
+``ack``: the taker must be able to acknowledge while it holds no credit (all of it out
+with a giver that has nothing to send), and a reference giver just adds 0 to its credit.
+A PAY of 0 without ``ack`` stays a violation. :func:`profile_bot` and :func:`pay_ack`
+read and check them.
 
 The machine does no I/O: :meth:`Flow.receive` takes a decoded
 :class:`~zio_spark.protocol.message.Message` and returns the event it means; the ``send_*``/``pay``
@@ -386,9 +389,11 @@ class Flow:
         if self.is_giver:
             raise self._local("a giver (extract) cannot send PAY", field="direction")
         n = self.credit if amount is None else amount
-        if isinstance(n, bool) or not isinstance(n, int) or not (1 <= n <= self.credit):
+        # Profile: a PAY of 0 is an ack-only PAY, legal only when it carries "ack".
+        lowest = 0 if attrs and "ack" in attrs else 1
+        if isinstance(n, bool) or not isinstance(n, int) or not (lowest <= n <= self.credit):
             raise self._local(
-                f"PAY amount must be 1..{self.credit} (credit held), got {n!r}",
+                f"PAY amount must be {lowest}..{self.credit} (credit held), got {n!r}",
                 field="credit",
                 value=n,
             )
@@ -479,10 +484,13 @@ class Flow:
         self._in_transfer("PAY")
         if not self.is_giver:
             raise self._remote("PAY received by the taker (wrong direction)", field="flow")
-        try:
-            amount = _check_credit_value(obj.get("credit"), "PAY", local=False)
-        except FlowControlError as e:
-            raise self._fail(e) from None
+        if obj.get("credit") == 0 and "ack" in obj and type(obj["credit"]) is int:
+            amount = 0  # profile: an ack-only PAY
+        else:
+            try:
+                amount = _check_credit_value(obj.get("credit"), "PAY", local=False)
+            except FlowControlError as e:
+                raise self._fail(e) from None
         if self.credit + amount > self.total_credit:
             raise self._flow_control(
                 f"PAY of {amount} beyond what the taker holds: giver already has "

@@ -163,14 +163,15 @@ def encode_flow_label(obj: Mapping[str, Any]) -> str:
             value=obj.get("flow"),
         )
     try:
-        return json.dumps(dict(obj))
+        # NaN/Infinity are not JSON; a strict C++ peer would reject the label.
+        return json.dumps(dict(obj), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise LocalProtocolError(f"flow object is not JSON-serialisable: {e}") from None
 
 
 def _encode_prefix(msg: Message) -> bytes:
     level = msg.level
-    if not (isinstance(level, int) and 0 <= level <= 8):
+    if isinstance(level, bool) or not (isinstance(level, int) and 0 <= level <= 8):
         raise LocalProtocolError(
             f"level must be an integer 0..8, got {level!r}", field="level", value=level
         )
@@ -181,9 +182,11 @@ def _encode_prefix(msg: Message) -> bytes:
         raise LocalProtocolError(
             f"form must be ASCII text, got {form!r}", field="form", value=form
         ) from None
-    if len(form_bytes) > 4 or not form_bytes:
+    if len(form_bytes) > 4:
+        # "" is allowed: the Python reference's default form is four spaces, which
+        # decodes to "" and must survive a relay.
         raise LocalProtocolError(
-            f"form must be 1..4 ASCII characters, got {form!r}", field="form", value=form
+            f"form must be 0..4 ASCII characters, got {form!r}", field="form", value=form
         )
     try:
         label = msg.label.encode("utf-8")
@@ -288,10 +291,22 @@ def decode_frames(frames: Sequence[bytes]) -> Message:
 
 
 def join_single(frames: Sequence[bytes]) -> bytes:
-    """Concatenate frames in czmq's ``zmsg_encode`` format (pure framing, no ZIO)."""
+    """Concatenate frames in czmq's ``zmsg_encode`` format (pure framing, no ZIO).
+
+    Raises
+    ------
+    LocalProtocolError
+        If a frame is 2**32 bytes or longer.
+    """
     out = bytearray()
     for f in frames:
         n = len(f)
+        if n >= 1 << 32:
+            raise LocalProtocolError(
+                f"frame of {n} bytes is too long for the single-frame form (< 2**32)",
+                field="length",
+                value=n,
+            )
         if n < 255:
             out.append(n)
         else:
