@@ -1,0 +1,272 @@
+"""Fixtures for loopback transport tests, in the manner of pyzmq's own test suite.
+
+- ``ctx``: a fresh ``zmq.Context`` per test that must terminate at teardown; a socket left
+  open fails the test (it is closed first so the run does not hang), and termination
+  itself is bounded.
+- ``make_server`` / ``make_client``: ports with linger 0, closed at teardown.
+- ``raw_socket``: plain pyzmq sockets (linger 0) for looking at the wire, closed at
+  teardown.
+- Endpoints: ``tcp://127.0.0.1:*`` only (never a fixed port or another address), unique
+  ``inproc://`` names, ``ipc://`` under ``tmp_path``.
+- ``recording_proxy``: a plain TCP relay on 127.0.0.1 that keeps every byte it forwards.
+
+Draft sockets: tests marked ``@pytest.mark.requires_draft`` are skipped when pyzmq has no
+draft API, unless ``ZIO_REQUIRE_DRAFT=1`` is set: then they fail, so a CI job meant to
+cover CLIENT/SERVER cannot pass by silently skipping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from zio_spark.transport.port import ClientPort, CurveAuthenticator, ServerPort
+
+HAVE_DRAFT = bool(zmq.has("draft") and zmq.DRAFT_API)
+TERM_TIMEOUT_S = 5.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "requires_draft: needs pyzmq with the draft API (CLIENT/SERVER); skipped without "
+        "it, failed instead when ZIO_REQUIRE_DRAFT=1",
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("requires_draft") is None or HAVE_DRAFT:
+        return
+    reason = (
+        f"needs a draft-enabled pyzmq (zmq.has('draft')={zmq.has('draft')}, "
+        f"zmq.DRAFT_API={zmq.DRAFT_API}); see scripts/build-draft-pyzmq.sh"
+    )
+    if os.environ.get("ZIO_REQUIRE_DRAFT") == "1":
+        pytest.fail(f"ZIO_REQUIRE_DRAFT=1 but this test {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+class TrackingContext(zmq.Context):  # type: ignore[type-arg]
+    """A context that holds every socket it made, so a leak is seen, not garbage-collected.
+
+    pyzmq closes an unreferenced socket when it is collected (with only a ResourceWarning),
+    which would hide a port that a test or the code under test forgot to close.
+    """
+
+    _made: list[zmq.Socket[Any]]
+
+    def socket(self, *args: Any, **kwargs: Any) -> Any:
+        s = super().socket(*args, **kwargs)
+        if not hasattr(self, "_made"):
+            self._made = []
+        self._made.append(s)
+        return s
+
+    def open_sockets(self) -> list[zmq.Socket[Any]]:
+        return [s for s in getattr(self, "_made", []) if not s.closed]
+
+
+def terminate(ctx: TrackingContext, timeout_s: float = TERM_TIMEOUT_S) -> list[str]:
+    """Terminate ``ctx`` within ``timeout_s``; returns descriptions of leaked sockets.
+
+    Leaked sockets are closed with linger 0 first so termination cannot hang on them.
+    Raises AssertionError if termination still does not finish in time.
+    """
+    leaked = ctx.open_sockets()
+    names = [repr(s) for s in leaked]
+    for s in leaked:
+        s.close(linger=0)
+    done = threading.Event()
+
+    def term() -> None:
+        ctx.term()
+        done.set()
+
+    t = threading.Thread(target=term, name="zmq-ctx-term", daemon=True)
+    t.start()
+    if not done.wait(timeout_s):
+        raise AssertionError(f"zmq context did not terminate within {timeout_s} s")
+    return names
+
+
+@pytest.fixture
+def ctx() -> Iterator[TrackingContext]:
+    context = TrackingContext()
+    yield context
+    leaked = terminate(context)
+    if leaked:
+        pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
+
+
+@pytest.fixture
+def make_server(ctx: zmq.Context[Any]) -> Iterator[Callable[..., ServerPort]]:
+    made: list[ServerPort] = []
+
+    def make(**kw: Any) -> ServerPort:
+        kw.setdefault("linger_ms", 0)
+        port = ServerPort(ctx, **kw)
+        made.append(port)
+        return port
+
+    yield make
+    for port in made:
+        port.close(linger_ms=0)
+
+
+@pytest.fixture
+def make_client(ctx: zmq.Context[Any]) -> Iterator[Callable[..., ClientPort]]:
+    made: list[ClientPort] = []
+
+    def make(**kw: Any) -> ClientPort:
+        kw.setdefault("linger_ms", 0)
+        port = ClientPort(ctx, **kw)
+        made.append(port)
+        return port
+
+    yield make
+    for port in made:
+        port.close(linger_ms=0)
+
+
+@pytest.fixture
+def raw_socket(ctx: zmq.Context[Any]) -> Iterator[Callable[[int], zmq.Socket[bytes]]]:
+    made: list[zmq.Socket[bytes]] = []
+
+    def make(kind: int) -> zmq.Socket[bytes]:
+        s: zmq.Socket[bytes] = ctx.socket(kind)
+        s.linger = 0
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close(linger=0)
+
+
+@pytest.fixture
+def authenticator(ctx: zmq.Context[Any]) -> Iterator[Callable[..., CurveAuthenticator]]:
+    made: list[CurveAuthenticator] = []
+
+    def make(keys: list[bytes], **kw: Any) -> CurveAuthenticator:
+        auth = CurveAuthenticator(ctx, keys, **kw)
+        made.append(auth)
+        return auth.start()
+
+    yield make
+    for auth in made:
+        auth.stop()
+
+
+@pytest.fixture
+def tcp_any() -> str:
+    return "tcp://127.0.0.1:*"
+
+
+@pytest.fixture
+def inproc_endpoint() -> str:
+    return f"inproc://zio-test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def ipc_endpoint(tmp_path: Path) -> str:
+    path = tmp_path / "port.ipc"
+    if len(str(path)) > 100:  # sun_path is 108 bytes
+        pytest.skip(f"tmp_path too long for an ipc socket: {path}")
+    return f"ipc://{path}"
+
+
+class RecordingProxy:
+    """A TCP relay on 127.0.0.1 that records every byte going either way.
+
+    Clients connect to ``port``; each connection is relayed to ``target_port``. Used to
+    check what an eavesdropper on the wire could read, without tcpdump.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._recorded = bytearray()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.connections = 0
+        self._thread = threading.Thread(target=self._run, name="recording-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def recorded(self) -> bytes:
+        with self._lock:
+            return bytes(self._recorded)
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ, "accept")
+        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        other: dict[socket.socket, socket.socket] = {}
+        try:
+            while True:
+                for key, _ in sel.select():
+                    if key.data == "wake":
+                        return
+                    if key.data == "accept":
+                        down, _ = self._listener.accept()
+                        up = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                        up.settimeout(None)
+                        other[down], other[up] = up, down
+                        sel.register(down, selectors.EVENT_READ, "pipe")
+                        sel.register(up, selectors.EVENT_READ, "pipe")
+                        self.connections += 1
+                        continue
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data = src.recv(65536)
+                    except OSError:
+                        data = b""
+                    dst = other.get(src)
+                    if not data or dst is None:
+                        for s in (src, dst):
+                            if s is not None and s in other:
+                                sel.unregister(s)
+                                other.pop(s)
+                                s.close()
+                        continue
+                    with self._lock:
+                        self._recorded += data
+                    with contextlib.suppress(OSError):
+                        dst.sendall(data)
+        finally:
+            for s in other:
+                s.close()
+            sel.close()
+
+    def close(self) -> None:
+        self._wake_w.send(b"x")
+        self._thread.join(TERM_TIMEOUT_S)
+        alive = self._thread.is_alive()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            s.close()
+        assert not alive, "recording proxy thread did not stop"
+
+
+@pytest.fixture
+def recording_proxy() -> Iterator[Callable[[int], RecordingProxy]]:
+    made: list[RecordingProxy] = []
+
+    def make(target_port: int) -> RecordingProxy:
+        proxy = RecordingProxy(target_port)
+        made.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in made:
+        proxy.close()
