@@ -1,0 +1,8 @@
+"""Auto-registration: Spark imports every top-level ``pyspark_*`` module on first data
+source use and registers its ``DefaultSource`` under ``DefaultSource.name()``, so
+``spark.readStream.format("zio")`` works with no ``spark.dataSource.register`` call.
+Keep this import light."""
+
+from zio_spark.spark.source import ZioDataSource as DefaultSource
+
+__all__ = ["DefaultSource"]

@@ -1,0 +1,385 @@
+"""``spark.readStream.format("zio")`` and ``spark.read.format("zio")``.
+
+Two reader instances exist (FACTS.md): the long-lived *runner* on the driver calls
+``initialOffset``/``latestOffset``/``partitions``/``commit``; executors get a pickled
+copy and call ``read``. So the reader keeps only its parsed options until a runner-only
+method first needs the receiver: the spool, the receiver thread and its sockets (and the
+segment server for remote executors) are created then, never in ``__init__``, and are
+left out of pickles.
+
+Offsets are ``{"<producer id>": next_seq}`` with sorted keys (Spark compares them as
+JSON strings): every record of that producer with ``seq < next_seq`` is covered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from zio_spark.errors import ConfigError, DataLossError
+from zio_spark.options import SourceOptions, parse_source_options
+from zio_spark.queue.spool import SPARK_SCHEMA, Spool, project, read_sealed
+from zio_spark.spark.receiver import Receiver
+from zio_spark.spark.segments import SegmentServer, fetch_range
+
+__all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]
+
+log = logging.getLogger("zio_spark.source")
+
+DEFAULT_SCHEMA = (
+    "value binary, key binary, producer string, seq bigint, origin bigint, granule bigint, "
+    "timestamp timestamp, headers map<string,string>"
+)
+_SPARK_TYPES = {
+    "value": "binary",
+    "key": "binary",
+    "producer": "string",
+    "seq": "bigint",
+    "origin": "bigint",
+    "granule": "bigint",
+    "timestamp": "timestamp",
+    "headers": "map<string,string>",
+}
+
+
+def _columns(schema: StructType | None) -> tuple[str, ...]:
+    """Check a user schema lists a subset of the default columns, with their types."""
+    if schema is None:
+        return tuple(_SPARK_TYPES)
+    names = []
+    for f in schema.fields:
+        want = _SPARK_TYPES.get(f.name)
+        got = f.dataType.simpleString()
+        if want is None:
+            raise ConfigError("schema", f.name, f"columns among {', '.join(_SPARK_TYPES)}")
+        if got != want:
+            raise ConfigError("schema", f"{f.name} {got}", f"column {f.name} of type {want}")
+        names.append(f.name)
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class ZioPartition(InputPartition):  # type: ignore[misc]
+    """One producer's range ``[start, end)``, and how executors reach the spool."""
+
+    producer: str
+    start: int
+    end: int
+    spool_path: str
+    host: str
+    server: str | None
+    access: str
+    fail_on_data_loss: bool
+    columns: tuple[str, ...]
+
+
+def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
+    local = p.access == "local" or (
+        p.access == "auto" and p.host == socket.gethostname() and os.path.isdir(p.spool_path)
+    )
+    try:
+        if local or p.server is None:
+            batches = read_sealed(p.spool_path, p.producer, p.start, p.end)
+        else:
+            batches = fetch_range(p.server, p.producer, p.start, p.end)
+        for batch in batches:
+            yield project(batch, p.columns) if len(p.columns) != len(SPARK_SCHEMA) else batch
+    except DataLossError:
+        if p.fail_on_data_loss:
+            raise
+        log.warning(
+            "records [%d, %d) of producer %r are gone; skipped (failOnDataLoss=false)",
+            p.start,
+            p.end,
+            p.producer,
+        )
+
+
+class _Runtime:
+    """The runner-side state of a stream reader (never pickled)."""
+
+    def __init__(self, opts: SourceOptions) -> None:
+        if not opts.spool_path_given:
+            log.warning(
+                "zio source: spool at %s (no spoolPath given); on a cluster set spoolPath to "
+                "a shared folder or let executors fetch through spoolAccess=remote",
+                opts.spool_path,
+            )
+        self.spool = Spool(opts.spool_path, on_gap="raise" if opts.fail_on_data_loss else "accept")
+        curve = None
+        if opts.curve is not None:
+            curve = (opts.curve.server_key, opts.curve.public_key, opts.curve.secret_key)
+        self.receiver = Receiver(
+            self.spool,
+            opts.endpoints,
+            credit=opts.credit,
+            max_backlog=opts.max_backlog,
+            stream=opts.stream,
+            connect_timeout=opts.connect_timeout,
+            mode=None if opts.socket == "auto" else opts.socket,
+            curve=curve,
+        ).start()
+        self.server: SegmentServer | None = None
+        if opts.spool_access != "local":
+            bind = "tcp://127.0.0.1:*" if opts.spool_access == "remote" else "tcp://0.0.0.0:*"
+            self.server = SegmentServer(opts.spool_path, bind)
+        self.stopped = False
+
+    def server_endpoint(self) -> str | None:
+        if self.server is None:
+            return None
+        ep = self.server.endpoint
+        if ep.startswith("tcp://0.0.0.0:"):
+            return f"tcp://{socket.gethostname()}:{ep.rsplit(':', 1)[1]}"
+        return ep
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.receiver.stop()
+        if self.server is not None:
+            self.server.stop()
+        self.spool.close()
+
+
+def _dump(offsets: dict[str, int]) -> dict[str, int]:
+    return dict(sorted(offsets.items()))
+
+
+class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
+    """Micro-batch reader; see the module docstring for which process calls what."""
+
+    def __init__(self, opts: SourceOptions, columns: tuple[str, ...]) -> None:
+        self.opts = opts
+        self.columns = columns
+        self._rt: _Runtime | None = None
+        self._target: dict[str, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"opts": self.opts, "columns": self.columns, "_rt": None, "_target": None}
+
+    def _runtime(self) -> _Runtime:
+        if self._rt is None:
+            self._rt = _Runtime(self.opts)
+            if threading.current_thread() is threading.main_thread():
+                previous = signal.getsignal(signal.SIGTERM)
+
+                def on_term(signum: int, frame: Any) -> None:
+                    self.stop()
+                    if callable(previous):
+                        previous(signum, frame)
+                    else:
+                        raise SystemExit(0)
+
+                signal.signal(signal.SIGTERM, on_term)
+        return self._rt
+
+    def _check(self, rt: _Runtime) -> None:
+        if rt.receiver.fatal is not None and self.opts.fail_on_data_loss:
+            raise rt.receiver.fatal
+        if rt.receiver.error is not None:
+            raise rt.receiver.error
+
+    def _base(self, rt: _Runtime, producer: str, start: dict[str, int]) -> int:
+        if producer in start:
+            return int(start[producer])
+        return max(rt.spool.committed().get(producer, 1), 1)
+
+    # -- Spark hooks -----------------------------------------------------------------
+
+    def initialOffset(self) -> dict[str, int]:
+        rt = self._runtime()
+        return _dump(rt.spool.committed())
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_records_per_trigger is not None:
+            return ReadMaxRows(self.opts.max_records_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Target = what producers have delivered once the flows went quiet (bounded)."""
+        rt = self._runtime()
+        deadline = time.monotonic() + self.opts.connect_timeout
+        last, quiet_since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            self._check(rt)
+            status = rt.receiver.status()
+            count = sum(s.records for s in status)
+            connected = all(s.state in ("receiving", "ended") for s in status)
+            if count != last:
+                last, quiet_since = count, time.monotonic()
+            elif connected and time.monotonic() - quiet_since >= 0.5:
+                break
+            time.sleep(0.05)  # the runner waits for producers; not a test wait
+        self._target = rt.spool.seal()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        rt = self._runtime()
+        self._check(rt)
+        ends = rt.spool.seal() if self._target is None else dict(self._target)
+        out = {p: max(int(v), ends.get(p, 0)) for p, v in start.items()}
+        for p, e in ends.items():
+            out[p] = max(out.get(p, 0), e, self._base(rt, p, start))
+        if isinstance(limit, ReadMaxRows):
+            budget = limit.max_rows
+            for p in sorted(out):
+                base = self._base(rt, p, start)
+                take = max(0, min(out[p] - base, budget))
+                out[p] = base + take
+                budget -= take
+        return _dump(out)
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        if self._rt is None:
+            return {}
+        return {"backlog": self._rt.spool.backlog()}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        rt = self._runtime()
+        out = []
+        for p in sorted(end):
+            s = self._base(rt, p, start)
+            e = int(end[p])
+            if e > s:
+                out.append(
+                    ZioPartition(
+                        p,
+                        s,
+                        e,
+                        self.opts.spool_path,
+                        socket.gethostname(),
+                        rt.server_endpoint(),
+                        self.opts.spool_access,
+                        self.opts.fail_on_data_loss,
+                        self.columns,
+                    )
+                )
+        return out
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, ZioPartition)
+        return _read_partition(partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        rt = self._runtime()
+        rt.receiver.commit({p: int(v) for p, v in end.items()})
+
+    def stop(self) -> None:
+        if self._rt is not None:
+            self._rt.stop()
+
+
+class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
+    """``spark.read.format("zio")``: read a bounded flow into a private spool, then scan it.
+
+    Ends when every producer has sent EOT, or ``maxRecords`` records arrived, or ``timeout``
+    passed (default: ``connectTimeout``). Records read are acknowledged to the producers;
+    records beyond ``maxRecords`` are not, so ack-capable producers keep them.
+    """
+
+    def __init__(self, opts: SourceOptions, columns: tuple[str, ...]) -> None:
+        self.opts = opts
+        self.columns = columns
+
+    def partitions(self) -> Sequence[InputPartition]:
+        opts = self.opts
+        path = os.path.join(opts.spool_path, f"batch-{uuid.uuid4().hex}")
+        spool = Spool(path, on_gap="raise" if opts.fail_on_data_loss else "accept")
+        recv = Receiver(
+            spool,
+            opts.endpoints,
+            credit=opts.credit,
+            max_backlog=opts.max_backlog,
+            stream=opts.stream,
+            connect_timeout=opts.connect_timeout,
+            mode=None if opts.socket == "auto" else opts.socket,
+            reconnect=False,
+        ).start()
+        try:
+            timeout = opts.timeout or opts.connect_timeout
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if recv.fatal is not None and opts.fail_on_data_loss:
+                    raise recv.fatal
+                status = recv.status()
+                total = sum(s.records for s in status)
+                if opts.max_records is not None and total >= opts.max_records:
+                    break
+                if status and all(s.state in ("ended", "failed") for s in status):
+                    break
+                time.sleep(0.02)  # waiting on producers, bounded by the deadline
+            ends = spool.seal()
+            budget = opts.max_records
+            starts = {p: max(spool.committed().get(p, 1), 1) for p in ends}
+            if budget is not None:
+                for p in sorted(ends):
+                    take = max(0, min(ends[p] - starts[p], budget))
+                    ends[p] = starts[p] + take
+                    budget -= take
+            recv.commit(ends)
+            recv.flush_acks(timeout=min(5.0, opts.connect_timeout))
+        finally:
+            recv.stop()
+            spool.close()
+        return [
+            ZioPartition(
+                p,
+                starts[p],
+                e,
+                path,
+                socket.gethostname(),
+                None,
+                "local",
+                opts.fail_on_data_loss,
+                self.columns,
+            )
+            for p, e in sorted(ends.items())
+            if e > starts[p]
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, ZioPartition)
+        return _read_partition(partition)
+
+
+class ZioDataSource(DataSource):  # type: ignore[misc]
+    """The ``zio`` data source: a ZIO flow source and sink for Spark."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "zio"
+
+    def schema(self) -> str:
+        # Reads only: validate the source options now, so a typo fails at load().
+        parse_source_options(self.options)
+        return DEFAULT_SCHEMA
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return ZioStreamReader(parse_source_options(self.options), _columns(schema))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return ZioBatchReader(parse_source_options(self.options), _columns(schema))
