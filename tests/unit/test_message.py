@@ -665,3 +665,50 @@ def test_encode_flow_label_not_serialisable():
     circular["self"] = circular
     with pytest.raises(LocalProtocolError):
         encode_flow_label(circular)  # ValueError inside json
+
+
+# -- the prefix caches -------------------------------------------------------------------
+
+
+def test_unhashable_label_is_a_local_error_not_a_crash():
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frames(Message(form="TEXT", label=["not", "text"]))  # type: ignore[arg-type]
+    assert info.value.field == "label"
+
+
+def test_cached_prefix_still_checks_the_coord():
+    frames = encode_frames(Message(form="TEXT", label="cached"))
+    decode_frames(frames)  # now cached
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_frames([frames[0], b"\x00" * 23])
+    assert info.value.field == "coord"
+
+
+def test_caches_stay_bounded_and_correct_when_full(monkeypatch):
+    import zio_spark.protocol.message as m
+
+    monkeypatch.setattr(m, "_PREFIX_OUT", {})
+    monkeypatch.setattr(m, "_PREFIX_IN", {})
+    monkeypatch.setattr(m, "_PREFIX_CACHE_MAX", 2)
+    msgs = [Message(form="TEXT", label=f"l{i}", seqno=i) for i in range(5)]
+    for msg in msgs:
+        assert decode_frames(encode_frames(msg)) == msg
+    assert len(m._PREFIX_OUT) == 2
+    assert len(m._PREFIX_IN) == 2
+
+
+def test_bool_level_is_not_served_from_the_cache():
+    encode_frames(Message(form="TEXT", label="b", level=1))
+    with pytest.raises(LocalProtocolError) as info:
+        encode_frames(Message(form="TEXT", label="b", level=True))
+    assert info.value.field == "level"
+
+
+def test_join_single_rejects_frames_of_4_gib():
+    class Huge(bytes):
+        def __len__(self) -> int:
+            return 1 << 32
+
+    with pytest.raises(LocalProtocolError) as info:
+        join_single([Huge(b"x")])
+    assert info.value.field == "length"

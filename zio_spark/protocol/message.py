@@ -169,7 +169,28 @@ def encode_flow_label(obj: Mapping[str, Any]) -> str:
         raise LocalProtocolError(f"flow object is not JSON-serialisable: {e}") from None
 
 
+# Prefixes repeat too (every DAT of a flow has the same one): both directions keep a
+# bounded cache, so the hot path is a dict lookup instead of validation and encoding.
+_PREFIX_OUT: dict[tuple[int, str, str], bytes] = {}
+_PREFIX_IN: dict[bytes, tuple[int, str, str]] = {}
+_PREFIX_CACHE_MAX = 4096
+
+
 def _encode_prefix(msg: Message) -> bytes:
+    key = (msg.level, msg.form, msg.label)
+    try:
+        cached = _PREFIX_OUT.get(key)
+    except TypeError:  # an unhashable field: let validation name it
+        cached = None
+    if cached is not None and type(msg.level) is int:
+        return cached
+    prefix = _build_prefix(msg)
+    if len(_PREFIX_OUT) < _PREFIX_CACHE_MAX:
+        _PREFIX_OUT[key] = prefix
+    return prefix
+
+
+def _build_prefix(msg: Message) -> bytes:
     level = msg.level
     if isinstance(level, bool) or not (isinstance(level, int) and 0 <= level <= 8):
         raise LocalProtocolError(
@@ -239,6 +260,17 @@ def decode_frames(frames: Sequence[bytes]) -> Message:
         )
     prefix = bytes(frames[0])
     coord = frames[1]
+    known = _PREFIX_IN.get(prefix)
+    if known is not None:
+        if len(coord) != COORD_SIZE:
+            raise RemoteProtocolError(
+                f"coord must be exactly 24 bytes, got {len(coord)}",
+                field="coord",
+                value=len(coord),
+            )
+        origin, granule, seqno = _COORD.unpack(coord)
+        level, form, label = known
+        return Message(form, label, level, origin, granule, seqno, tuple(map(bytes, frames[2:])))
     if len(prefix) < 8:
         raise RemoteProtocolError(
             f"prefix must be at least 8 bytes (ZIO + level + 4-byte form), got {prefix!r}",
@@ -279,6 +311,8 @@ def decode_frames(frames: Sequence[bytes]) -> Message:
     origin, granule, seqno = _COORD.unpack(coord)
     if form == FLOW_FORM:
         parse_flow_label(label)
+    if len(_PREFIX_IN) < _PREFIX_CACHE_MAX:
+        _PREFIX_IN[prefix] = (level_byte - 48, form, label)
     return Message(
         form=form,
         label=label,
