@@ -1,0 +1,168 @@
+"""Micro benchmark of the spool's hot path (not a test).
+
+Appends N records of S bytes in batches of B with a flush (fdatasync) per batch, seals
+every K records, then reads everything back. Next to it, in the same run and on the same
+disk, the anchor: raw ``os.write`` + ``os.fdatasync`` of the same payload bytes per batch
+(FACTS.md "Storage": ~800k rec/s for 1 KiB records with 1000 per commit), alternating with
+the spool every seal interval. Each batch's records are built just before its timed
+append: building them is the receiver's cost, not the spool's.
+
+    .venv/bin/python bench/bench_spool.py [--records 1000000] [--producers 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from zio_spark.queue.spool import Record, Spool
+
+
+def run(
+    folder: Path, records: int, batch: int, size: int, seal_every: int, producers: int
+) -> dict[str, float]:
+    """One run. Anchor and spool alternate every seal interval, so both see the same disk
+    (fdatasync latency on these VMs drifts by 10x within minutes)."""
+    pool = [os.urandom(size) for _ in range(1024)]
+    chunk = os.urandom(size * batch * producers)  # anchor: the same bytes per sync
+    names = [f"producer-{i}" for i in range(producers)]
+    seq = dict.fromkeys(names, 1)
+    anchor_time = append_time = flush_time = seal_time = 0.0
+    anchor_fd = os.open(folder / "anchor.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    per_round = batch * producers
+    rounds_per_seal = max(1, seal_every // per_round)
+    with Spool(folder / "spool") as spool:
+        done = 0
+        while done + per_round <= records:
+            n_rounds = min(rounds_per_seal, (records - done) // per_round)
+            t0 = time.perf_counter()
+            for _ in range(n_rounds):
+                os.write(anchor_fd, chunk)
+                os.fdatasync(anchor_fd)
+            anchor_time += time.perf_counter() - t0
+            for _ in range(n_rounds):
+                # Build the records (untimed, the receiver's cost), then append + flush.
+                ts = time.time_ns() // 1000
+                rnd = []
+                for name in names:
+                    s = seq[name]
+                    rnd.append(
+                        (
+                            name,
+                            [
+                                Record(i, pool[i & 1023], None, 0, 0, ts, None)
+                                for i in range(s, s + batch)
+                            ],
+                        )
+                    )
+                    seq[name] = s + batch
+                t0 = time.perf_counter()
+                for name, recs in rnd:
+                    spool.append(name, recs)
+                t1 = time.perf_counter()
+                spool.flush()
+                t2 = time.perf_counter()
+                append_time += t1 - t0
+                flush_time += t2 - t1
+            done += n_rounds * per_round
+            t0 = time.perf_counter()
+            spool.seal()
+            seal_time += time.perf_counter() - t0
+        stats = spool.stats
+        t0 = time.perf_counter()
+        rows = 0
+        for name in names:
+            for b in spool.read(name, 1, seq[name]):
+                rows += b.num_rows
+        read_time = time.perf_counter() - t0
+        assert rows == done, (rows, done)
+    os.close(anchor_fd)
+    os.unlink(folder / "anchor.bin")
+    return {
+        "records": done,
+        "anchor_rps": done / anchor_time,
+        "append_flush_rps": done / (append_time + flush_time),
+        "append_only_rps": done / append_time,
+        "flush_ms": flush_time / (done / per_round) * 1e3,
+        "anchor_ms": anchor_time / (done / per_round) * 1e3,
+        "with_seal_rps": done / (append_time + flush_time + seal_time),
+        "seal_s": seal_time,
+        "read_rps": rows / read_time,
+        "segments": stats.segments_written,
+        "bytes_on_disk": stats.bytes_on_disk,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=1_000_000)
+    ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--size", type=int, default=100)
+    ap.add_argument("--seal-every", type=int, default=100_000)
+    ap.add_argument("--producers", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3, help="runs; the median is reported")
+    ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: tmp)")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bench-spool-", dir=args.dir))
+    try:
+        runs = []
+        for i in range(args.repeat):
+            run_dir = base / f"run{i}"
+            run_dir.mkdir()
+            runs.append(
+                run(run_dir, args.records, args.batch, args.size, args.seal_every, args.producers)
+            )
+            shutil.rmtree(run_dir)
+        med = statistics.median
+        anchors = [r["anchor_rps"] for r in runs]
+        a = med(anchors)
+        af = med(r["append_flush_rps"] for r in runs)
+        ratios = [r["append_flush_rps"] / r["anchor_rps"] for r in runs]
+        print(
+            f"spool bench: {args.records} records x {args.size} B, {args.batch}/flush, "
+            f"seal every {args.seal_every}, {args.producers} producer(s), "
+            f"median of {args.repeat}"
+        )
+        print(f"  anchor write+fdatasync : {a:12,.0f} rec/s   (runs {_fmt(anchors)})")
+        print(
+            f"  spool append+flush     : {af:12,.0f} rec/s   (runs "
+            f"{_fmt([r['append_flush_rps'] for r in runs])})"
+        )
+        print(
+            f"  ratio spool/anchor     : {med(ratios):12.2f}         (runs "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + ")"
+        )
+        print(
+            f"  append alone (CPU)     : {med(r['append_only_rps'] for r in runs):12,.0f} rec/s"
+            f"   (no fdatasync; the spool's own cost)"
+        )
+        print(
+            f"  per sync               : spool flush {med(r['flush_ms'] for r in runs):.2f} ms, "
+            f"anchor write+sync {med(r['anchor_ms'] for r in runs):.2f} ms"
+        )
+        print(f"  incl. seal             : {med(r['with_seal_rps'] for r in runs):12,.0f} rec/s")
+        print(f"  seal total             : {med(r['seal_s'] for r in runs):12.3f} s")
+        print(
+            f"  read (zero-copy)       : {med(r['read_rps'] for r in runs):12,.0f} rec/s"
+            f"   (runs {_fmt([r['read_rps'] for r in runs])})"
+        )
+        print(
+            f"  segments {runs[-1]['segments']:.0f}, "
+            f"on disk {runs[-1]['bytes_on_disk'] / 1e6:.1f} MB"
+        )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _fmt(values: list[float]) -> str:
+    return ", ".join(f"{v / 1e3:,.0f}k" for v in values)
+
+
+if __name__ == "__main__":
+    main()
