@@ -821,3 +821,48 @@ def test_random_operations_match_the_model(
     finally:
         sp.close()
         shutil.rmtree(path, ignore_errors=True)
+
+
+# -- append_batch: the Arrow receive path ---------------------------------------------------
+
+
+def _wal_batch(start: int, stop: int, tag: str = "v") -> pa.RecordBatch:
+    from zio_spark.queue.spool import WAL_SCHEMA
+
+    n = stop - start
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([f"{tag}{i}".encode() for i in range(start, stop)], pa.binary()),
+            pa.nulls(n, pa.binary()),
+            pa.array(range(start, stop), pa.int64()),
+            pa.array(range(start, stop), pa.int64()),
+            pa.array(range(start, stop), pa.int64()),
+            pa.array(range(start, stop), pa.timestamp("us", tz="UTC")),
+            pa.nulls(n, WAL_SCHEMA.field("headers").type),
+        ],
+        schema=WAL_SCHEMA,
+    )
+
+
+def test_append_batch_matches_append(tmp_path):
+    with Spool(tmp_path / "a", sync=False) as a, Spool(tmp_path / "b", sync=False) as b:
+        assert a.append("p", recs(1, 101)) == 100
+        assert b.append_batch("p", _wal_batch(1, 101)) == 100
+        # Resends are dropped the same way.
+        assert b.append_batch("p", _wal_batch(50, 151)) == 50
+        assert a.append("p", recs(50, 151)) == 50
+        assert a.seal() == b.seal() == {"p": 151}
+        ra = pa.Table.from_batches(list(a.read("p", 1, 151)))
+        rb = pa.Table.from_batches(list(b.read("p", 1, 151)))
+        assert ra.equals(rb)
+
+
+def test_append_batch_rejects_other_schemas_and_gaps(tmp_path):
+    with Spool(tmp_path / "s", sync=False) as sp:
+        wrong = pa.RecordBatch.from_pydict({"value": [b"x"], "seq": [1]})
+        with pytest.raises(ValueError, match="schema"):
+            sp.append_batch("p", wrong)
+        with pytest.raises(SequenceGapError):
+            sp.append_batch("p", _wal_batch(5, 10))
+        assert sp.append_batch("p", _wal_batch(1, 1)) == 0
+        assert sp.backlog().get("p", 0) == 0

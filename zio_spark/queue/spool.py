@@ -98,6 +98,7 @@ __all__ = [
     "DEFAULT_MAX_ROWS_PER_BATCH",
     "HEADERS_TYPE",
     "SPARK_SCHEMA",
+    "WAL_SCHEMA",
     "MissingRangeError",
     "Record",
     "SequenceGapError",
@@ -133,6 +134,8 @@ SPARK_SCHEMA: Final = pa.schema(
 timestamp timestamp, headers map<string,string>`` (all nullable, session time zone UTC)."""
 
 _WAL_SCHEMA: Final = SPARK_SCHEMA.remove(SPARK_SCHEMA.get_field_index("producer"))
+WAL_SCHEMA: Final = _WAL_SCHEMA
+"""The columns of :meth:`Spool.append_batch`: :data:`SPARK_SCHEMA` without ``producer``."""
 _SEQ_WAL: Final = _WAL_SCHEMA.get_field_index("seq")
 _SEQ_SPARK: Final = SPARK_SCHEMA.get_field_index("seq")
 _PRODUCER_SPARK: Final = SPARK_SCHEMA.get_field_index("producer")
@@ -400,8 +403,33 @@ class Spool:
             raise ValueError("records must all be Record tuples of 7 fields") from e
         if len(cols) != 7:
             raise ValueError(f"records must be Record tuples of 7 fields, got {len(cols)}")
-        batch = _build_wal_batch(cols, n)
-        seqs = cols[0]
+        return self._append(producer, _build_wal_batch(cols, n), cols[0])
+
+    def append_batch(self, producer: str, batch: pa.RecordBatch) -> int:
+        """Like :meth:`append`, for records already in Arrow form (the receive hot path).
+
+        ``batch`` has the columns of :data:`WAL_SCHEMA` (:data:`SPARK_SCHEMA` without
+        ``producer``), exactly.
+
+        Raises
+        ------
+        SequenceGapError
+            As :meth:`append`.
+        ValueError
+            A batch of another schema, or with null sequence numbers; nothing was stored.
+        """
+        if not batch.schema.equals(_WAL_SCHEMA):
+            raise ValueError(f"append_batch needs schema {_WAL_SCHEMA}, got {batch.schema}")
+        if batch.num_rows == 0:
+            return 0
+        seq = batch.column(_SEQ_WAL)
+        if seq.null_count:
+            raise ValueError("append_batch: seq has nulls")
+        _encode_id(producer)
+        return self._append(producer, batch, tuple(seq.to_pylist()))
+
+    def _append(self, producer: str, batch: pa.RecordBatch, seqs: Sequence[int]) -> int:
+        n = batch.num_rows
         with self._lock:
             self._check_open()
             st = self._producer(producer)

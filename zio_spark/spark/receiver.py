@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import zmq
 
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
@@ -55,7 +56,7 @@ from zio_spark.protocol.flow import (
     profile_bot,
 )
 from zio_spark.protocol.message import Message
-from zio_spark.queue.spool import Record, Spool
+from zio_spark.queue.spool import WAL_SCHEMA, Record, Spool
 from zio_spark.records import ENCODING, decode_batch, plain_value
 from zio_spark.transport.port import BadMessage, ClientPort
 
@@ -440,7 +441,16 @@ class Receiver:
                     field="batch",
                     value=batch.num_rows,
                 )
-            records = _records_from_batch(batch, held, origin, ts)
+            wal = _wal_batch(batch, held, origin, ts)
+            if wal is None:
+                peer.status.duplicates += batch.num_rows
+                self.stats["duplicate_dats"] += 1
+                return False
+            new = self.spool.append_batch(producer, wal)
+            peer.status.records += new
+            peer.status.duplicates += wal.num_rows - new
+            self.stats["records"] += new
+            return True
         else:
             value, nframes = plain_value(data.message.payload)
             headers = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.attrs.items()}
@@ -491,17 +501,30 @@ class Receiver:
             self.stats["acks_sent"] += 1
 
 
-def _records_from_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> list[Record]:
-    seqs = batch.column(0).to_pylist()
-    first_new = max(0, held + 1 - seqs[0])
-    if first_new >= len(seqs):
-        return []
-    sl = batch.slice(first_new)
-    values = sl.column(1).to_pylist()
-    keys = sl.column(2).to_pylist()
-    granules = sl.column(3).to_pylist()
-    headers = sl.column(4).to_pylist()
-    return [
-        Record(seq, v, k, origin, g or 0, ts, dict(h) if h else None)
-        for seq, v, k, g, h in zip(seqs[first_new:], values, keys, granules, headers, strict=True)
-    ]
+_U64 = 1 << 64
+
+
+def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:
+    """Turn a wire batch into the spool's columns, dropping records already held."""
+    first = batch.column(0)[0].as_py()
+    skip = max(0, held + 1 - first)
+    if skip >= batch.num_rows:
+        return None
+    b = batch.slice(skip) if skip else batch
+    n = b.num_rows
+    signed_origin = origin - _U64 if origin >= 1 << 63 else origin
+    granule = b.column(3)
+    if granule.null_count:
+        granule = pc.fill_null(granule, 0)
+    return pa.RecordBatch.from_arrays(
+        [
+            b.column(1),
+            b.column(2),
+            b.column(0),
+            pa.repeat(pa.scalar(signed_origin, pa.int64()), n),
+            granule,
+            pa.repeat(pa.scalar(ts, pa.timestamp("us", tz="UTC")), n),
+            b.column(4),
+        ],
+        schema=WAL_SCHEMA,
+    )
