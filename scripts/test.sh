@@ -19,7 +19,7 @@ echo "== ruff"
 echo "== mypy"
 .venv/bin/mypy
 echo "== pytest (stock pyzmq $(.venv/bin/python -c 'import zmq; print(zmq.__version__)'))"
-.venv/bin/python -m pytest --cov=zio_spark.protocol --cov-branch --cov-report=term \
+ZIO_REQUIRE_PYRE=1 .venv/bin/python -m pytest --cov=zio_spark.protocol --cov-branch --cov-report=term \
   --cov-fail-under=95 "$@"
 echo "== pytest tests/transport (draft pyzmq)"
 ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest tests/transport -p no:cacheprovider

@@ -1,0 +1,72 @@
+"""Suite-wide safety settings and the private network namespace fixture.
+
+ZRE nodes broadcast UDP beacons. So that no test can ever broadcast on a real interface,
+the defaults a :class:`~zio_spark.transport.zre_node.ZreNode` takes from the environment
+are pinned to loopback here, at import time, before any test module is imported:
+``127.255.255.255`` reaches every socket bound to ``0.0.0.0`` on this host and nothing
+else. Child processes inherit these values.
+
+``netns``: a factory of private network namespaces (``ip netns``), deleted at teardown.
+Only ``lo`` is up inside, plus, on request, a veth pair whose *both* ends stay in the
+namespace (for peers that insist on a non-loopback interface with a broadcast address,
+like pyre). Needs root and iproute2; without them the test fails when ``CI=true`` and is
+skipped otherwise. Nothing is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+
+os.environ["ZIO_ZRE_BROADCAST"] = "127.255.255.255"
+os.environ["ZIO_ZRE_INTERFACE_ADDR"] = "127.0.0.1"
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but private network namespaces are unavailable: {reason}")
+    pytest.skip(reason)
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+
+
+@pytest.fixture
+def netns() -> Iterator[Callable[..., str]]:
+    """``make(veth_cidr=None) -> name``: a fresh namespace with ``lo`` up.
+
+    With ``veth_cidr`` (e.g. ``"10.99.0.1/24"``) a veth pair ``v0``/``v1`` is created
+    inside the namespace and ``v0`` gets that address; ``v1`` stays down and unnumbered.
+    """
+    if shutil.which("ip") is None:
+        _unavailable("iproute2's `ip` is not installed (apt-get install iproute2)")
+    if os.geteuid() != 0:
+        _unavailable(f"`ip netns` needs root; running as uid {os.geteuid()}")
+    made: list[str] = []
+
+    def make(veth_cidr: str | None = None) -> str:
+        name = f"zio-test-{secrets.token_hex(4)}"
+        steps = [["netns", "add", name], ["-n", name, "link", "set", "lo", "up"]]
+        if veth_cidr is not None:
+            steps += [
+                ["-n", name, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                ["-n", name, "addr", "add", veth_cidr, "dev", "v0"],
+                ["-n", name, "link", "set", "v0", "up"],
+            ]
+        for i, step in enumerate(steps):
+            result = _ip(*step)
+            if i == 0 and result.returncode == 0:
+                made.append(name)
+            if result.returncode != 0:
+                _unavailable(f"`ip {' '.join(step)}` failed: {result.stderr.strip()}")
+        return name
+
+    yield make
+    for name in made:
+        _ip("netns", "del", name)

@@ -1,0 +1,1231 @@
+"""A ZRE node: UDP beacons, a ROUTER mailbox and one DEALER per peer (specs/36-zre.txt).
+
+Theory of operation:
+
+All protocol decisions live in the pure :class:`~zio_spark.protocol.zre.PeerTable`; this
+module only moves bytes and time. One background thread owns every socket (zmq sockets
+are not thread-safe): the UDP beacon socket, the mailbox ROUTER and the per-peer DEALERs.
+It loops on a single poll whose timeout is the earliest of "next beacon due" and
+:meth:`PeerTable.next_deadline`, feeds beacons, mailbox messages and ``time.monotonic()``
+into the table, and carries out what comes back:
+
+- actions (CONNECT, DROP, SEND_PING, SEND_PING_OK) are done in the node thread: a CONNECT
+  opens a DEALER with identity ``0x01 + our UUID`` to the peer's mailbox and sends our
+  HELLO (endpoint, groups, status, name, headers) before anything else; DROP closes it;
+- application events (ENTER, EXIT, JOIN, LEAVE, WHISPER, SHOUT, EVASIVE) are handed to the
+  application: queued for :meth:`ZreNode.next_event`, or given to the ``on_event``
+  callback (called in the node thread; it must not block, and may call the node's API).
+
+Other threads talk to the node thread through a command queue and a waker (a socket
+pair whose read end is in the poll): each API call is a closure run in the node thread,
+with a :class:`concurrent.futures.Future` for the result. Called from the node thread
+itself (an ``on_event`` callback), the closure runs inline, so there is no deadlock.
+
+Where the node talks. The beacon socket binds ``0.0.0.0:<beacon_port>`` with SO_REUSEADDR,
+SO_REUSEPORT and SO_BROADCAST, so that several nodes on one host share the port, and sends
+its 22-byte beacon to ``<broadcast>:<beacon_port>`` every ``interval`` seconds. The
+mailbox ROUTER binds ``tcp://<interface_addr>:<port>`` on an ephemeral port in
+0xC000..0xFFFF, and the HELLO advertises that endpoint. Peers that discover us by beacon
+connect to *the beacon's source address*, so ``interface_addr`` must be the address the
+kernel uses as source when it sends to ``broadcast``; by default it is derived exactly
+so (a UDP ``connect`` to the broadcast address, which sends nothing), and a mismatch is
+logged as a warning. Defaults come from the environment when set:
+
+- ``ZIO_ZRE_BROADCAST`` (else ``255.255.255.255``): tests set ``127.255.255.255``,
+  which reaches every socket bound to ``0.0.0.0`` on loopback and nothing else;
+- ``ZIO_ZRE_INTERFACE_ADDR`` (else derived from the broadcast address as above).
+
+Bad input. A datagram that is not a ZRE beacon, or a mailbox message that does not
+decode (bad identity, signature, version, truncation, a HELLO whose endpoint is not
+``tcp://``), is dropped, counted in :attr:`ZreNode.stats` and logged on the
+``zio_spark.transport`` logger with its sender; log lines are throttled. The node never
+stops because of what a peer sends; a peer that breaks sequence numbering is dropped
+(EXIT) by the table. A send that would block (the peer's queue is at its high-water mark
+of ``expired_after * 100`` messages) is treated as "peer not responding": the peer is
+removed (EXIT).
+
+Leaving. :meth:`ZreNode.stop` sends a port-0 beacon, so peers drop us at once instead of
+after their expiry timeout, then closes every socket (DEALERs with ``linger_ms``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import math
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import uuid as uuid_mod
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from enum import Enum
+from types import MappingProxyType, TracebackType
+from typing import Any, TypeAlias, TypeVar
+from uuid import UUID
+
+import zmq
+
+from zio_spark.errors import (
+    ConfigError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+)
+from zio_spark.protocol.zre import (
+    DISCOVERY_PORT,
+    EVASIVE_AFTER,
+    EXPIRED_AFTER,
+    Beacon,
+    Command,
+    ConnectAction,
+    DropAction,
+    DropReason,
+    EnterEvent,
+    EvasiveEvent,
+    Event,
+    ExitEvent,
+    Hello,
+    Join,
+    JoinEvent,
+    Leave,
+    LeaveEvent,
+    Peer,
+    PeerTable,
+    Ping,
+    PingOk,
+    SendPingAction,
+    SendPingOkAction,
+    Shout,
+    ShoutEvent,
+    Whisper,
+    WhisperEvent,
+    ZioEndpoint,
+    decode_beacon,
+    decode_command,
+    decode_identity,
+    encode_beacon,
+    encode_command,
+    encode_identity,
+    group_zio_endpoints,
+    tcp_endpoint,
+    zio_port_headers,
+)
+from zio_spark.transport.port import UnknownPeerError
+
+__all__ = [
+    "BROADCAST_ENV",
+    "DEFAULT_BROADCAST",
+    "INTERFACE_ENV",
+    "AppEvent",
+    "ZreNode",
+]
+
+log = logging.getLogger("zio_spark.transport")
+
+BROADCAST_ENV = "ZIO_ZRE_BROADCAST"
+"""Environment variable naming the default beacon broadcast address."""
+INTERFACE_ENV = "ZIO_ZRE_INTERFACE_ADDR"
+"""Environment variable naming the default mailbox interface address."""
+DEFAULT_BROADCAST = "255.255.255.255"
+
+AppEvent: TypeAlias = (
+    EnterEvent | ExitEvent | JoinEvent | LeaveEvent | WhisperEvent | ShoutEvent | EvasiveEvent
+)
+"""What the application receives from :meth:`ZreNode.next_event` or ``on_event``."""
+_APP_EVENTS = (EnterEvent, ExitEvent, JoinEvent, LeaveEvent, WhisperEvent, ShoutEvent, EvasiveEvent)
+
+_T = TypeVar("_T")
+
+_MAILBOX_PORTS = (0xC000, 0x10000)  # the spec's ephemeral range, upper bound exclusive
+_DATAGRAM_MAX = 512  # larger than a beacon, so an oversized datagram is seen as such
+_BIND_TRIES = 200
+_BATCH = 256  # inputs handled per source per loop turn, so timers are never starved
+_UINT8_MAX = 0xFF
+_LOG_BAD_FIRST = 20
+_LOG_BAD_EVERY = 1000
+_STAT_KEYS = (
+    "beacons_sent",
+    "beacon_send_errors",
+    "beacons_received",
+    "own_beacons",
+    "bad_beacons",
+    "messages_received",
+    "bad_messages",
+    "messages_sent",
+    "pings_sent",
+    "ping_oks_received",
+    "send_failures",
+    "peers_connected",
+    "peers_dropped",
+    "events_dropped",
+    "callback_errors",
+    "internal_errors",
+)
+
+
+class _State(Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+def _env_or(name: str, default: str | None) -> str | None:
+    value = os.environ.get(name, "").strip()
+    return value or default
+
+
+def _ipv4(option: str, value: object) -> ipaddress.IPv4Address:
+    try:
+        return ipaddress.IPv4Address(str(value))
+    except ValueError:
+        raise ConfigError(option, value, "an IPv4 address (ZRE beacons are IPv4)") from None
+
+
+def _route_source(broadcast: str, port: int) -> str | None:
+    """The source address the kernel would use to send to ``broadcast`` (sends nothing)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+        s.connect((broadcast, port))
+        return str(s.getsockname()[0])
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def _check_text(value: object, field: str, *, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or (not value and not allow_empty):
+        raise LocalProtocolError(
+            f"ZRE {field}: got {value!r}, expected a {'' if allow_empty else 'non-empty '}str",
+            field=field,
+            value=value,
+        )
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise LocalProtocolError(
+            f"ZRE {field}: got {value!r}, expected text encodable as UTF-8",
+            field=field,
+            value=value,
+        ) from e
+    if size > _UINT8_MAX:
+        raise LocalProtocolError(
+            f"ZRE {field}: got {size} UTF-8 bytes ({value[:40]!r}...), expected at most 255",
+            field=field,
+            value=value,
+        )
+    return value
+
+
+def _check_frames(frames: Iterable[object]) -> tuple[bytes, ...]:
+    out: list[bytes] = []
+    for i, frame in enumerate(frames):
+        if isinstance(frame, bytes | bytearray | memoryview):
+            out.append(bytes(frame))
+        else:
+            raise LocalProtocolError(
+                f"ZRE content frame {i}: got {type(frame).__name__}, expected bytes",
+                field="content",
+                value=frame,
+            )
+    return tuple(out)
+
+
+class _Throttle:
+    """Logs the first few occurrences, then one in every ``_LOG_BAD_EVERY``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, msg: str, *args: object) -> None:
+        self.count += 1
+        if self.count <= _LOG_BAD_FIRST or self.count % _LOG_BAD_EVERY == 0:
+            log.warning(msg + " [occurrence %d]", *args, self.count)
+
+
+class ZreNode:
+    """A ZRE node on the local network: discovery, groups, WHISPER and SHOUT.
+
+    Parameters
+    ----------
+    name
+        Public name sent in HELLO (default: the first 6 hex digits of the UUID).
+    headers
+        HELLO headers (name -> value); see also :meth:`set_header`, :meth:`advertise_port`.
+    beacon_port
+        UDP discovery port (default 5670, the ZRE-DISC port). Every node of a cluster
+        must use the same one.
+    broadcast
+        IPv4 address beacons are sent to (default ``$ZIO_ZRE_BROADCAST``, else
+        ``255.255.255.255``).
+    interface_addr
+        IPv4 address the mailbox binds to and advertises (default
+        ``$ZIO_ZRE_INTERFACE_ADDR``, else the source address the kernel picks for
+        ``broadcast``). It must be the address our beacons are sent from.
+    interval
+        Seconds between beacons (default 1.0).
+    evasive_after, expired_after
+        Seconds of silence before a peer gets a PING (EVASIVE) and before it is dropped
+        (EXIT); defaults 5 and 30.
+    ctx
+        The zmq context for the mailbox and DEALERs; by default the node makes its own
+        and terminates it in :meth:`stop`.
+    on_event
+        If given, called in the node thread with every application event instead of
+        queueing it for :meth:`next_event`. Must not block; may call this node's API.
+    linger_ms
+        Linger of the peers' DEALERs when the node stops (default 100).
+    max_queued_events
+        Bound of the event queue; events beyond it are dropped and counted in
+        ``stats["events_dropped"]`` (default 100000).
+    call_timeout
+        Seconds an API call waits for the node thread (default 5.0).
+
+    Raises
+    ------
+    ConfigError
+        If an address is not IPv4, a port, interval or timeout is out of range, or no
+        interface address can be derived.
+    LocalProtocolError
+        If ``name`` or a header is not a str of at most 255 UTF-8 bytes.
+
+    Notes
+    -----
+    The node is one-shot: :meth:`start` once, :meth:`stop` once (idempotent); it is a
+    context manager. All methods are thread-safe. Groups may be joined before
+    :meth:`start` (they go out in the HELLO); headers are fixed once started.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        beacon_port: int = DISCOVERY_PORT,
+        broadcast: str | None = None,
+        interface_addr: str | None = None,
+        interval: float = 1.0,
+        evasive_after: float = EVASIVE_AFTER,
+        expired_after: float = EXPIRED_AFTER,
+        ctx: zmq.Context[Any] | None = None,
+        on_event: Callable[[AppEvent], object] | None = None,
+        linger_ms: int = 100,
+        max_queued_events: int = 100_000,
+        call_timeout: float = 5.0,
+    ) -> None:
+        self._uuid = uuid_mod.uuid4()
+        self._name = _check_text(
+            self._uuid.hex[:6] if name is None else name, "name", allow_empty=True
+        )
+        if isinstance(beacon_port, bool) or not isinstance(beacon_port, int):
+            raise ConfigError("beacon_port", beacon_port, "a UDP port number in 1..65535")
+        if not 0 < beacon_port <= 0xFFFF:
+            raise ConfigError("beacon_port", beacon_port, "a UDP port number in 1..65535")
+        self._beacon_port = beacon_port
+        bcast = broadcast if broadcast is not None else _env_or(BROADCAST_ENV, DEFAULT_BROADCAST)
+        self._broadcast = str(_ipv4("broadcast", bcast))
+        iface = interface_addr if interface_addr is not None else _env_or(INTERFACE_ENV, None)
+        if iface is None:
+            iface = _route_source(self._broadcast, beacon_port)
+            if iface is None:
+                raise ConfigError(
+                    "interface_addr",
+                    None,
+                    f"an IPv4 address of this host (none routes to broadcast "
+                    f"{self._broadcast}; set interface_addr or ${INTERFACE_ENV})",
+                )
+        iface_ip = _ipv4("interface_addr", iface)
+        if iface_ip.is_unspecified or iface_ip.is_multicast:
+            raise ConfigError(
+                "interface_addr", iface, "a unicast IPv4 address peers can connect to"
+            )
+        self._interface_addr = str(iface_ip)
+        if not isinstance(interval, int | float) or not math.isfinite(interval) or interval <= 0:
+            raise ConfigError("interval", interval, "a positive number of seconds")
+        self._interval = float(interval)
+        self._table = PeerTable(
+            self._uuid, evasive_after=evasive_after, expired_after=expired_after
+        )
+        self._evasive_after = float(evasive_after)
+        self._expired_after = float(expired_after)
+        if isinstance(linger_ms, bool) or not isinstance(linger_ms, int) or linger_ms < 0:
+            # Not -1 (forever): a dead peer must not be able to hang stop().
+            raise ConfigError("linger_ms", linger_ms, "an integer >= 0 (milliseconds)")
+        self._linger_ms = linger_ms
+        if not isinstance(max_queued_events, int) or max_queued_events < 1:
+            raise ConfigError("max_queued_events", max_queued_events, "a positive integer")
+        if not call_timeout > 0:
+            raise ConfigError("call_timeout", call_timeout, "a positive number of seconds")
+        self._call_timeout = float(call_timeout)
+        self._headers: dict[str, str] = {}
+        for key, value in (headers or {}).items():
+            self._put_header(key, value)
+
+        self._ctx = ctx
+        self._own_ctx = ctx is None
+        self._on_event = on_event
+        self._events: queue.Queue[AppEvent] = queue.Queue(maxsize=max_queued_events)
+        self._stats = dict.fromkeys(_STAT_KEYS, 0)
+        self._groups: set[str] = set()
+        self._status = 0
+        self._endpoint: str | None = None
+        self._mailbox_port = 0
+
+        self._lock = threading.Lock()
+        self._state = _State.NEW
+        self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._thread: threading.Thread | None = None
+        self._stop_requested = False
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+
+        # Owned by the node thread once running.
+        self._udp: socket.socket | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._dealers: dict[UUID, zmq.Socket[bytes]] = {}
+        self._pending: deque[Event] = deque()
+        self._next_beacon = 0.0
+        self._bad_beacon_log = _Throttle()
+        self._bad_message_log = _Throttle()
+        self._send_error_log = _Throttle()
+        self._event_drop_log = _Throttle()
+
+    # -- properties --------------------------------------------------------------------
+
+    @property
+    def uuid(self) -> UUID:
+        """This node's UUID."""
+        return self._uuid
+
+    @property
+    def name(self) -> str:
+        """This node's public name."""
+        return self._name
+
+    @property
+    def endpoint(self) -> str | None:
+        """The mailbox endpoint advertised in HELLO (``tcp://addr:port``); None before start."""
+        return self._endpoint
+
+    @property
+    def beacon_port(self) -> int:
+        """The UDP discovery port."""
+        return self._beacon_port
+
+    @property
+    def broadcast(self) -> str:
+        """The address beacons are sent to."""
+        return self._broadcast
+
+    @property
+    def interface_addr(self) -> str:
+        """The address the mailbox binds to and advertises."""
+        return self._interface_addr
+
+    @property
+    def running(self) -> bool:
+        """True between a successful :meth:`start` and :meth:`stop`."""
+        return self._state is _State.RUNNING
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Our HELLO headers (read-only view)."""
+        return MappingProxyType(self._headers)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """A snapshot of the node's counters.
+
+        ``beacons_sent``, ``beacon_send_errors``, ``beacons_received`` (valid, from
+        others), ``own_beacons``, ``bad_beacons``, ``messages_received`` (decoded mailbox
+        messages), ``bad_messages``, ``messages_sent``, ``pings_sent``,
+        ``ping_oks_received``, ``send_failures`` (peer's queue full), ``peers_connected``
+        (DEALERs opened), ``peers_dropped``, ``events_dropped`` (event queue full),
+        ``callback_errors``, ``internal_errors``.
+        """
+        return dict(self._stats)
+
+    # -- configuration (before start) --------------------------------------------------
+
+    def _put_header(self, key: object, value: object) -> None:
+        _check_text(key, "header name")
+        if not isinstance(value, str):
+            raise LocalProtocolError(
+                f"ZRE header {key!r}: got {value!r}, expected a str value",
+                field="headers",
+                value=value,
+            )
+        self._headers[str(key)] = value
+
+    def _check_configurable(self, what: str) -> None:
+        if self._state is not _State.NEW:
+            raise LocalProtocolError(
+                f"ZRE {what}: node is {self._state.value}, expected a node not yet started "
+                f"(headers go out in HELLO)",
+                field="state",
+                value=self._state.value,
+            )
+
+    def set_header(self, key: str, value: str) -> None:
+        """Set a HELLO header. Only before :meth:`start`.
+
+        Raises
+        ------
+        LocalProtocolError
+            If the node was started, ``key`` is not a non-empty str of at most 255 UTF-8
+            bytes, or ``value`` is not a str.
+        """
+        with self._lock:
+            self._check_configurable("set_header")
+            self._put_header(key, value)
+
+    def advertise_port(self, name: str, address: str, socket_type: str) -> None:
+        """Advertise a ZIO flow port in our HELLO headers. Only before :meth:`start`.
+
+        Sets ``zio.port.<name>.address`` and ``zio.port.<name>.socket``
+        (see :func:`~zio_spark.protocol.zre.zio_port_headers`).
+
+        Parameters
+        ----------
+        name
+            The port's name, e.g. ``"out"`` (non-empty, no ``.``).
+        address
+            The endpoint peers connect to, e.g. ``"tcp://10.0.0.5:41000"``.
+        socket_type
+            The socket type bound there: ``"SERVER"``, ``"ROUTER"``, ...
+
+        Raises
+        ------
+        LocalProtocolError
+            If the node was started, or the name, address or socket type is invalid.
+        """
+        with self._lock:
+            self._check_configurable("advertise_port")
+            for key, value in zio_port_headers(name, address, socket_type).items():
+                self._put_header(key, value)
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, timeout: float = 5.0) -> ZreNode:
+        """Bind the sockets, start the node thread and the beacon. Returns ``self``.
+
+        Raises
+        ------
+        LocalProtocolError
+            If the node was already started (nodes are one-shot).
+        TransportError
+            If a socket cannot be bound (``endpoint`` names it), or the thread does not
+            come up within ``timeout`` seconds.
+        """
+        ready: Future[None] = Future()
+        with self._lock:
+            if self._state is not _State.NEW:
+                raise LocalProtocolError(
+                    f"ZRE node start: node is {self._state.value}, expected new "
+                    f"(a node starts once)",
+                    field="state",
+                    value=self._state.value,
+                )
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+            self._state = _State.RUNNING
+            self._thread = threading.Thread(
+                target=self._run, args=(ready,), name=f"zre-node-{self._name}", daemon=True
+            )
+            self._thread.start()
+        try:
+            ready.result(timeout)
+        except FutureTimeout:
+            self.stop(timeout)
+            raise TransportError(
+                f"ZRE node {self._name}: thread did not start within {timeout} s",
+                endpoint=self._endpoint,
+            ) from None
+        except TransportError:
+            self._join_thread(timeout)
+            self._term_own_ctx()
+            raise
+        log.info(
+            "ZRE node %s (%s) started: mailbox %s, beacons to %s:%d every %.3g s",
+            self._name,
+            self._uuid,
+            self._endpoint,
+            self._broadcast,
+            self._beacon_port,
+            self._interval,
+        )
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Send a port-0 (leaving) beacon, close every socket and end the node thread.
+
+        Idempotent; a node never started just becomes stopped. Queued events stay
+        readable with :meth:`next_event`. From an ``on_event`` callback, the stop is
+        requested and happens when the callback returns.
+
+        Raises
+        ------
+        TransportError
+            If the node thread does not finish within ``timeout`` seconds.
+        """
+        with self._lock:
+            if self._state is _State.NEW:
+                self._state = _State.STOPPED
+                return
+            if self._state is _State.RUNNING:
+                self._stop_requested = True
+                self._wake()
+        if threading.current_thread() is self._thread:
+            return
+        self._join_thread(timeout)
+        self._term_own_ctx()
+
+    def _join_thread(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TransportError(
+                f"ZRE node {self._name}: thread did not stop within {timeout} s",
+                endpoint=self._endpoint,
+            )
+
+    def _term_own_ctx(self) -> None:
+        if self._own_ctx and self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.term()
+
+    def __enter__(self) -> ZreNode:
+        if self._state is _State.NEW:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (
+            f"<ZreNode {self._name!r} {self._uuid} {self._state.value} "
+            f"endpoint={self._endpoint} beacons={self._broadcast}:{self._beacon_port}>"
+        )
+
+    # -- events ------------------------------------------------------------------------
+
+    def next_event(self, timeout: float | None = 0.0) -> AppEvent | None:
+        """Return the next application event, or None if none arrives within ``timeout``.
+
+        ``timeout`` is in seconds; 0 returns only what is already queued, None waits
+        forever. With an ``on_event`` callback nothing is ever queued.
+        """
+        try:
+            if timeout is not None and timeout <= 0:
+                return self._events.get_nowait()
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    # -- commands ----------------------------------------------------------------------
+
+    def join(self, group: str) -> None:
+        """Join ``group`` (no-op if already in it); peers get a JOIN.
+
+        Raises
+        ------
+        LocalProtocolError
+            If ``group`` is not a non-empty str of at most 255 UTF-8 bytes, or the node
+            was stopped.
+        """
+        _check_text(group, "group")
+        self._call(lambda: self._do_group(group, join=True), allow_new=True)
+
+    def leave(self, group: str) -> None:
+        """Leave ``group`` (no-op if not in it); peers get a LEAVE.
+
+        Raises
+        ------
+        LocalProtocolError
+            As for :meth:`join`.
+        """
+        _check_text(group, "group")
+        self._call(lambda: self._do_group(group, join=False), allow_new=True)
+
+    def whisper(self, peer: UUID, *frames: bytes) -> None:
+        """Send ``frames`` (zero or more) to one entered peer.
+
+        Raises
+        ------
+        LocalProtocolError
+            If the node is not running or a frame is not bytes-like.
+        UnknownPeerError
+            If ``peer`` has not entered (or has left); ``peer`` on the error is its ZRE
+            identity (``0x01`` + UUID bytes).
+        TransportError
+            If the peer's send queue is full: the peer is dropped (EXIT) as not
+            responding.
+        """
+        if not isinstance(peer, UUID):
+            raise LocalProtocolError(
+                f"ZRE whisper peer: got {peer!r}, expected a uuid.UUID", field="peer", value=peer
+            )
+        content = _check_frames(frames)
+        self._call(lambda: self._do_whisper(peer, content))
+
+    def shout(self, group: str, *frames: bytes) -> int:
+        """Send ``frames`` to every entered peer in ``group``; returns how many it reached.
+
+        A peer whose send queue is full is dropped (EXIT) and not counted.
+
+        Raises
+        ------
+        LocalProtocolError
+            If the node is not running, ``group`` is invalid or a frame is not bytes-like.
+        """
+        _check_text(group, "group")
+        content = _check_frames(frames)
+        return self._call(lambda: self._do_shout(group, content))
+
+    # -- queries -----------------------------------------------------------------------
+
+    def peers(self) -> list[Peer]:
+        """Snapshots of the peers that have entered (said HELLO), sorted by UUID."""
+        return self._query(lambda: [p for p in self._table.peers() if p.ready])
+
+    def peer(self, peer: UUID) -> Peer | None:
+        """Snapshot of one entered peer, or None."""
+
+        def get() -> Peer | None:
+            snapshot = self._table.get(peer)
+            return snapshot if snapshot is not None and snapshot.ready else None
+
+        return self._query(get)
+
+    def peers_in_group(self, group: str) -> list[Peer]:
+        """Snapshots of the entered peers in ``group``, sorted by UUID."""
+        return self._query(lambda: self._table.peers_in_group(group))
+
+    def peer_headers(self, peer: UUID) -> Mapping[str, str] | None:
+        """The HELLO headers of an entered peer, or None if it has not entered."""
+        snapshot = self.peer(peer)
+        return None if snapshot is None else snapshot.headers
+
+    def own_groups(self) -> frozenset[str]:
+        """The groups this node is in."""
+        return self._query(lambda: frozenset(self._groups))
+
+    def peer_groups(self) -> frozenset[str]:
+        """Every group that at least one entered peer is in."""
+        return self._query(self._table.groups)
+
+    def zio_endpoints(self, group: str, port: str | None = None) -> list[ZioEndpoint]:
+        """The ZIO flow ports advertised by the entered peers in ``group``.
+
+        See :func:`~zio_spark.protocol.zre.group_zio_endpoints`; ``port`` keeps only
+        that port name.
+        """
+        return self._query(lambda: group_zio_endpoints(self._table, group, port=port))
+
+    # -- calling into the node thread --------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._wake_w is not None:
+            # A full socket buffer means a wake-up is already pending.
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                self._wake_w.send(b"\0")
+
+    def _query(self, fn: Callable[[], _T]) -> _T:
+        return self._call(fn, allow_new=True, allow_stopped=True)
+
+    def _call(
+        self, fn: Callable[[], _T], *, allow_new: bool = False, allow_stopped: bool = False
+    ) -> _T:
+        if threading.current_thread() is self._thread:
+            return fn()
+        with self._lock:
+            state = self._state
+            if state is not _State.RUNNING:
+                # No node thread touches the state now, and the lock keeps it so.
+                if (state is _State.NEW and allow_new) or (
+                    state is _State.STOPPED and allow_stopped
+                ):
+                    return fn()
+                raise LocalProtocolError(
+                    f"ZRE node {self._name}: node is {state.value}, expected running",
+                    field="state",
+                    value=state.value,
+                )
+            future: Future[_T] = Future()
+            self._commands.append((fn, future))
+            self._wake()
+        try:
+            return future.result(self._call_timeout)
+        except FutureTimeout:
+            raise TransportError(
+                f"ZRE node {self._name}: no answer from the node thread within "
+                f"{self._call_timeout} s",
+                endpoint=self._endpoint,
+            ) from None
+
+    # -- node thread: commands (run in the node thread, or before start) ---------------
+
+    def _do_group(self, group: str, *, join: bool) -> None:
+        if join == (group in self._groups):
+            return
+        if join:
+            self._groups.add(group)
+        else:
+            self._groups.discard(group)
+        self._status = (self._status + 1) & _UINT8_MAX
+        if self._state is not _State.RUNNING:
+            return
+        cmd: Command = Join(0, group, self._status) if join else Leave(0, group, self._status)
+        for peer in list(self._dealers):
+            self._send(peer, cmd)
+        self._pump()
+
+    def _do_whisper(self, peer: UUID, content: tuple[bytes, ...]) -> None:
+        snapshot = self._table.get(peer)
+        if snapshot is None or not snapshot.ready or peer not in self._dealers:
+            raise UnknownPeerError(
+                f"ZRE whisper: peer {peer} has not entered (or has left)",
+                peer=encode_identity(peer),
+                endpoint=self._endpoint,
+            )
+        sent = self._send(peer, Whisper(0, content))
+        self._pump()
+        if not sent:
+            raise TransportError(
+                f"ZRE whisper: peer {peer} is not responding (send queue full), dropped",
+                endpoint=snapshot.endpoint,
+            )
+
+    def _do_shout(self, group: str, content: tuple[bytes, ...]) -> int:
+        reached = 0
+        for snapshot in self._table.peers_in_group(group):
+            if snapshot.uuid in self._dealers and self._send(
+                snapshot.uuid, Shout(0, group, content)
+            ):
+                reached += 1
+        self._pump()
+        return reached
+
+    # -- node thread: main loop --------------------------------------------------------
+
+    def _run(self, ready: Future[None]) -> None:
+        try:
+            self._setup()
+        except BaseException as e:  # report any setup failure to start(), then end
+            self._teardown(send_leaving=False)
+            self._finish()
+            if isinstance(e, TransportError):
+                ready.set_exception(e)
+            else:
+                ready.set_exception(
+                    TransportError(
+                        f"ZRE node {self._name}: setup failed: {e!r}", endpoint=self._endpoint
+                    )
+                )
+            return
+        ready.set_result(None)
+        try:
+            self._loop()
+        except Exception:
+            self._stats["internal_errors"] += 1
+            log.exception("ZRE node %s: node thread failed; stopping the node", self._name)
+        finally:
+            self._teardown(send_leaving=True)
+            self._finish()
+
+    def _setup(self) -> None:
+        assert self._ctx is not None
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        self._udp = udp
+        try:
+            udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if hasattr(socket, "SO_REUSEPORT"):
+                udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            udp.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+            udp.bind(("0.0.0.0", self._beacon_port))
+            udp.setblocking(False)
+        except OSError as e:
+            raise TransportError(
+                f"ZRE node {self._name}: cannot bind the beacon socket: {e}",
+                endpoint=f"udp://0.0.0.0:{self._beacon_port}",
+            ) from e
+
+        router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        self._router = router
+        router.linger = 0
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        bind_base = f"tcp://{self._interface_addr}"
+        port = _bind_in_range(router, bind_base, self._name)
+        self._mailbox_port = port
+        self._endpoint = tcp_endpoint(self._interface_addr, port)
+
+        source = _route_source(self._broadcast, self._beacon_port)
+        if source is not None and source != self._interface_addr:
+            log.warning(
+                "ZRE node %s: beacons to %s leave from %s but the mailbox is on %s; peers "
+                "that discover us by beacon will connect to %s:%d and fail",
+                self._name,
+                self._broadcast,
+                source,
+                self._interface_addr,
+                source,
+                port,
+            )
+
+    def _loop(self) -> None:
+        assert self._udp is not None and self._router is not None and self._wake_r is not None
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._udp, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        udp_fd = self._udp.fileno()
+        wake_fd = self._wake_r.fileno()
+        self._next_beacon = time.monotonic()
+        while True:
+            self._run_commands()
+            if self._stop_requested:
+                return
+            now = time.monotonic()
+            if now >= self._next_beacon:
+                self._send_beacon(self._mailbox_port)
+                self._next_beacon = now + self._interval
+            self._guarded(self._table.tick, now)
+            self._pump()
+            deadline = self._next_beacon
+            table_deadline = self._table.next_deadline()
+            if table_deadline is not None:
+                deadline = min(deadline, table_deadline)
+            timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(timeout_ms))
+            if wake_fd in ready:
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    self._wake_r.recv(4096)
+            if self._router in ready:
+                self._read_mailbox()
+            if udp_fd in ready:
+                self._read_beacons()
+
+    def _guarded(self, fn: Callable[[float], list[Event]], now: float) -> None:
+        try:
+            self._pending.extend(fn(now))
+        except Exception:
+            self._stats["internal_errors"] += 1
+            log.exception("ZRE node %s: internal error", self._name)
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, future = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the calling thread
+                future.set_exception(e)
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._state = _State.STOPPED
+            self._table = PeerTable(
+                self._uuid, evasive_after=self._evasive_after, expired_after=self._expired_after
+            )
+            commands, self._commands = self._commands, deque()
+            for sock in (self._wake_r, self._wake_w):
+                if sock is not None:
+                    sock.close()
+            self._wake_r = self._wake_w = None
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(
+                    LocalProtocolError(
+                        f"ZRE node {self._name}: node stopped before the call ran",
+                        field="state",
+                        value="stopped",
+                    )
+                )
+
+    def _teardown(self, *, send_leaving: bool) -> None:
+        if send_leaving and self._udp is not None:
+            self._send_beacon(0)
+        for dealer in self._dealers.values():
+            dealer.close(linger=self._linger_ms)
+        self._dealers.clear()
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+        log.info("ZRE node %s (%s) stopped", self._name, self._uuid)
+
+    # -- node thread: beacons ----------------------------------------------------------
+
+    def _send_beacon(self, port: int) -> None:
+        assert self._udp is not None
+        data = encode_beacon(Beacon(self._uuid, port))
+        try:
+            self._udp.sendto(data, (self._broadcast, self._beacon_port))
+        except OSError as e:
+            self._stats["beacon_send_errors"] += 1
+            self._send_error_log(
+                "ZRE node %s: beacon to %s:%d failed: %s",
+                self._name,
+                self._broadcast,
+                self._beacon_port,
+                e,
+            )
+        else:
+            self._stats["beacons_sent"] += 1
+
+    def _read_beacons(self) -> None:
+        assert self._udp is not None
+        for _ in range(_BATCH):
+            try:
+                data, addr = self._udp.recvfrom(_DATAGRAM_MAX)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. ICMP errors reported on the socket
+                log.debug("ZRE node %s: beacon socket: %s", self._name, e)
+                return
+            now = time.monotonic()
+            try:
+                beacon = decode_beacon(data)
+            except RemoteProtocolError as e:
+                self._stats["bad_beacons"] += 1
+                self._bad_beacon_log(
+                    "ZRE node %s: dropped a bad beacon from %s:%s: %s",
+                    self._name,
+                    addr[0],
+                    addr[1],
+                    e,
+                )
+                continue
+            if beacon.uuid == self._uuid:
+                self._stats["own_beacons"] += 1
+                continue
+            self._stats["beacons_received"] += 1
+            try:
+                self._pending.extend(self._table.on_beacon(beacon, addr[0], now))
+            except Exception:
+                self._stats["internal_errors"] += 1
+                log.exception(
+                    "ZRE node %s: internal error on a beacon from %s", self._name, addr[0]
+                )
+            self._pump()
+
+    # -- node thread: mailbox ----------------------------------------------------------
+
+    def _read_mailbox(self) -> None:
+        assert self._router is not None
+        for _ in range(_BATCH):
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            raw = [f.bytes for f in frames]
+            try:
+                sender = decode_identity(raw[0])
+                cmd = decode_command(raw[1:])
+                if isinstance(cmd, Hello) and not _is_tcp_endpoint(cmd.endpoint):
+                    raise RemoteProtocolError(
+                        f"ZRE HELLO endpoint: got {cmd.endpoint[:80]!r}, expected tcp://host:port",
+                        field="endpoint",
+                        value=cmd.endpoint,
+                    )
+            except RemoteProtocolError as e:
+                self._stats["bad_messages"] += 1
+                self._bad_message_log(
+                    "ZRE node %s: dropped a bad mailbox message from %s (identity 0x%s): %s",
+                    self._name,
+                    _peer_address(frames[0]),
+                    raw[0][:32].hex(),
+                    e,
+                )
+                continue
+            self._stats["messages_received"] += 1
+            if isinstance(cmd, PingOk):
+                self._stats["ping_oks_received"] += 1
+            try:
+                self._pending.extend(self._table.on_message(sender, cmd, now))
+            except Exception:
+                self._stats["internal_errors"] += 1
+                log.exception(
+                    "ZRE node %s: internal error on a message from %s", self._name, sender
+                )
+            self._pump()
+
+    # -- node thread: carrying out the table's events ----------------------------------
+
+    def _pump(self) -> None:
+        while self._pending:
+            event = self._pending.popleft()
+            try:
+                self._dispatch(event)
+            except Exception:
+                self._stats["internal_errors"] += 1
+                log.exception("ZRE node %s: internal error handling %r", self._name, event)
+
+    def _dispatch(self, event: Event) -> None:
+        if isinstance(event, ConnectAction):
+            self._connect(event.peer, event.endpoint)
+        elif isinstance(event, DropAction):
+            self._drop(event)
+        elif isinstance(event, SendPingAction):
+            if self._send(event.peer, Ping(0)):
+                self._stats["pings_sent"] += 1
+        elif isinstance(event, SendPingOkAction):
+            self._send(event.peer, PingOk(0))
+        elif isinstance(event, _APP_EVENTS):
+            self._deliver(event)
+
+    def _connect(self, peer: UUID, endpoint: str) -> None:
+        assert self._ctx is not None
+        old = self._dealers.pop(peer, None)
+        if old is not None:  # a restarted peer: the table dropped it first, but be sure
+            old.close(linger=0)
+        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.setsockopt(zmq.ROUTING_ID, encode_identity(self._uuid))
+        dealer.sndhwm = max(1000, int(self._expired_after * 100))
+        dealer.sndtimeo = 0
+        try:
+            dealer.connect(endpoint)
+        except zmq.ZMQError as e:
+            dealer.close(linger=0)
+            self._stats["bad_messages"] += 1
+            self._bad_message_log(
+                "ZRE node %s: peer %s gave an endpoint we cannot connect to, %r: %s",
+                self._name,
+                peer,
+                endpoint,
+                e,
+            )
+            self._pending.extend(self._table.remove(peer, f"cannot connect to {endpoint}"))
+            return
+        self._dealers[peer] = dealer
+        self._stats["peers_connected"] += 1
+        log.debug("ZRE node %s: connected to peer %s at %s", self._name, peer, endpoint)
+        hello = Hello(
+            0,
+            self._endpoint or "",
+            tuple(sorted(self._groups)),
+            self._status,
+            self._name,
+            self._headers,
+        )
+        self._send(peer, hello)
+
+    def _drop(self, event: DropAction) -> None:
+        dealer = self._dealers.pop(event.peer, None)
+        if dealer is not None:
+            dealer.close(linger=0)
+        self._stats["peers_dropped"] += 1
+        # Coming and going is normal; a broken sequence is the peer's bug.
+        level = logging.WARNING if event.reason is DropReason.SEQUENCE else logging.INFO
+        log.log(
+            level,
+            "ZRE node %s: dropped peer %s (%s%s)",
+            self._name,
+            event.peer,
+            event.reason.value,
+            f": {event.detail}" if event.detail else "",
+        )
+
+    def _send(self, peer: UUID, cmd: Command) -> bool:
+        """Stamp and send ``cmd``; False (and the peer removed) if its queue is full."""
+        dealer = self._dealers.get(peer)
+        if dealer is None or peer not in self._table:
+            return False
+        frames = encode_command(self._table.stamp(peer, cmd))
+        try:
+            dealer.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._stats["send_failures"] += 1
+            log.warning(
+                "ZRE node %s: peer %s is not responding (send queue full); dropping it",
+                self._name,
+                peer,
+            )
+            self._pending.extend(self._table.remove(peer, "send queue full"))
+            return False
+        self._stats["messages_sent"] += 1
+        return True
+
+    def _deliver(self, event: AppEvent) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:
+                self._stats["callback_errors"] += 1
+                log.exception("ZRE node %s: on_event callback failed on %r", self._name, event)
+            return
+        try:
+            self._events.put_nowait(event)
+        except queue.Full:
+            self._stats["events_dropped"] += 1
+            self._event_drop_log(
+                "ZRE node %s: event queue full (%d), dropped %s",
+                self._name,
+                self._events.maxsize,
+                event.kind.value,
+            )
+
+
+def _bind_in_range(router: zmq.Socket[bytes], base: str, name: str) -> int:
+    # pyzmq's bind_to_random_port ignores a range equal to its defaults (it binds ":*",
+    # the OS range), so the spec's 0xC000..0xFFFF is tried here.
+    rng = random.Random()
+    error: zmq.ZMQError | None = None
+    for _ in range(_BIND_TRIES):
+        port = rng.randrange(*_MAILBOX_PORTS)
+        try:
+            router.bind(f"{base}:{port}")
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EADDRINUSE:
+                error = e
+                continue
+            raise TransportError(
+                f"ZRE node {name}: cannot bind the mailbox: {e}", endpoint=f"{base}:{port}"
+            ) from e
+        return port
+    raise TransportError(
+        f"ZRE node {name}: no free mailbox port in 0xC000..0xFFFF after {_BIND_TRIES} tries",
+        endpoint=f"{base}:*",
+    ) from error
+
+
+def _is_tcp_endpoint(endpoint: str) -> bool:
+    """``tcp://host:port`` with a non-empty host and a port in 1..65535."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) <= 0xFFFF)
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return "unknown address"
