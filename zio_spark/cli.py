@@ -86,6 +86,13 @@ def cmd_produce(args: argparse.Namespace) -> int:
         batch=args.batch,
         max_unacked=max(args.batch * 10, 100_000),
     )
+    if args.group:
+        prod.advertise(
+            args.group,
+            beacon_port=args.beacon_port,
+            broadcast=args.broadcast,
+            interface_addr=args.interface_addr,
+        )
     print(f"producing on {prod.endpoint} as {prod.producer_id!r}", file=sys.stderr, flush=True)
     started = time.monotonic()
     sent = 0
@@ -212,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stream", default="zio", help="stream name")
     sp.add_argument("--producer-id", help="stable producer id (default: host|endpoint)")
     sp.add_argument("--group", help="ZRE group to advertise in (see `peers`)")
+    sp.add_argument("--beacon-port", type=_positive_int, default=5670, help="ZRE UDP port")
+    sp.add_argument("--broadcast", help="ZRE beacon address (default: $ZIO_ZRE_BROADCAST)")
+    sp.add_argument("--interface-addr", help="ZRE interface address")
     sp.add_argument(
         "--wait-ack", action="store_true", help="wait until every record is acknowledged"
     )

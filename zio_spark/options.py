@@ -171,7 +171,7 @@ _COMMON: dict[str, tuple[_Parser | None, str]] = {
         "UDP port of ZRE beacons",
     ),
     "zreBroadcast": (None, "address ZRE beacons are sent to"),
-    "zreInterface": (None, "network interface for ZRE"),
+    "zreInterface": (None, "IPv4 address of the interface ZRE uses (mailbox, beacons)"),
     "zreInterval": (parse_duration, "interval between ZRE beacons"),
     "curveServerKey": (parse_curve_key, "the peer's CURVE public key (Z85)"),
     "curvePublicKey": (parse_curve_key, "our CURVE public key (Z85)"),

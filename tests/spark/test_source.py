@@ -89,3 +89,49 @@ def test_commit_acknowledges_producer(spark, ctx, tmp_path):
         assert sorted(got) == list(range(1, 3001))
     finally:
         prod.close(flush=False, timeout=5)
+
+
+def _free_udp_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_group_discovers_producers_that_join_later(spark, ctx, tmp_path):
+    """A ZRE group instead of endpoints: producers found (and added) while the query runs."""
+    port = _free_udp_port()
+    got = []
+    prods = []
+    df = (
+        spark.readStream.format("zio")
+        .option("group", "daq")
+        .option("zreBeaconPort", str(port))
+        .option("zreInterval", "100ms")
+        .option("spoolPath", str(tmp_path / "spool"))
+        .load()
+    )
+    q = (
+        df.writeStream.foreachBatch(
+            lambda b, i: got.extend(
+                (r.producer, r.seq) for r in b.select("producer", "seq").collect()
+            )
+        )
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+        for k in range(2):  # the second producer joins after the query started
+            prod = Producer(ctx=ctx, producer_id=f"daq{k}", linger_ms=0)
+            prods.append(prod)
+            prod.advertise("daq", beacon_port=port, interval=0.1)
+            prod.send_many([b"frame"] * 500)
+            _wait(lambda k=k: len(got) >= 500 * (k + 1), what=f"records of producer {k}")
+        assert q.exception() is None
+    finally:
+        q.stop()
+        for prod in prods:
+            prod.close(flush=False, timeout=5)
+    assert sorted(got) == [(f"daq{k}", s) for k in range(2) for s in range(1, 501)]

@@ -85,6 +85,7 @@ class PeerStatus:
 class _Peer:
     endpoint: str
     status: PeerStatus
+    mode: str | None = None
     port: ClientPort | None = None
     flow: Flow | None = None
     monitor: zmq.Socket[bytes] | None = None
@@ -174,8 +175,13 @@ class Receiver:
             self._thread.join(timeout)
             self._thread = None
 
-    def add_endpoint(self, endpoint: str) -> None:
-        self._call(lambda: self._add(endpoint))
+    def add_endpoint(self, endpoint: str, mode: str | None = None) -> None:
+        """Start receiving from ``endpoint`` (``mode``: the socket pair, None = default)."""
+        self._call(lambda: self._add(endpoint, mode))
+
+    def endpoints(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
 
     def remove_endpoint(self, endpoint: str) -> None:
         self._call(lambda: self._remove(endpoint))
@@ -234,10 +240,10 @@ class Receiver:
             os.fsync(f.fileno())
         os.replace(tmp, self._ids_path)
 
-    def _add(self, endpoint: str) -> None:
+    def _add(self, endpoint: str, mode: str | None = None) -> None:
         with self._lock:
             if endpoint not in self._peers:
-                self._peers[endpoint] = _Peer(endpoint, PeerStatus(endpoint))
+                self._peers[endpoint] = _Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
 
     def _remove(self, endpoint: str) -> None:
         with self._lock:
@@ -247,7 +253,7 @@ class Receiver:
 
     def _open(self, peer: _Peer, now: float) -> None:
         port = ClientPort(
-            self.ctx, mode=self.mode, linger_ms=0, send_timeout_ms=1000, **self._curve_kwargs()
+            self.ctx, mode=peer.mode, linger_ms=0, send_timeout_ms=1000, **self._curve_kwargs()
         )
         monitor = port.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         port.connect(peer.endpoint)

@@ -29,6 +29,8 @@ from pyspark.sql.datasource import (
     DataSource,
     DataSourceReader,
     DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
     InputPartition,
 )
 from pyspark.sql.streaming.datasource import (
@@ -44,6 +46,7 @@ from zio_spark.options import SourceOptions, parse_source_options
 from zio_spark.queue.spool import SPARK_SCHEMA, Spool, project, read_sealed
 from zio_spark.spark.receiver import Receiver
 from zio_spark.spark.segments import SegmentServer, fetch_range
+from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]
 
@@ -142,6 +145,19 @@ class _Runtime:
             mode=None if opts.socket == "auto" else opts.socket,
             curve=curve,
         ).start()
+        self.watcher: GroupWatcher | None = None
+        if opts.zre is not None:
+            z = opts.zre
+            self.watcher = GroupWatcher(
+                z.group,
+                self.receiver.add_endpoint,
+                self.receiver.remove_endpoint,
+                requested_mode=None if opts.socket == "auto" else opts.socket,
+                beacon_port=z.beacon_port,
+                broadcast=z.broadcast,
+                interface_addr=z.interface,
+                interval=z.interval,
+            ).start()
         self.server: SegmentServer | None = None
         if opts.spool_access != "local":
             bind = "tcp://127.0.0.1:*" if opts.spool_access == "remote" else "tcp://0.0.0.0:*"
@@ -160,6 +176,8 @@ class _Runtime:
         if self.stopped:
             return
         self.stopped = True
+        if self.watcher is not None:
+            self.watcher.stop()
         self.receiver.stop()
         if self.server is not None:
             self.server.stop()
@@ -383,3 +401,18 @@ class ZioDataSource(DataSource):  # type: ignore[misc]
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return ZioBatchReader(parse_source_options(self.options), _columns(schema))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        # Runs on the driver: bad options or input columns fail before any task starts.
+        from zio_spark.spark.sink import ZioStreamWriter, sink_columns, sink_options
+
+        return ZioStreamWriter(sink_options(self.options), sink_columns(schema))
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        # The batch id is drawn here, once, on the driver; the pickled writer carries it
+        # to the tasks and back to commit().
+        from zio_spark.spark.sink import ZioBatchWriter, sink_columns, sink_options
+
+        return ZioBatchWriter(
+            sink_options(self.options), sink_columns(schema), f"write-{uuid.uuid4().hex}"
+        )

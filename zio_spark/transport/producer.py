@@ -335,6 +335,22 @@ class Producer:
                     )
                 self._cond.wait(left if left is None else min(left, 0.5))
 
+    def advertise(self, group: str, **zre: object) -> None:
+        """Join ZRE ``group`` and advertise this producer's flow port in it.
+
+        ``zre`` goes to :func:`~zio_spark.transport.discovery.advertise` (``beacon_port``,
+        ``broadcast``, ``interface_addr``, ``interval``); the node stops with :meth:`close`.
+        """
+        from zio_spark.transport.discovery import advertise
+
+        self._zre = advertise(
+            group,
+            self.endpoint,
+            self._server.port.socket_type,
+            name=self.producer_id,
+            **zre,  # type: ignore[arg-type]
+        )
+
     def close(self, timeout: float | None = 30.0, *, flush: bool = True) -> None:
         """Flush (optionally), end the flow with an acknowledged EOT, stop the server."""
         try:
@@ -359,6 +375,9 @@ class Producer:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
+            zre = getattr(self, "_zre", None)
+            if zre is not None:
+                zre.stop()
             self._server.stop()
 
     def __enter__(self) -> Producer:

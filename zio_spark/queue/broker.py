@@ -1,0 +1,1046 @@
+"""The PZQ-style queue server: three sockets over a durable :class:`MessageStore`.
+
+Theory of operation (spec: ``specs/pzq-sockets-and-formats.txt``; DESIGN.md "The
+PZQ-style queue"; frames: :mod:`zio_spark.protocol.pzq`)
+---------------------------------------------------------------------------------------
+One thread owns the three sockets and the store; a second thread only runs the store's
+``write`` + ``fdatasync`` (a :class:`~zio_spark.queue.store.CommitTicket`), so the first
+keeps receiving, delivering and answering while the disk syncs.
+
+*receive* (ROUTER, producers connect with DEALER): ``[id, *extra, "", *body]``. Each
+message is put into the store's buffer; when no commit is outstanding, everything
+buffered becomes one commit (group commit: one ``fdatasync`` for all producers' messages
+since the last one). Only when that commit has ended does each producer get its ack
+``[id, "1", "", ""]``. A duplicate id (one in the store's duplicate window) is not
+stored again and is acked ``1`` once its original is durable. Failures get
+``[id, "0", "", reason]``: bad frames whose id is readable, ids over
+:data:`~zio_spark.queue.store.MAX_ID_BYTES`, oversized messages, a failed store. Frames
+without a readable id are dropped and counted (``bad_frames``). Acks never get dropped
+silently: a producer over its high-water mark gets them later (``ROUTER_MANDATORY``
+turns the would-be drop into ``EAGAIN``); acks for a producer that has gone away are
+counted (``acks_undeliverable``), and its resend is then acked as a duplicate.
+
+*send* (ROUTER, consumers connect with ROUTER): deliveries ``[queue id, message id, sent
+µs, ack timeout µs, "", *body]`` as the consumer sees them. The message id is the
+producer's id (so every redelivery of a message carries the same id). The consumer
+answers ``[queue id, message id, "1"]`` (delete it) or ``"0"`` (requeue now); no answer
+within the ack timeout requeues it for redelivery (``expired_messages``). Each consumer
+holds at most ``inflight`` unacked messages; consumers with room are served round robin,
+one message each in turn.
+
+How consumers announce themselves. ROUTER-to-ROUTER, the binding side cannot send to a
+peer until it knows the peer's routing id, and libzmq tells a ROUTER about a peer only
+when that peer sends something. (The 2011 C++ PZQ sidestepped this: its send socket was a
+DEALER that round-robined blindly, so it had no per-consumer limits or fairness.) Here a
+consumer becomes known by *any* message on the send socket: the intended way is
+``ZMQ_PROBE_ROUTER=1`` on the consumer's ROUTER, which makes libzmq send one empty
+message on connect (``[consumer id, ""]`` here, a "hello"); an ack also does. With a
+draft libzmq the queue also sets ``ZMQ_ROUTER_NOTIFY`` (connect), so even a silent
+consumer is announced. The queue's send socket has ``ZMQ_ROUTING_ID`` = the queue id
+(stable, kept in the store), which is what the consumer's ROUTER reports as part 0 and
+uses to address acks (it must connect before it can reply, so no race). Consumers that
+vanish are found when a send to them fails (``EHOSTUNREACH``): their in-flight messages
+are requeued at once; otherwise their messages time out.
+
+Two producers using the same message id: ids are global (producer routing ids change on
+every reconnect, so they cannot scope ids). The second message is treated as a duplicate
+of the first: acked ``1`` and not stored. Producers must use globally unique ids (a UUID,
+or a producer name prefix). Should two stored messages ever share an id (a resend after
+it left the duplicate window), the second waits until the first is no longer in flight,
+so acks stay unambiguous.
+
+*monitor* (REP): ``MONITOR`` → one part of ``key: value`` lines: the spec's
+``messages`` (durable, unacked), ``messages_in_flight``, ``db_size`` (segment bytes on
+disk), ``in_flightdb_size`` (stored bytes of in-flight messages), ``syncs``
+(``fdatasync`` calls), ``expired_messages``, then ``delivered``, ``acked``, ``nacked``,
+``redelivered``, ``producers`` (seen in the last minute), ``consumers`` (known now) and
+more counters (:data:`EXTRA_MONITOR_KEYS`). Anything else gets ``error: ...`` and is
+counted.
+
+Bad input never stops the server: decode errors are counted and answered or dropped as
+above, and an unexpected exception while handling one message is logged with its
+traceback and counted (``errors``), and the loop goes on.
+
+Security: with ``curve_secret_key`` all three sockets are CURVE servers; clients need
+:attr:`QueueBroker.curve_public_key`. Without a ZAP handler on the context any client that
+knows the key may connect (see :func:`zio_spark.transport.start_authenticator`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import zmq
+from zmq.utils import z85
+
+from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.protocol.pzq import (
+    ACK_FAILURE,
+    ACK_SUCCESS,
+    DELIMITER,
+    MONITOR_KEYS,
+    InFlight,
+    ProducerAck,
+    decode_consumer_ack,
+    decode_monitor_request,
+    decode_producer_message,
+    encode_monitor_reply,
+    encode_producer_ack,
+)
+from zio_spark.queue.store import (
+    DEFAULT_DEDUP_WINDOW,
+    DEFAULT_SEGMENT_BYTES,
+    CommitTicket,
+    MessageRejected,
+    MessageStore,
+    StoreError,
+)
+
+__all__ = [
+    "DEFAULT_MONITOR",
+    "DEFAULT_RECEIVE",
+    "DEFAULT_SEND",
+    "EXTRA_MONITOR_KEYS",
+    "QueueBroker",
+    "main",
+    "run_queue",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RECEIVE: Final = "tcp://127.0.0.1:11131"
+"""Default receive endpoint (PZQ's port; loopback only unless told otherwise)."""
+DEFAULT_SEND: Final = "tcp://127.0.0.1:11132"
+"""Default send endpoint."""
+DEFAULT_MONITOR: Final = "tcp://127.0.0.1:11133"
+"""Default monitor endpoint."""
+
+EXTRA_MONITOR_KEYS: Final = (
+    "delivered",
+    "acked",
+    "nacked",
+    "redelivered",
+    "producers",
+    "consumers",
+    "received",
+    "stored",
+    "duplicates",
+    "rejected",
+    "bad_frames",
+    "unknown_acks",
+    "acks_undeliverable",
+    "commits",
+    "segments",
+    "errors",
+    "store_failed",
+)
+"""Monitor keys after the spec's :data:`~zio_spark.protocol.pzq.MONITOR_KEYS`, in order."""
+
+_PRODUCER_WINDOW_S: Final = 60.0  # "producers" counts identities seen this recently
+_TOMBSTONE_DELAY_S: Final = 0.05  # acks alone are committed after at most this long...
+_TOMBSTONE_BATCH: Final = 4096  # ...or once this many are buffered
+_BACKLOG_RETRY_S: Final = 0.01  # retry acks a producer's full pipe refused
+_MAX_BACKLOG: Final = 1_000_000  # beyond this, undeliverable acks are dropped (counted)
+_SUCCESS_TAIL: Final = (ACK_SUCCESS, DELIMITER, b"")
+_TICK_S: Final = 0.1  # refresh stats() and retry consumers whose pipes were full
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def _check_count(option: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(option, value, f"an integer >= {minimum}")
+    return value
+
+
+def _curve_keys(secret: str | bytes) -> tuple[bytes, bytes]:
+    """(secret, public) Z85 keys from a Z85 (40 chars) or raw (32 bytes) secret key."""
+    if not zmq.has("curve"):
+        raise TransportError("CURVE requested but this libzmq has no CURVE support")
+    key = secret.encode("ascii", "replace") if isinstance(secret, str) else secret
+    if isinstance(key, bytes) and len(key) == 32:
+        key = z85.encode(key)
+    ok = False
+    if isinstance(key, bytes) and len(key) == 40:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            ok = len(z85.decode(key)) == 32
+    if not ok:
+        raise ConfigError("curve_secret_key", "<hidden>", "a Z85 key (40 characters) or 32 bytes")
+    return key, zmq.curve_public(key)
+
+
+class _Consumer:
+    __slots__ = ("ident", "ready")
+
+    def __init__(self, ident: bytes) -> None:
+        self.ident = ident
+        self.ready = False  # in the round-robin deque
+
+
+class QueueBroker:
+    """The PZQ-style queue server (see the module docstring). A context manager.
+
+    Parameters
+    ----------
+    store_path
+        Folder of the durable store (created if missing; one broker per folder).
+    receive, send, monitor
+        Endpoints to bind (``tcp://127.0.0.1:*`` picks a free port; ``monitor=None``
+        disables the monitor socket).
+    ack_timeout
+        Seconds a consumer has to ack a delivery before it is requeued (> 0).
+    hwm
+        High-water mark, messages per peer, of the receive and send sockets (0: none).
+    inflight
+        Most unacked deliveries per consumer (>= 1).
+    curve_secret_key
+        Make all sockets CURVE servers with this secret key (Z85 or 32 raw bytes).
+    queue_id
+        The send socket's routing id, which consumers see as part 0 (default: the id kept
+        in the store folder). Must not start with a zero byte.
+    max_batch
+        Most messages taken from one socket per loop turn.
+    dedup_window, segment_bytes, sync
+        Passed to :class:`~zio_spark.queue.store.MessageStore`.
+    linger_ms
+        ZMQ_LINGER of the sockets at stop (so the last acks can leave).
+    context
+        A zmq context to use (default: a private one, terminated at stop).
+
+    Raises
+    ------
+    ConfigError
+        For a bad option value.
+    """
+
+    def __init__(
+        self,
+        store_path: str | os.PathLike[str],
+        *,
+        receive: str = "tcp://127.0.0.1:*",
+        send: str = "tcp://127.0.0.1:*",
+        monitor: str | None = "tcp://127.0.0.1:*",
+        ack_timeout: float = 5.0,
+        hwm: int = 10_000,
+        inflight: int = 1000,
+        curve_secret_key: str | bytes | None = None,
+        queue_id: bytes | None = None,
+        max_batch: int = 4096,
+        dedup_window: int = DEFAULT_DEDUP_WINDOW,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        sync: bool = True,
+        linger_ms: int = 500,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if (
+            isinstance(ack_timeout, bool)
+            or not isinstance(ack_timeout, (int, float))
+            or not 0 < ack_timeout < 10**9
+        ):
+            raise ConfigError("ack_timeout", ack_timeout, "a number of seconds > 0")
+        for option, value in (("receive", receive), ("send", send)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(option, value, "an endpoint string")
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise ConfigError("monitor", monitor, "an endpoint string or None")
+        if queue_id is not None and (
+            not isinstance(queue_id, bytes) or not 0 < len(queue_id) <= 255 or queue_id[0] == 0
+        ):
+            raise ConfigError("queue_id", queue_id, "1 to 255 bytes, not starting with a 0 byte")
+        self._store_path = Path(store_path)
+        self._endpoints_wanted = (receive, send, monitor)
+        self._ack_timeout_us = max(1, round(ack_timeout * 1e6))
+        self._hwm = _check_count("hwm", hwm, 0)
+        self._inflight_limit = _check_count("inflight", inflight, 1)
+        self._max_batch = _check_count("max_batch", max_batch, 1)
+        self._linger = _check_count("linger_ms", linger_ms, 0)
+        self._curve = _curve_keys(curve_secret_key) if curve_secret_key is not None else None
+        self._queue_id_wanted = queue_id
+        self._store_options = {
+            "dedup_window": dedup_window,
+            "segment_bytes": segment_bytes,
+            "sync": sync,
+        }
+        self._given_ctx = context
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._wake_r, self._wake_w = -1, -1
+        self.endpoints: dict[str, str] = {}
+        """Bound endpoints by socket name (``receive``, ``send``, ``monitor``)."""
+        self.queue_id: bytes = b""
+        """The send socket's routing id (part 0 of every delivery), once started."""
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "expired_messages",
+                "delivered",
+                "acked",
+                "nacked",
+                "redelivered",
+                "received",
+                "duplicates",
+                "rejected",
+                "bad_frames",
+                "unknown_acks",
+                "acks_undeliverable",
+                "bad_monitor_requests",
+                "errors",
+            ),
+            0,
+        )
+        """Event counters, updated by the broker thread (read them via :meth:`stats`)."""
+        self._last_stats: dict[str, int | str] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def curve_public_key(self) -> bytes | None:
+        """The servers' Z85 CURVE public key (clients need it), or None without CURVE."""
+        return self._curve[1] if self._curve else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the broker thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout: float = 60.0) -> QueueBroker:
+        """Open the store, bind the sockets and start serving (in a new thread).
+
+        Returns once the endpoints are bound (see :attr:`endpoints`).
+
+        Raises
+        ------
+        StoreError
+            If the store cannot be opened (e.g. it is locked by another broker).
+        TransportError
+            If an endpoint cannot be bound, or startup takes longer than ``timeout``.
+        """
+        if self._thread is not None:
+            raise TransportError("the queue broker was already started")
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._thread = threading.Thread(target=self._main, name="zio-queue", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.stop()
+            raise TransportError(f"the queue broker did not start within {timeout} s")
+        if self._start_error is not None:
+            self._thread.join()
+            self._close_pipe()
+            raise self._start_error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving: finish the commit in progress, ack what it covers, close.
+
+        Messages in flight stay unacked in the store (a restart redelivers them).
+        Idempotent.
+
+        Raises
+        ------
+        TransportError
+            If the broker thread does not finish within ``timeout``.
+        """
+        thread = self._thread
+        if thread is None:
+            return
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"s")
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TransportError(f"the queue broker did not stop within {timeout} s")
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def __enter__(self) -> QueueBroker:
+        return self.start() if self._thread is None else self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def stats(self) -> dict[str, int | str]:
+        """The monitor statistics (as the monitor socket would answer), as a dict.
+
+        Safe from any thread: a snapshot the broker thread refreshes every 0.1 s (exact
+        after :meth:`stop`).
+        """
+        return dict(self._last_stats)
+
+    # ------------------------------------------------------------------ thread
+
+    def _main(self) -> None:
+        ctx = self._given_ctx if self._given_ctx is not None else zmq.Context()
+        sockets: list[zmq.Socket[bytes]] = []
+        store: MessageStore | None = None
+        sync_thread: threading.Thread | None = None
+        self._sync_q: queue.SimpleQueue[CommitTicket | None] = queue.SimpleQueue()
+        self._done_r, self._done_w = os.pipe()
+        os.set_blocking(self._done_r, False)
+        try:
+            try:
+                store = MessageStore(self._store_path, **self._store_options)  # type: ignore[arg-type]
+                self.queue_id = self._queue_id_wanted or store.queue_id
+                self._open_sockets(ctx, sockets)
+            except BaseException as e:
+                self._start_error = e
+                return
+            finally:
+                self._ready.set()
+            self._store = store
+            sync_thread = threading.Thread(target=self._sync_worker, name="zio-queue-sync")
+            sync_thread.daemon = True
+            sync_thread.start()
+            self._serve(store)
+        except BaseException:  # a bug: keep the traceback, shut down cleanly
+            log.exception("queue broker thread failed")
+            self.counters["errors"] += 1
+        finally:
+            if sync_thread is not None:
+                self._sync_q.put(None)
+                sync_thread.join()
+            if store is not None:
+                try:
+                    store.close()
+                except StoreError as e:
+                    log.error("closing the store: %s", e)
+                self._last_stats = self._collect_stats(store)
+            for s in sockets:
+                s.close(linger=self._linger)
+            if self._given_ctx is None:
+                ctx.term()
+            for fd in (self._done_r, self._done_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _open_sockets(self, ctx: zmq.Context[Any], sockets: list[zmq.Socket[bytes]]) -> None:
+        receive_ep, send_ep, monitor_ep = self._endpoints_wanted
+
+        def make(kind: int, name: str) -> zmq.Socket[bytes]:
+            s: zmq.Socket[bytes] = ctx.socket(kind)
+            sockets.append(s)
+            s.setsockopt(zmq.LINGER, self._linger)
+            if kind == zmq.ROUTER:
+                s.setsockopt(zmq.SNDHWM, self._hwm)
+                s.setsockopt(zmq.RCVHWM, self._hwm)
+                s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if self._curve is not None:
+                s.setsockopt(zmq.CURVE_SERVER, 1)
+                s.setsockopt(zmq.CURVE_SECRETKEY, self._curve[0])
+                s.setsockopt(zmq.CURVE_PUBLICKEY, self._curve[1])
+            return s
+
+        self._rx = make(zmq.ROUTER, "receive")
+        self._tx = make(zmq.ROUTER, "send")
+        self._tx.setsockopt(zmq.ROUTING_ID, self.queue_id)
+        notify = getattr(zmq, "ROUTER_NOTIFY", None)
+        if notify is not None:
+            # Draft libzmq only (EINVAL otherwise): announce consumers on connect.
+            with contextlib.suppress(zmq.ZMQError):
+                self._tx.setsockopt(notify, getattr(zmq, "NOTIFY_CONNECT", 1))
+        self._mon = make(zmq.REP, "monitor") if monitor_ep is not None else None
+        for name, s, ep in (
+            ("receive", self._rx, receive_ep),
+            ("send", self._tx, send_ep),
+            ("monitor", self._mon, monitor_ep),
+        ):
+            if s is None or ep is None:
+                continue
+            try:
+                s.bind(ep)
+            except zmq.ZMQError as e:
+                raise TransportError(f"cannot bind the {name} socket: {e}", endpoint=ep) from e
+            self.endpoints[name] = s.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def _sync_worker(self) -> None:
+        while True:
+            ticket = self._sync_q.get()
+            if ticket is None:
+                return
+            ticket.run()
+            with contextlib.suppress(OSError):
+                os.write(self._done_w, b"d")
+
+    # ------------------------------------------------------------------ serving
+
+    def _serve(self, store: MessageStore) -> None:
+        rx, tx, mon = self._rx, self._tx, self._mon
+        inflight = InFlight(self._inflight_limit)
+        self._inflight = inflight
+        self._keys: dict[bytes, int] = {}  # message id -> store key, while in flight
+        self._deferred: dict[bytes, list[int]] = {}  # id in flight -> more keys, same id
+        self._consumers: dict[bytes, _Consumer] = {}
+        self._ready_q: deque[_Consumer] = deque()
+        self._producers: dict[bytes, float] = {}
+        self._acks: list[tuple[bytes, bytes]] = []  # (producer, id) awaiting a commit
+        self._ticket: CommitTicket | None = None
+        self._ticket_acks: list[tuple[bytes, bytes]] = []
+        self._backlog: deque[list[bytes]] = deque()  # ack frames refused with EAGAIN
+        self._tombstones_since = 0.0
+        self._next_prune = time.monotonic() + _PRODUCER_WINDOW_S
+        self._next_tick = 0.0
+        self._timeout_bytes = str(self._ack_timeout_us).encode("ascii")
+        poller = zmq.Poller()
+        poller.register(rx, zmq.POLLIN)
+        poller.register(tx, zmq.POLLIN)
+        if mon is not None:
+            poller.register(mon, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._done_r, zmq.POLLIN)
+        self._last_stats = self._collect_stats(store)
+        while not self._stopping.is_set():
+            events = dict(poller.poll(self._poll_timeout_ms(store)))
+            if self._wake_r in events:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 64)
+                if self._stopping.is_set():
+                    break
+            if self._done_r in events:
+                with contextlib.suppress(OSError):
+                    os.read(self._done_r, 64)
+            self._guard(self._finish_commit, store)
+            if rx in events:
+                self._guard(self._receive_producers, store)
+            if tx in events:
+                self._guard(self._receive_consumers, store)
+            if mon is not None and mon in events:
+                self._guard(self._answer_monitor, store)
+            self._guard(self._housekeeping, store)
+            self._guard(self._begin_commit, store)
+            self._guard(self._dispatch, store)
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._next_tick = now + _TICK_S
+                self._guard(self._tick, store)
+        self._shutdown(store)
+
+    def _guard(self, step: Any, store: MessageStore) -> None:
+        try:
+            step(store)
+        except Exception:  # a bug; the server keeps serving everybody else
+            self.counters["errors"] += 1
+            log.exception("queue broker: unexpected error in %s", step.__name__)
+
+    def _poll_timeout_ms(self, store: MessageStore) -> int:
+        if self._ticket is None and (self._acks or store.buffered_puts):
+            return 0
+        now = time.monotonic()
+        wait = 1.0
+        if self._backlog:
+            wait = _BACKLOG_RETRY_S
+        if store.pending_tombstones and self._ticket is None:
+            wait = min(wait, max(0.0, self._tombstones_since + _TOMBSTONE_DELAY_S - now))
+        deadline = self._inflight.next_deadline()
+        if deadline is not None:
+            wait = min(wait, max(0.0, (deadline - _now_us()) / 1e6 + 0.001))
+        return max(0, int(wait * 1000))
+
+    def _shutdown(self, store: MessageStore) -> None:
+        """Finish the outstanding commit and commit the buffer, then ack producers."""
+        ticket = self._ticket
+        if ticket is not None:
+            ticket.wait()
+            self._finish_commit(store)
+        if not store.failed and (self._acks or store.dirty):
+            try:
+                store.commit()
+            except StoreError as e:
+                self._fail_acks(self._acks, str(e))
+            else:
+                self._send_acks(self._acks)
+            self._acks = []
+        self._flush_backlog()
+
+    # ------------------------------------------------------------------ producers
+
+    def _receive_producers(self, store: MessageStore) -> None:
+        rx = self._rx
+        now = time.monotonic()
+        producers = self._producers
+        acks = self._acks
+        put = store.put
+        counters = self.counters
+        for _ in range(self._max_batch):
+            try:
+                frames = rx.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            counters["received"] += 1
+            ident = frames[0]
+            producers[ident] = now
+            # Fast path for the canonical [id, "", body] (what decode_producer_message
+            # returns for it; tests check they agree); everything else goes to the codec.
+            if len(frames) == 4 and frames[2] == DELIMITER and frames[1]:
+                message_id = frames[1]
+                body: Sequence[bytes] = frames[3:]
+            else:
+                try:
+                    message = decode_producer_message(frames[1:])
+                except RemoteProtocolError as e:
+                    counters["bad_frames"] += 1
+                    log.debug("queue: bad producer message from %r: %s", ident, e)
+                    if len(frames) > 1 and frames[1]:
+                        self._send_producer_ack(ident, frames[1], False, f"bad message: {e}")
+                    continue
+                message_id, body = message.message_id, message.body
+            if store.failed:
+                self._send_producer_ack(ident, message_id, False, f"store failed: {store.failed}")
+                continue
+            try:
+                key = put(message_id, body)
+            except MessageRejected as e:
+                counters["rejected"] += 1
+                self._send_producer_ack(ident, message_id, False, str(e))
+                continue
+            except StoreError as e:
+                self._send_producer_ack(ident, message_id, False, str(e))
+                continue
+            if key is None:
+                counters["duplicates"] += 1
+            acks.append((ident, message_id))
+
+    def _begin_commit(self, store: MessageStore) -> None:
+        if self._ticket is not None or store.failed:
+            return
+        if not store.dirty:
+            if self._acks:  # only duplicates of durable messages: ack them now
+                self._send_acks(self._acks)
+                self._acks = []
+            return
+        if not self._acks and not store.buffered_puts:
+            # Only tombstones: batch them a little (a lost one only means a redelivery).
+            now = time.monotonic()
+            if not self._tombstones_since:
+                self._tombstones_since = now
+            if (
+                store.pending_tombstones < _TOMBSTONE_BATCH
+                and now < self._tombstones_since + _TOMBSTONE_DELAY_S
+            ):
+                return
+        self._tombstones_since = 0.0
+        acks, self._acks = self._acks, []
+        try:
+            ticket = store.begin_commit()
+        except StoreError as e:
+            self._fail_acks(acks, str(e))
+            return
+        if ticket is None:
+            self._send_acks(acks)
+            return
+        self._ticket = ticket
+        self._ticket_acks = acks
+        self._sync_q.put(ticket)
+
+    def _finish_commit(self, store: MessageStore) -> None:
+        ticket = self._ticket
+        if ticket is None or not ticket.done:
+            return
+        self._ticket = None
+        acks, self._ticket_acks = self._ticket_acks, []
+        try:
+            store.end_commit(ticket)
+        except StoreError as e:
+            # Every put not yet durable is gone: this commit's and the buffered ones.
+            self._fail_acks(acks, str(e))
+            self._fail_acks(self._acks, str(e))
+            self._acks = []
+            return
+        self._send_acks(acks)
+
+    def _send_acks(self, acks: list[tuple[bytes, bytes]]) -> None:
+        if self._backlog:
+            self._flush_backlog()
+        send = self._rx.send_multipart
+        for ident, message_id in acks:
+            # [id, "1", "", ""] is encode_producer_ack(ProducerAck(id, True, "")).
+            frames = [ident, message_id, *_SUCCESS_TAIL]
+            if self._backlog:
+                self._defer_ack(frames)
+                continue
+            try:
+                send(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                self._defer_ack(frames)
+            except zmq.ZMQError:  # EHOSTUNREACH: the producer went away
+                self.counters["acks_undeliverable"] += 1
+
+    def _fail_acks(self, acks: list[tuple[bytes, bytes]], reason: str) -> None:
+        for ident, message_id in acks:
+            self._send_producer_ack(ident, message_id, False, reason)
+
+    def _send_producer_ack(self, ident: bytes, message_id: bytes, ok: bool, reason: str) -> None:
+        frames = [ident, *encode_producer_ack(ProducerAck(message_id, ok, reason))]
+        try:
+            self._rx.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._defer_ack(frames)
+        except zmq.ZMQError:
+            self.counters["acks_undeliverable"] += 1
+
+    def _defer_ack(self, frames: list[bytes]) -> None:
+        if len(self._backlog) >= _MAX_BACKLOG:
+            # The producer reads no acks; it will resend and get a duplicate's ack.
+            self.counters["acks_undeliverable"] += 1
+            return
+        self._backlog.append(frames)
+
+    def _flush_backlog(self) -> None:
+        backlog = self._backlog
+        while backlog:
+            try:
+                self._rx.send_multipart(backlog[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                self.counters["acks_undeliverable"] += 1
+            backlog.popleft()
+
+    # ------------------------------------------------------------------ consumers
+
+    def _hello(self, ident: bytes) -> _Consumer:
+        consumer = self._consumers.get(ident)
+        if consumer is None:
+            consumer = self._consumers[ident] = _Consumer(ident)
+            log.info("queue: consumer %r connected", ident)
+            self._make_ready(consumer)
+        return consumer
+
+    def _make_ready(self, consumer: _Consumer) -> None:
+        if not consumer.ready and self._inflight.can_send(consumer.ident):
+            consumer.ready = True
+            self._ready_q.append(consumer)
+
+    def _receive_consumers(self, store: MessageStore) -> None:
+        tx = self._tx
+        counters = self.counters
+        inflight = self._inflight
+        keys = self._keys
+        consumers = self._consumers
+        for _ in range(self._max_batch):
+            try:
+                frames = tx.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            ident = frames[0]
+            if len(frames) == 1 or (len(frames) == 2 and not frames[1]):
+                self._hello(ident)  # PROBE_ROUTER / ROUTER_NOTIFY hello
+                continue
+            # Fast path for the canonical [id, "1"|"0"] (decode_consumer_ack agrees).
+            if len(frames) == 3 and frames[1] and frames[2] in (ACK_SUCCESS, ACK_FAILURE):
+                message_id, ok = frames[1], frames[2] == ACK_SUCCESS
+            else:
+                try:
+                    ack = decode_consumer_ack(frames[1:])
+                except RemoteProtocolError as e:
+                    counters["bad_frames"] += 1
+                    log.debug("queue: bad consumer message from %r: %s", ident, e)
+                    continue
+                message_id, ok = ack.message_id, ack.ok
+            consumer = consumers.get(ident) or self._hello(ident)
+            key = keys.pop(message_id, None)
+            if key is None:
+                counters["unknown_acks"] += 1  # late (already requeued), repeated, unknown
+                continue
+            entry = inflight.get(message_id)
+            if ok:
+                inflight.ack(message_id)
+                store.ack(key)
+                counters["acked"] += 1
+            else:
+                inflight.nack(message_id)
+                store.release(key)
+                counters["nacked"] += 1
+            if entry is not None and entry.consumer != ident:
+                holder = consumers.get(entry.consumer)
+                if holder is not None:
+                    self._make_ready(holder)
+            self._make_ready(consumer)
+            if message_id in self._deferred:
+                self._release_deferred(store, message_id)
+
+    def _release_deferred(self, store: MessageStore, message_id: bytes) -> None:
+        for key in self._deferred.pop(message_id, ()):
+            store.release(key, delivered=False)
+
+    def _drop_consumer(self, store: MessageStore, consumer: _Consumer) -> None:
+        log.info("queue: consumer %r went away", consumer.ident)
+        self._consumers.pop(consumer.ident, None)
+        if consumer.ready:
+            consumer.ready = False
+            with contextlib.suppress(ValueError):
+                self._ready_q.remove(consumer)
+        for message_id in self._inflight.drop_consumer(consumer.ident):
+            key = self._keys.pop(message_id, None)
+            if key is not None:
+                store.release(key)
+            if message_id in self._deferred:
+                self._release_deferred(store, message_id)
+
+    def _housekeeping(self, store: MessageStore) -> None:
+        now_us = _now_us()
+        inflight = self._inflight
+        deadline = inflight.next_deadline()
+        if deadline is not None and deadline < now_us:
+            expired = inflight.expired(now_us)
+            for message_id in expired:
+                key = self._keys.pop(message_id, None)
+                if key is not None:
+                    store.release(key)
+                if message_id in self._deferred:
+                    self._release_deferred(store, message_id)
+            self.counters["expired_messages"] += len(expired)
+            for consumer in self._consumers.values():
+                self._make_ready(consumer)
+        if self._backlog:
+            self._flush_backlog()
+        now = time.monotonic()
+        if now >= self._next_prune:
+            self._next_prune = now + _PRODUCER_WINDOW_S
+            floor = now - _PRODUCER_WINDOW_S
+            self._producers = {k: t for k, t in self._producers.items() if t >= floor}
+        if self._ticket is None and not store.dirty and not store.failed:
+            store.maintain()
+
+    def _tick(self, store: MessageStore) -> None:
+        self._last_stats = self._collect_stats(store)
+        for consumer in self._consumers.values():
+            self._make_ready(consumer)  # also those skipped because their pipe was full
+
+    def _dispatch(self, store: MessageStore) -> None:
+        ready = self._ready_q
+        if not ready:
+            return
+        send = self._tx.send_multipart
+        inflight = self._inflight
+        keys = self._keys
+        counters = self.counters
+        timeout = self._timeout_bytes
+        now_us = _now_us()
+        sent_bytes = str(now_us).encode("ascii")
+        for _ in range(self._max_batch):
+            if not ready:
+                break
+            try:
+                message = store.take()
+            except StoreError as e:  # an unreadable record; the store dropped it
+                counters["errors"] += 1
+                log.error("queue: %s", e)
+                continue
+            if message is None:
+                break
+            consumer = ready.popleft()
+            message_id = message.message_id
+            if message_id in keys:  # another stored copy of this id is in flight: wait
+                self._deferred.setdefault(message_id, []).append(message.key)
+                ready.appendleft(consumer)
+                continue
+            # [consumer, *encode_delivery(Delivery(id, now, timeout, body))], built directly.
+            frames = [consumer.ident, message_id, sent_bytes, timeout, DELIMITER, *message.body]
+            try:
+                send(frames, zmq.NOBLOCK)
+            except zmq.Again:  # its pipe is full: skip it until it acks something
+                consumer.ready = False
+                store.release(message.key, delivered=False)
+                continue
+            except zmq.ZMQError:  # EHOSTUNREACH: gone
+                consumer.ready = False
+                store.release(message.key, delivered=False)
+                self._drop_consumer(store, consumer)
+                continue
+            inflight.add(message_id, consumer.ident, now_us, self._ack_timeout_us)
+            keys[message_id] = message.key
+            counters["delivered"] += 1
+            if message.redelivery:
+                counters["redelivered"] += 1
+            if inflight.can_send(consumer.ident):
+                ready.append(consumer)
+            else:
+                consumer.ready = False
+
+    # ------------------------------------------------------------------ monitor
+
+    def _answer_monitor(self, store: MessageStore) -> None:
+        mon = self._mon
+        assert mon is not None
+        for _ in range(64):
+            try:
+                frames = mon.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                decode_monitor_request(frames)
+            except RemoteProtocolError as e:
+                self.counters["bad_monitor_requests"] += 1
+                reply = [f"error: {e}".replace("\n", " ").encode("utf-8", "replace")]
+            else:
+                reply = encode_monitor_reply(self._collect_stats(store))
+            mon.send_multipart(reply)  # REP: must answer before the next request
+
+    def _collect_stats(self, store: MessageStore) -> dict[str, int | str]:
+        c = self.counters
+        s = store.stats()
+        stats: dict[str, int | str] = {
+            "messages": s.messages,
+            "messages_in_flight": len(self._inflight) if hasattr(self, "_inflight") else 0,
+            "db_size": s.db_size,
+            "in_flightdb_size": s.in_flight_bytes,
+            "syncs": s.syncs,
+            "expired_messages": c["expired_messages"],
+            "delivered": c["delivered"],
+            "acked": c["acked"],
+            "nacked": c["nacked"],
+            "redelivered": c["redelivered"],
+            "producers": len(getattr(self, "_producers", ())),
+            "consumers": len(getattr(self, "_consumers", ())),
+            "received": c["received"],
+            "stored": s.stored,
+            "duplicates": c["duplicates"],
+            "rejected": c["rejected"],
+            "bad_frames": c["bad_frames"],
+            "unknown_acks": c["unknown_acks"],
+            "acks_undeliverable": c["acks_undeliverable"],
+            "commits": s.commits,
+            "segments": s.segments,
+            "errors": c["errors"],
+            "store_failed": 1 if s.failed else 0,
+        }
+        assert tuple(stats) == MONITOR_KEYS + EXTRA_MONITOR_KEYS
+        return stats
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zio-spark queue",
+        description="Run the PZQ-style durable queue (receive/send/monitor sockets).",
+    )
+    p.add_argument("--receive", default=DEFAULT_RECEIVE, metavar="EP", help="producers' endpoint")
+    p.add_argument("--send", default=DEFAULT_SEND, metavar="EP", help="consumers' endpoint")
+    p.add_argument(
+        "--monitor", default=DEFAULT_MONITOR, metavar="EP", help="monitor endpoint ('none': off)"
+    )
+    p.add_argument("--store", required=True, metavar="PATH", help="store folder")
+    p.add_argument(
+        "--ack-timeout", type=float, default=5.0, metavar="SECONDS", help="consumer ack timeout"
+    )
+    p.add_argument("--hwm", type=int, default=10_000, metavar="N", help="socket high-water mark")
+    p.add_argument("--inflight", type=int, default=1000, metavar="N", help="per-consumer limit")
+    p.add_argument(
+        "--curve-secret",
+        metavar="KEY",
+        help="CURVE secret key (Z85), or @FILE to read it from a file (keeps it out of ps)",
+    )
+    p.add_argument(
+        "--dedup-window", type=int, default=DEFAULT_DEDUP_WINDOW, metavar="N",
+        help="message ids remembered to drop duplicates",
+    )  # fmt: skip
+    p.add_argument("--queue-id", metavar="ID", help="routing id consumers see (default: stored)")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    return p
+
+
+def run_queue(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: run a queue until SIGTERM/SIGINT. Returns the exit status.
+
+    Prints ``name: value`` lines (``receive``, ``send``, ``monitor``, ``queue_id``,
+    ``curve_public_key`` with CURVE), then ``ready``, on stdout once serving.
+
+    Parameters
+    ----------
+    argv
+        Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        0 after a clean stop, 1 if the queue could not start, 2 for bad arguments.
+    """
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    secret: str | None = args.curve_secret
+    try:
+        if secret is not None and secret.startswith("@"):
+            secret = Path(secret[1:]).read_text("ascii").strip()
+        broker = QueueBroker(
+            args.store,
+            receive=args.receive,
+            send=args.send,
+            monitor=None if args.monitor.lower() == "none" else args.monitor,
+            ack_timeout=args.ack_timeout,
+            hwm=args.hwm,
+            inflight=args.inflight,
+            curve_secret_key=secret,
+            queue_id=args.queue_id.encode() if args.queue_id else None,
+            dedup_window=args.dedup_window,
+        )
+    except (ConfigError, OSError) as e:
+        print(f"zio-spark queue: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            broker.start()
+        except (StoreError, TransportError, OSError) as e:
+            print(f"zio-spark queue: cannot start: {e}", file=sys.stderr)
+            return 1
+        for name, endpoint in broker.endpoints.items():
+            print(f"{name}: {endpoint}")
+        print(f"queue_id: {broker.queue_id.decode('utf-8', 'replace')}")
+        if broker.curve_public_key is not None:
+            print(f"curve_public_key: {broker.curve_public_key.decode('ascii')}")
+        print("ready", flush=True)
+        while not stop.wait(0.5):
+            if not broker.running:
+                print("zio-spark queue: the broker thread died", file=sys.stderr)
+                return 1
+        broker.stop()
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main() -> None:
+    """``python -m zio_spark.queue.broker ...``."""
+    sys.exit(run_queue(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
