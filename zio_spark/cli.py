@@ -59,8 +59,9 @@ class _Stop:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: self.event.set())
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.event.set())
 
 
 # -- produce ----------------------------------------------------------------------------
