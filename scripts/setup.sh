@@ -25,5 +25,6 @@ fi
 echo "setup: installing zio-spark and its test dependencies into .venv (about a minute)"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
+  --config-settings editable_mode=compat  # a path entry Spark's pyspark_* lookup can list
 echo "$want" > "$stamp"

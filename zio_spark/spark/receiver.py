@@ -95,8 +95,10 @@ class _Peer:
     retry_at: float = 0.0
     acked: int = 0  # last ack sent
     backoff: float = 0.2
-    received_since_flush: int = 0
-    unpaid: list[int] = field(default_factory=list)
+    # Most records seen in one Arrow DAT (0: none yet). A giver that ignores the
+    # ``batch`` we ask for in BOT sends bigger DATs: credit is then sized by what it
+    # really sends, and one credit at a time until its first DAT shows the size.
+    dat_rows: int = 0
 
 
 class Receiver:
@@ -189,6 +191,10 @@ class Receiver:
     def commit(self, offsets: dict[str, int]) -> None:
         """Spark committed ``offsets``: let the spool drop them and ack the producers."""
         self.spool.commit(offsets)
+        self.acknowledge(offsets)
+
+    def acknowledge(self, offsets: dict[str, int]) -> None:
+        """Ack ``offsets`` to the producers without dropping anything from the spool."""
         with self._lock:
             for producer, end in offsets.items():
                 if end > self._committed.get(producer, 0):
@@ -441,12 +447,21 @@ class Receiver:
                     field="payload",
                 )
             batch = decode_batch(data.message.payload[0])
-            if batch.num_rows > self.batch:
-                raise RemoteProtocolError(
-                    f"DAT holds {batch.num_rows} records, above the {self.batch} we asked for",
-                    field="batch",
-                    value=batch.num_rows,
-                )
+            if batch.num_rows > peer.dat_rows:
+                if batch.num_rows > max(self.batch, peer.dat_rows):
+                    # Valid records: failing the flow would refetch the same DAT forever.
+                    log.warning(
+                        "producer %s sends %d records per DAT, above the %d asked for in "
+                        "BOT; credit is sized for %d",
+                        peer.endpoint,
+                        batch.num_rows,
+                        self.batch,
+                        batch.num_rows,
+                    )
+                peer.dat_rows = batch.num_rows
+            first = int(batch.column(0)[0].as_py())
+            if held == 0 and first > 1 and producer not in self.spool.producers():
+                held = self._start_at(producer, first)
             wal = _wal_batch(batch, held, origin, ts)
             if wal is None:
                 peer.status.duplicates += batch.num_rows
@@ -479,6 +494,20 @@ class Receiver:
         self.stats["records"] += new
         return True
 
+    def _start_at(self, producer: str, first: int) -> int:
+        """First contact with a producer whose records start at ``first > 1``.
+
+        An ack-capable producer forgets a record only once a taker acknowledged it, so
+        records below ``first`` were delivered elsewhere (an earlier batch read, another
+        spool): the stream starts at ``first``, recorded as a commit, instead of a
+        sequence gap that would fail the query as data loss.
+        """
+        log.info("producer %r: first records start at seq %d; starting there", producer, first)
+        self.spool.commit({producer: first})
+        with self._lock:
+            self._committed[producer] = max(self._committed.get(producer, 0), first)
+        return self.spool.next_seq(producer) - 1
+
     def _pay(self, peer: _Peer, now: float) -> None:
         flow = peer.flow
         assert flow is not None and peer.port is not None
@@ -490,7 +519,10 @@ class Receiver:
         n = 0
         if held > 0:
             backlog = self.spool.backlog().get(peer.producer, 0)
-            room = (self.max_backlog - backlog) // self.batch - flow.outstanding
+            per_dat = max(self.batch, peer.dat_rows)
+            room = (self.max_backlog - backlog) // per_dat - flow.outstanding
+            if peer.arrow and peer.dat_rows == 0:
+                room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
             n = max(0, min(held, room))
         attrs: dict[str, Any] | None = None
         if ack > peer.acked:

@@ -358,7 +358,9 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
                     take = max(0, min(ends[p] - starts[p], budget))
                     ends[p] = starts[p] + take
                     budget -= take
-            recv.commit(ends)
+            # The records stay in this private spool for read(); only the producers hear
+            # that they are safe (an ack), so ack-capable ones can forget them.
+            recv.acknowledge(ends)
             recv.flush_acks(timeout=min(5.0, opts.connect_timeout))
         finally:
             recv.stop()
