@@ -160,8 +160,9 @@ class _Runtime:
             ).start()
         self.server: SegmentServer | None = None
         if opts.spool_access != "local":
-            bind = "tcp://127.0.0.1:*" if opts.spool_access == "remote" else "tcp://0.0.0.0:*"
-            self.server = SegmentServer(opts.spool_path, bind)
+            # Executors on other hosts must reach it: listen on every interface and
+            # advertise the host name (server_endpoint).
+            self.server = SegmentServer(opts.spool_path, "tcp://0.0.0.0:*")
         self.stopped = False
 
     def server_endpoint(self) -> str | None:
