@@ -68,6 +68,7 @@ class _Taker(FlowHandler):
         self.producer = producer
         self.acks = False
         self.arrow = False
+        self.batch = 1  # most records per DAT for this taker
         self.next_seq = 1  # next record to send to this taker
 
     def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
@@ -83,9 +84,20 @@ class _Taker(FlowHandler):
         if prof.stream is not None and prof.stream != p.stream:
             conn.reject({"reason": f"no stream {prof.stream!r} here (this is {p.stream!r})"})
             return
+        # The taker's "batch" caps the records per DAT (the Spark receiver refuses more).
+        limit = bot.attrs.get("batch")
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            e = RemoteProtocolError(
+                f"BOT batch must be an integer >= 1, got {limit!r}", field="batch", value=limit
+            )
+            conn.reject({"reason": str(e)})
+            raise e
         encodings = bot.attrs.get("encoding", ())
         self.acks = prof.ack
         self.arrow = isinstance(encodings, list) and ENCODING in encodings
+        self.batch = (p.batch if limit is None else min(p.batch, limit)) if self.arrow else 1
         self.next_seq = p._attach(self, conn, prof.resume if prof.ack else None)
         attrs: dict[str, Any] = {"producer": p.producer_id, "stream": p.stream, "ack": True}
         if self.arrow:
@@ -103,7 +115,7 @@ class _Taker(FlowHandler):
         if p._taker is not self or conn.flow.state is not FlowState.READY:
             return
         while conn.flow.credit > 0:
-            batch = p._take(self.next_seq, p.batch if self.arrow else 1, release=not self.acks)
+            batch = p._take(self.next_seq, self.batch, release=not self.acks)
             if not batch:
                 return
             if self.arrow:
@@ -293,7 +305,8 @@ class Producer:
         with self._cond:
             self._wake_pending = False
         if self._taker is not None and self._taker_conn is not None:
-            self._taker.on_tick(self._taker_conn, 0.0)
+            # As on a tick: a failure (the taker vanished) ends that flow, not the loop.
+            self._server.tick_flow(self._taker_conn, self._taker, 0.0)
 
     @property
     def acked(self) -> int:
@@ -362,7 +375,11 @@ class Producer:
                 conn = self._taker_conn
                 if conn is not None and conn.flow.state is FlowState.READY:
                     self._eot_done = done
-                    conn.send_eot()
+                    try:
+                        conn.send_eot()
+                    except TransportError as e:  # the taker is gone: no echo will come
+                        log.warning("producer %s: cannot send EOT: %s", self.producer_id, e)
+                        done.set()
                 else:
                     done.set()
 
@@ -389,9 +406,12 @@ class Producer:
     # -- loop side (server thread) ---------------------------------------------------
 
     def _attach(self, taker: _Taker, conn: ServerFlow, resume: int | None) -> int:
+        replaced: tuple[_Taker, ServerFlow] | None = None
         with self._cond:
             if self._taker is not None and self._taker is not taker:
                 self.stats["takers_replaced"] += 1
+                assert self._taker_conn is not None
+                replaced = (self._taker, self._taker_conn)
             self._taker = taker
             self._taker_conn = conn
             self.stats["takers"] += 1
@@ -419,7 +439,11 @@ class Producer:
                 self._release(resume)
                 start = max(start, resume + 1)
             self._cond.notify_all()
-            return start
+        if replaced is not None:
+            # One taker at a time: the old flow ends now instead of lingering in the
+            # server (forever without an idle timeout) for a client that is gone.
+            self._server._remove(replaced[1], replaced[0], "replaced by a new taker")
+        return start
 
     def _detach(self, taker: _Taker, reason: str) -> None:
         with self._cond:

@@ -228,7 +228,7 @@ class FlowServer:
                             break
                         self._dispatch(got)
                 while self._calls:
-                    self._calls.popleft()()
+                    self._run_call(self._calls.popleft())
                 self._tick()
         except BaseException as e:  # pragma: no cover - reported, never silent
             self.error = e
@@ -236,6 +236,14 @@ class FlowServer:
         finally:
             for conn, handler in list(self.flows.values()):
                 self._remove(conn, handler, "server stopped")
+
+    def _run_call(self, fn: Callable[[], None]) -> None:
+        # A failing call must not end the loop, and with it every client's flow.
+        try:
+            fn()
+        except Exception:
+            self.stats["call_errors"] += 1
+            log.exception("%s: call_soon function %r failed", self.name, fn)
 
     def _dispatch(self, got: tuple[PeerId, Message] | BadMessage) -> None:
         if isinstance(got, BadMessage):
@@ -299,16 +307,20 @@ class FlowServer:
                 self._remove(conn, handler, f"idle for more than {self.idle_timeout} s")
                 continue
             if conn.flow.state in (FlowState.READY, FlowState.EOT_SENT):
-                try:
-                    handler.on_tick(conn, now)
-                except ProtocolError as e:
-                    self._drop(conn, handler, e)
-                except TransportError as e:
-                    self._remove(conn, handler, f"transport error: {e}")
-                except Exception as e:
-                    self.stats["handler_errors"] += 1
-                    log.exception("%s: on_tick of %s failed", self.name, conn.name)
-                    self._remove(conn, handler, f"handler error: {e!r}")
+                self.tick_flow(conn, handler, now)
+
+    def tick_flow(self, conn: ServerFlow, handler: FlowHandler, now: float) -> None:
+        """Run ``handler.on_tick`` now; its errors end that flow only (server thread only)."""
+        try:
+            handler.on_tick(conn, now)
+        except ProtocolError as e:
+            self._drop(conn, handler, e)
+        except TransportError as e:
+            self._remove(conn, handler, f"transport error: {e}")
+        except Exception as e:
+            self.stats["handler_errors"] += 1
+            log.exception("%s: on_tick of %s failed", self.name, conn.name)
+            self._remove(conn, handler, f"handler error: {e!r}")
 
     def _drop(self, conn: ServerFlow, handler: FlowHandler | None, error: ProtocolError) -> None:
         self.stats["dropped"] += 1
