@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=_non_negative_float, help="exit after this many seconds")
 
     sp = add("queue", cmd_queue, "Run the PZQ-style durable queue server.")
-    sp.add_argument("rest", nargs=argparse.REMAINDER, help="queue options (see `queue -- -h`)")
+    sp.add_argument("rest", nargs=argparse.REMAINDER, help="queue options (see `queue --help`)")
 
     sp = add("peers", cmd_peers, "Show ZRE peers of a group and their ZIO ports, live.")
     sp.add_argument("--group", required=True, help="ZRE group")
@@ -260,8 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["queue"]:
+        # The queue has its own option parser (run_queue); hand it everything after
+        # `queue`, so `zio-spark queue --store X` works as written.
+        from zio_spark.queue.broker import run_queue
+
+        return int(run_queue(args_list[1:]) or 0)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
     try:
         return int(args.fn(args))
     except ConfigError as e:

@@ -173,6 +173,7 @@ _F: Final = ord("F")
 _A: Final = ord("A")
 _M: Final = ord("M")
 _LIVE: Final = frozenset((_U, _P, _Q, _R, _F))
+_P_BYTE: Final = b"P"
 
 
 class StoreError(ZioSparkError):
@@ -1080,7 +1081,17 @@ class MessageStore:
             payload = _message_payload(seq, message_id, body)
         active = self._active
         assert active is not None
-        slot = self._append_record(active, payload, _U)
+        # _append_record, inlined (the hot path)
+        slot = len(active.state)
+        if slot >= _MAX_SLOTS - 1:
+            raise StoreError("segment slot limit reached", path=self._root)
+        length = len(payload)
+        self._buf += (_REC.pack(length, zlib.crc32(payload)), payload)
+        active.offsets.append(active.end)
+        active.lengths.append(length)
+        active.state.append(_U)
+        active.live += 1
+        active.end += _REC.size + length
         self._last_seq = seq
         self._buf_puts += 1
         self._buf_seq = seq
@@ -1111,6 +1122,11 @@ class MessageStore:
     def dirty(self) -> bool:
         """Whether anything (puts or tombstones) waits for the next commit."""
         return bool(self._buf or self._tombstones)
+
+    @property
+    def pending_tombstones(self) -> int:
+        """Acks buffered for the next commit."""
+        return len(self._tombstones)
 
     @property
     def committing(self) -> bool:
@@ -1329,7 +1345,7 @@ class MessageStore:
                     return None
                 self._cursor_no, self._cursor_slot = later[0], 0
                 continue
-            slot = seg.state.find(b"P", self._cursor_slot)
+            slot = seg.state.find(_P_BYTE, self._cursor_slot)
             if slot >= 0:
                 self._cursor_slot = slot + 1
                 return self._hand_out(seg, slot, seg.no << 32 | slot, False)
@@ -1341,7 +1357,27 @@ class MessageStore:
             self._cursor_no, self._cursor_slot = later[0], 0
 
     def _hand_out(self, seg: _Segment, slot: int, key: int, redelivery: bool) -> StoredMessage:
+        length = seg.lengths[slot]
         try:
+            # _read's single-part case, inlined (the hot path); anything else goes there.
+            data = os.pread(seg.fd, _REC.size + length, seg.offsets[slot])
+            stored_length, crc = _REC.unpack_from(data, 0)
+            payload = data[_REC.size :]
+            if (
+                stored_length == length
+                and len(payload) == length
+                and payload[0] == _T_PUT
+                and zlib.crc32(payload) == crc
+            ):
+                id_end = _PUT.size + _PUT.unpack_from(payload, 0)[2]
+                count, part_len = _PART1.unpack_from(payload, id_end)
+                if count == 1 and id_end + 8 + part_len == length:
+                    seg.state[slot] = _F
+                    self._in_flight += 1
+                    self._in_flight_bytes += length
+                    return StoredMessage(
+                        key, payload[_PUT.size : id_end], (payload[id_end + 8 :],), redelivery
+                    )
             _, _, message_id, body = self._read(seg, slot)
         except (OSError, StoreError, struct.error, ValueError) as e:
             seg.state[slot] = _A

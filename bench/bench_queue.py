@@ -1,0 +1,381 @@
+"""Benchmark of the PZQ-style queue (not a test).
+
+Durable, acknowledged throughput of 1 KiB messages through a queue broker running in its
+own process (``python -m zio_spark.queue.broker``), with raw pyzmq clients written from
+the spec in other processes:
+
+- ``produce``: producers (DEALER, a window of unacked messages each) into an empty queue
+  with no consumer; a message counts once the queue has acked it (after its fsync).
+- ``consume``: one consumer (ROUTER, acking every delivery) drains what ``produce`` left.
+- ``e2e``: producers and the consumer at once; the clock stops when the consumer has
+  received every message.
+- ``window1``: one producer with a window of 1, so every message is its own commit: the
+  group-commit effect is ``produce`` / ``window1``.
+
+Anchors measured in the same run, on the same disk: raw ``os.write`` + ``os.fdatasync``
+of the same bytes, 1 record per sync and ``--window`` records per sync. With
+``--store-only``, also the store alone in-process against sqlite3 (WAL,
+synchronous=FULL), same batches: the measurement behind the store's design.
+
+    .venv/bin/python bench/bench_queue.py [--messages 200000] [--producers 2]
+        [--window 1000] [--size 1024] [--repeat 3] [--store-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zio_spark.queue.store import MessageStore  # noqa: E402
+
+# ---------------------------------------------------------------------- broker process
+
+
+def start_broker(store: Path, inflight: int, hwm: int) -> tuple[subprocess.Popen[str], dict]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "zio_spark.queue.broker",
+        "--store",
+        str(store),
+        "--receive",
+        "tcp://127.0.0.1:*",
+        "--send",
+        "tcp://127.0.0.1:*",
+        "--monitor",
+        "tcp://127.0.0.1:*",
+        "--inflight",
+        str(inflight),
+        "--hwm",
+        str(hwm),
+        "--ack-timeout",
+        "60",
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    info: dict[str, str] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.strip()
+        if line == "ready":
+            return proc, info
+        key, _, value = line.partition(": ")
+        info[key] = value
+    raise RuntimeError(f"broker exited with {proc.wait()}")
+
+
+def stop_broker(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def monitor(endpoint: str) -> dict[str, str]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.REQ)
+    s.linger = 0
+    s.connect(endpoint)
+    s.send(b"MONITOR")
+    if not s.poll(10_000):
+        raise RuntimeError("monitor did not answer")
+    text = s.recv().decode()
+    s.close()
+    return dict(line.split(": ", 1) for line in text.splitlines() if line)
+
+
+# ---------------------------------------------------------------------- clients
+
+# Lean client I/O, as a performance-minded client would write it: pyzmq's
+# send_multipart/recv_multipart spend most of their time on enum flag arithmetic.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+
+
+def send_frames(sock: zmq.Socket, frames: list[bytes]) -> None:
+    for frame in frames[:-1]:
+        _send(sock, frame, 2)  # SNDMORE
+    _send(sock, frames[-1], 0)
+
+
+def recv_frames(sock: zmq.Socket) -> list[bytes]:
+    frame = _recv(sock, 1, False)  # NOBLOCK, as a Frame (to read ``more``)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, 1, False)
+        parts.append(frame.bytes)
+    return parts
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def producer(endpoint: str, prefix: str, n: int, size: int, window: int, out: mp.Queue) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.sndhwm = s.rcvhwm = 0
+    s.connect(endpoint)
+    body = os.urandom(size)
+    ids = [f"{prefix}-{i}".encode() for i in range(n)]
+    sent = acked = failed = 0
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    while acked < n:
+        while sent < n and sent - acked < window:
+            send_frames(s, [ids[sent], b"", body])
+            sent += 1
+        if not s.poll(30_000):
+            raise RuntimeError(f"producer {prefix}: no ack for 30 s ({acked}/{n})")
+        while True:
+            try:
+                frames = recv_frames(s)
+            except zmq.Again:
+                break
+            acked += 1
+            if frames[1] != b"1":
+                failed += 1
+    out.put((prefix, n, time.perf_counter() - t0, failed, time.process_time() - c0))
+    s.close()
+    ctx.term()
+
+
+def consumer(endpoint: str, n: int, out: mp.Queue, ready: mp.Event) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.linger = 0
+    s.probe_router = 1
+    s.sndhwm = s.rcvhwm = 0
+    s.connect(endpoint)
+    ready.set()
+    seen: set[bytes] = set()
+    got = 0
+    t0 = None
+    c0 = time.process_time()
+    while len(seen) < n:
+        if not s.poll(30_000):
+            raise RuntimeError(f"consumer: nothing for 30 s ({len(seen)}/{n})")
+        if t0 is None:
+            t0 = time.perf_counter()
+        while True:
+            try:
+                frames = recv_frames(s)
+            except zmq.Again:
+                break
+            if len(frames) < 6:
+                continue
+            send_frames(s, [frames[0], frames[1], b"1"])
+            seen.add(frames[1])
+            got += 1
+    out.put(("consumer", got, time.perf_counter() - (t0 or 0), 0, time.process_time() - c0))
+    s.close()
+    ctx.term()
+
+
+def run_clients(
+    info: dict,
+    producers: int,
+    n: int,
+    size: int,
+    window: int,
+    consume: bool,
+    produce: bool,
+    broker_pid: int,
+) -> dict[str, float]:
+    mpctx = mp.get_context("spawn")
+    out: mp.Queue = mpctx.Queue()
+    ready = mpctx.Event()
+    procs = []
+    if consume:
+        procs.append(mpctx.Process(target=consumer, args=(info["send"], n, out, ready)))
+        procs[-1].start()
+        ready.wait(30)
+    t0 = time.perf_counter()
+    b0 = cpu_seconds(broker_pid)
+    if produce:
+        per = n // producers
+        for i in range(producers):
+            procs.append(
+                mpctx.Process(
+                    target=producer,
+                    args=(info["receive"], f"p{i}-{time.time_ns()}", per, size, window, out),
+                )
+            )
+            procs[-1].start()
+    results = [out.get(timeout=600) for _ in procs]
+    elapsed = time.perf_counter() - t0
+    broker_cpu = cpu_seconds(broker_pid) - b0
+    for p in procs:
+        p.join(60)
+    if sum(r[3] for r in results):
+        raise RuntimeError(f"{sum(r[3] for r in results)} messages were refused")
+    return {
+        "rate": n / elapsed,
+        "broker_us": broker_cpu / n * 1e6,
+        "clients_us": sum(r[4] for r in results) / n * 1e6,
+    }
+
+
+# ---------------------------------------------------------------------- anchors
+
+
+def anchor(folder: Path, size: int, per_sync: int, records: int) -> float:
+    """Raw append + fdatasync, records/s."""
+    path = folder / f"anchor-{per_sync}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    chunk = os.urandom(size * per_sync)
+    t0 = time.perf_counter()
+    done = 0
+    while done < records:
+        os.write(fd, chunk)
+        os.fdatasync(fd)
+        done += per_sync
+    rate = done / (time.perf_counter() - t0)
+    os.close(fd)
+    path.unlink()
+    return rate
+
+
+def store_only(folder: Path, n: int, size: int, batch: int) -> dict[str, float]:
+    body = os.urandom(size)
+    out: dict[str, float] = {}
+    with MessageStore(folder / "store") as st:
+        t0 = time.perf_counter()
+        for i in range(n):
+            st.put(b"m%d" % i, [body])
+            if i % batch == batch - 1:
+                st.commit()
+        st.commit()
+        out["log put+commit"] = n / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        k = 0
+        while (m := st.take()) is not None:
+            st.ack(m.key)
+            k += 1
+            if k % batch == 0:
+                st.commit()
+        st.commit()
+        out["log take+ack"] = k / (time.perf_counter() - t0)
+    db = sqlite3.connect(folder / "q.sqlite", isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE q (k INTEGER PRIMARY KEY, id BLOB UNIQUE, body BLOB)")
+    t0 = time.perf_counter()
+    for start in range(0, n, batch):
+        db.execute("BEGIN")
+        db.executemany(
+            "INSERT INTO q (id, body) VALUES (?, ?)",
+            ((b"m%d" % i, body) for i in range(start, min(n, start + batch))),
+        )
+        db.execute("COMMIT")
+    out["sqlite insert"] = n / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    k = 0
+    while True:
+        rows = db.execute("SELECT k, id, body FROM q ORDER BY k LIMIT ?", (batch,)).fetchall()
+        if not rows:
+            break
+        db.execute("BEGIN")
+        db.executemany("DELETE FROM q WHERE k = ?", ((r[0],) for r in rows))
+        db.execute("COMMIT")
+        k += len(rows)
+    out["sqlite select+delete"] = k / (time.perf_counter() - t0)
+    db.close()
+    return out
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--window", type=int, default=1000)
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--inflight", type=int, default=2000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--window1-messages", type=int, default=2000)
+    ap.add_argument("--store-only", action="store_true")
+    ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: tmp)")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bench-queue-", dir=args.dir))
+    n, size, p, w = args.messages, args.size, args.producers, args.window
+    print(
+        f"# {n} messages of {size} B, {p} producers, window {w}, inflight {args.inflight}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, median of {args.repeat}"
+    )
+    rates: dict[str, list[float]] = {}
+    cpu: dict[str, list[tuple[float, float]]] = {}
+    extra: dict[str, list[float]] = {}
+    try:
+        for r in range(args.repeat):
+            rates.setdefault("anchor: append+fdatasync, 1 record/sync", []).append(
+                anchor(base, size, 1, 2000)
+            )
+            rates.setdefault(f"anchor: append+fdatasync, {w} records/sync", []).append(
+                anchor(base, size, w, 50 * w)
+            )
+            store = base / f"store-{r}"
+            proc, info = start_broker(store, args.inflight, 100_000)
+
+            def phase(name: str, *a: object, info: dict = info, pid: int = proc.pid) -> None:
+                res = run_clients(info, *a, broker_pid=pid)  # type: ignore[arg-type]
+                rates.setdefault(name, []).append(res["rate"])
+                cpu.setdefault(name, []).append((res["broker_us"], res["clients_us"]))
+
+            try:
+                phase("produce (durable, acked)", p, n, size, w, False, True)
+                syncs = int(monitor(info["monitor"])["syncs"])
+                extra.setdefault("messages per fdatasync in produce", []).append(n / syncs)
+                phase("consume (acked)", p, n, size, w, True, False)
+                phase("e2e produce->consume (durable, acked)", p, n, size, w, True, True)
+                w1 = args.window1_messages
+                phase("produce, window 1 (1 message per commit)", 1, w1, size, 1, False, True)
+            finally:
+                stop_broker(proc)
+            shutil.rmtree(store, ignore_errors=True)
+            if args.store_only:
+                so = store_only(base / f"so-{r}", min(n, 100_000), size, 1000)
+                for key, value in so.items():
+                    rates.setdefault(f"store only: {key} (1000/commit)", []).append(value)
+                shutil.rmtree(base / f"so-{r}", ignore_errors=True)
+        width = max(map(len, rates))
+        print(f"{'':<{width}}  {'msgs/s':>10}  {'broker':>8}  {'clients':>8}  (each run, msgs/s)")
+        print(f"{'':<{width}}  {'median':>10}  {'CPU us/msg':>8}  {'CPU us/msg':>8}")
+        for name, values in rates.items():
+            med = statistics.median(values)
+            spread = ", ".join(f"{v:,.0f}" for v in values)
+            if name in cpu:
+                b = statistics.median(c[0] for c in cpu[name])
+                c = statistics.median(c[1] for c in cpu[name])
+                cols = f"{b:>8.1f}  {c:>8.1f}"
+            else:
+                cols = f"{'':>8}  {'':>8}"
+            print(f"{name:<{width}}  {med:>10,.0f}  {cols}  ({spread})")
+        for name, values in extra.items():
+            print(f"# {name}: {statistics.median(values):,.0f}")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""Tests for zio_spark.queue.store: the PZQ-style queue's durable message store.
+
+No sockets. "Crash" means the store's files are closed without a commit or a close (what
+SIGKILL leaves behind); torn tails are made by truncating or overwriting segment bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+from pathlib import Path
+
+import pytest
+
+from zio_spark.errors import ConfigError
+from zio_spark.queue import store as store_mod
+from zio_spark.queue.store import (
+    MAX_ID_BYTES,
+    MessageRejected,
+    MessageStore,
+    StoreError,
+    StoreLockedError,
+)
+
+SMALL = 64 << 10  # small segments, so tests cross segment boundaries quickly
+
+
+def crash(store: MessageStore) -> None:
+    """Drop the store as SIGKILL would: no commit, no close (the lock goes with the fds)."""
+    store._close_files()
+    store._closed = True
+
+
+def segments(path: Path) -> list[Path]:
+    return sorted(path.glob("seg-*.log"))
+
+
+def put_many(store: MessageStore, ids: list[bytes], body: bytes = b"x" * 100) -> list[int]:
+    keys = []
+    for mid in ids:
+        key = store.put(mid, [body])
+        assert key is not None
+        keys.append(key)
+    return keys
+
+
+def drain(store: MessageStore, *, ack: bool = True) -> list[bytes]:
+    out = []
+    while (m := store.take()) is not None:
+        out.append(m.message_id)
+        if ack:
+            assert store.ack(m.key)
+    return out
+
+
+def ids(n: int, prefix: str = "m") -> list[bytes]:
+    return [f"{prefix}{i:06d}".encode() for i in range(n)]
+
+
+# ---------------------------------------------------------------------- basics
+
+
+def test_put_commit_take_ack_roundtrip(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        k1 = st.put(b"a", [b"one"])
+        k2 = st.put(b"b", [b"", b"two", b"parts"])
+        k3 = st.put(b"c", [b""])
+        assert None not in (k1, k2, k3)
+        assert st.take() is None, "nothing is deliverable before its commit"
+        assert st.commit() == 3
+        got = [st.take() for _ in range(3)]
+        assert st.take() is None
+        assert [(m.message_id, m.body, m.redelivery) for m in got if m] == [
+            (b"a", (b"one",), False),
+            (b"b", (b"", b"two", b"parts"), False),
+            (b"c", (b"",), False),
+        ]
+        assert st.stats().in_flight == 3
+        assert all(st.ack(m.key) for m in got if m)
+        assert not st.ack(got[0].key), "a second ack changes nothing"  # type: ignore[union-attr]
+        assert st.messages == 0 and st.in_flight == 0
+
+
+def test_release_requeues_first_and_counts_redelivery(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        put_many(st, ids(3))
+        st.commit()
+        first = st.take()
+        assert first is not None and first.message_id == b"m000000"
+        assert st.release(first.key)
+        assert not st.release(first.key), "only in-flight messages can be released"
+        again = st.take()
+        assert again is not None and again.message_id == b"m000000" and again.redelivery
+        assert st.release(again.key, delivered=False)
+        third = st.take()
+        assert third is not None and third.message_id == b"m000000" and third.redelivery is False
+        assert [m for m in drain(st)] == [b"m000001", b"m000002"]
+
+
+def test_async_commit_buffers_the_next_batch(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        st.put(b"a", [b"1"])
+        ticket = st.begin_commit()
+        assert ticket is not None and ticket.puts == 1 and st.committing
+        with pytest.raises(StoreError, match="already outstanding"):
+            st.begin_commit()
+        st.put(b"b", [b"2"])  # goes into the next commit
+        assert st.uncommitted == 2
+        assert st.take() is None
+        ticket.run()
+        assert st.end_commit(ticket) == 1
+        m = st.take()
+        assert m is not None and m.message_id == b"a"
+        assert st.take() is None, "b is not durable yet"
+        assert st.commit() == 1
+        m2 = st.take()
+        assert m2 is not None and m2.message_id == b"b"
+
+
+def test_inputs_are_checked(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        with pytest.raises(MessageRejected):
+            st.put(b"", [b"x"])
+        with pytest.raises(MessageRejected):
+            st.put(b"i" * (MAX_ID_BYTES + 1), [b"x"])
+        with pytest.raises(MessageRejected):
+            st.put(b"a", [])
+        assert st.put(b"i" * MAX_ID_BYTES, [b"x"]) is not None
+    with pytest.raises(ConfigError):
+        MessageStore(tmp_path / "x", segment_bytes=10)
+    with pytest.raises(ConfigError):
+        MessageStore(tmp_path / "y", compact_ratio=1.5)
+    with pytest.raises(ConfigError):
+        MessageStore(tmp_path / "z", dedup_window=-1)
+
+
+def test_one_store_per_folder(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        with pytest.raises(StoreLockedError):
+            MessageStore(tmp_path)
+        queue_id = st.queue_id
+    with MessageStore(tmp_path) as again:
+        assert again.queue_id == queue_id, "the queue id is kept in the folder"
+
+
+# ---------------------------------------------------------------------- recovery
+
+
+def test_restart_redelivers_everything_not_acked(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(1000))
+    st.commit()
+    taken = [st.take() for _ in range(600)]
+    for m in taken[:300]:
+        assert m is not None and st.ack(m.key)
+    st.commit()  # tombstones for the first 300; 300 more stay in flight
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.messages == 700
+        left = drain(again)
+        assert left == ids(1000)[300:], "in-flight and pending ones come back, in order"
+
+
+def test_uncommitted_puts_are_lost_in_a_crash(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path)
+    put_many(st, ids(10))
+    st.commit()
+    put_many(st, ids(5, "late"))  # never committed
+    crash(st)
+    with MessageStore(tmp_path) as again:
+        assert drain(again) == ids(10)
+        # Their ids never became durable, so a resend is stored, not refused.
+        assert again.put(b"late000000", [b"x"]) is not None
+
+
+def test_torn_tail_is_truncated_and_counted(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path)
+    put_many(st, ids(50))
+    st.commit()
+    last = segments(tmp_path)[-1]
+    crash(st)
+    size = last.stat().st_size
+    with last.open("r+b") as f:  # a commit that stopped half way through a record
+        f.truncate(size - 7)
+    with MessageStore(tmp_path) as again:
+        assert again.stats().torn_records == 1
+        assert drain(again) == ids(49)
+        assert again.put(b"new", [b"n"]) is not None
+        again.commit()
+    with MessageStore(tmp_path) as third:
+        assert third.stats().torn_records == 0, "the torn bytes are gone for good"
+        assert drain(third) == [b"new"]
+
+
+def test_garbage_after_the_tail_and_bad_crc(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path)
+    put_many(st, ids(20))
+    st.commit()
+    last = segments(tmp_path)[-1]
+    crash(st)
+    data = bytearray(last.read_bytes())
+    data[-3] ^= 0xFF  # the last record's payload no longer matches its CRC
+    data += os.urandom(100)
+    last.write_bytes(bytes(data))
+    with MessageStore(tmp_path) as again:
+        assert again.stats().torn_records == 1
+        assert drain(again) == ids(19)
+
+
+def test_empty_segment_left_by_a_crash_is_removed(tmp_path: Path) -> None:
+    with MessageStore(tmp_path) as st:
+        put_many(st, ids(3))
+    (tmp_path / "seg-0000000099.log").write_bytes(b"")
+    with MessageStore(tmp_path) as again:
+        assert not (tmp_path / "seg-0000000099.log").exists()
+        assert drain(again) == ids(3)
+
+
+# ---------------------------------------------------------------------- reclaiming disk
+
+
+def test_fully_acked_segments_are_deleted(tmp_path: Path) -> None:
+    with MessageStore(tmp_path, segment_bytes=SMALL) as st:
+        for batch in range(10):
+            put_many(st, ids(200, f"b{batch}-"), b"y" * 200)
+            st.commit()
+        assert len(segments(tmp_path)) > 5
+        big = st.db_size()
+        drain(st)
+        st.commit()
+        st.maintain()
+        assert st.db_size() < big // 10
+        assert len(segments(tmp_path)) <= 2
+        assert st.stats().deleted_segments >= 5
+
+
+def test_compaction_moves_stragglers_and_forwards_their_keys(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.25)
+    old = ids(400)
+    for i in range(0, 400, 100):  # several segments
+        put_many(st, old[i : i + 100], b"z" * 500)
+        st.commit()
+    taken = []
+    while (m := st.take()) is not None:
+        taken.append(m)
+    held = [m for m in taken if m.message_id.endswith(b"7")]  # in flight for long
+    requeued = {m.message_id for m in taken if m.message_id.endswith(b"3")}
+    for m in taken:
+        if m.message_id.endswith(b"3"):
+            assert st.release(m.key)
+        elif not m.message_id.endswith(b"7"):
+            assert st.ack(m.key)
+    st.commit()
+    # New traffic starts new segments; each start moves the live 20 % of the old ones.
+    new = [mid for b in range(6) for mid in ids(150, f"n{b}-")]
+    for i in range(0, len(new), 150):
+        put_many(st, new[i : i + 150], b"w" * 500)
+        st.commit()
+    stats = st.stats()
+    assert stats.moved >= 40 and stats.deleted_segments >= 2
+    for m in held[::2]:  # keys handed out before the move still work
+        assert st.ack(m.key), m.message_id
+    st.commit()
+    expected = requeued | {m.message_id for m in held[1::2]} | set(new)
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        left = drain(again)
+        assert len(left) == len(set(left)), "a moved message comes back once"
+        assert set(left) == expected
+
+
+def test_requeued_messages_are_delivered_after_a_move(tmp_path: Path) -> None:
+    with MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.5) as st:
+        for i in range(0, 300, 100):
+            put_many(st, ids(300)[i : i + 100], b"r" * 500)
+            st.commit()
+        taken = []
+        while (m := st.take()) is not None:
+            taken.append(m)
+        for m in taken:
+            if m.message_id.endswith(b"5"):
+                st.release(m.key)
+            else:
+                st.ack(m.key)
+        for b in range(4):
+            put_many(st, ids(150, f"x{b}-"), b"r" * 500)
+            st.commit()
+        assert st.stats().moved > 0
+        got = drain(st)
+        assert got[:30] == [mid for mid in ids(300) if mid.endswith(b"5")], "requeued first"
+        assert len(got) == 30 + 600
+
+
+# ---------------------------------------------------------------------- duplicates
+
+
+def test_duplicate_ids_are_refused_and_survive_restart(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(100))
+    assert st.put(b"m000005", [b"again"]) is None, "refused even before its commit"
+    st.commit()
+    assert st.put(b"m000005", [b"again"]) is None
+    drain(st)  # acked: still remembered
+    st.commit()
+    assert st.put(b"m000005", [b"again"]) is None
+    assert st.stats().duplicates == 3
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.put(b"m000005", [b"again"]) is None
+        assert again.put(b"m000099", [b"again"]) is None
+        assert again.put(b"fresh", [b"new"]) is not None
+
+
+def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(500), b"d" * 400)
+    st.commit()
+    drain(st)
+    st.commit()
+    st.maintain()
+    assert st.stats().deleted_segments > 0 and (tmp_path / "ids.snap").exists()
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.messages == 0
+        assert all(again.put(mid, [b"dup"]) is None for mid in ids(500))
+
+
+def test_duplicate_window_is_bounded(tmp_path: Path) -> None:
+    with MessageStore(tmp_path, dedup_window=100) as st:
+        put_many(st, ids(250))
+        st.commit()
+        assert st.stats().dedup_ids == 100
+        assert st.put(b"m000249", [b"x"]) is None, "recent: refused"
+        assert st.put(b"m000000", [b"x"]) is not None, "out of the window: stored again"
+    with MessageStore(tmp_path, dedup_window=100) as again:
+        assert again.stats().dedup_ids == 100
+        assert again.put(b"m000249", [b"x"]) is None
+
+
+def test_snapshot_never_holds_ids_that_are_not_durable(tmp_path: Path) -> None:
+    # A segment start (with a segment deletion, hence a snapshot) happens inside
+    # begin_commit, before that commit's puts are durable. A crash then must not leave
+    # their ids in the window, or a resend would be acked without being stored.
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(70), b"s" * 1000)  # > SMALL: this commit starts segment 2
+    st.commit()
+    drain(st)  # segment 1 is dead; its deletion waits for the next segment start
+    put_many(st, ids(100, "late"), b"s" * 1000)  # takes segment 2 past its limit
+    ticket = st.begin_commit()
+    assert ticket is not None
+    assert st.stats().deleted_segments >= 1 and (tmp_path / "ids.snap").exists()
+    crash(st)  # the ticket never ran
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.put(b"late000042", [b"resent"]) is not None
+        assert again.put(b"m000042", [b"resent"]) is None
+
+
+# ---------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("call", ["write", "fdatasync"])
+def test_commit_failure_fails_the_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    st = MessageStore(tmp_path)
+    put_many(st, ids(5))
+    st.commit()
+    put_many(st, ids(3, "doomed"))
+
+    def broken(*args: object) -> None:
+        raise OSError(errno.EIO, "injected I/O error")
+
+    monkeypatch.setattr(store_mod.os, call, broken)
+    with pytest.raises(StoreError, match="injected"):
+        st.commit()
+    assert st.failed
+    with pytest.raises(StoreError, match="failed"):
+        st.put(b"more", [b"x"])
+    with pytest.raises(StoreError):
+        st.commit()
+    assert drain(st) == ids(5), "durable messages can still be delivered"
+    monkeypatch.undo()
+    crash(st)
+    with MessageStore(tmp_path) as again:
+        # The acks could not be made durable any more, so those five come back.
+        if call == "write":  # nothing reached the file: a resend is stored
+            assert again.messages == 5
+            assert again.put(b"doomed000000", [b"resent"]) is not None
+        else:  # written, sync failed: the data may well be there; a resend is a duplicate
+            assert again.messages == 8
+            assert again.put(b"doomed000000", [b"resent"]) is None
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_memory_stays_bounded_with_a_deep_queue(tmp_path: Path) -> None:
+    n = 200_000
+    body = os.urandom(1024)
+    before = _rss_bytes()
+    with MessageStore(tmp_path, sync=False, dedup_window=10_000) as st:
+        for i in range(n):
+            st.put(b"deep-%07d" % i, [body])
+            if i % 5000 == 4999:
+                st.commit()
+        st.commit()
+        stats = st.stats()
+        assert stats.messages == n
+        assert stats.index_bytes <= 10 * n, "~9 bytes of index per stored message"
+        grown = _rss_bytes() - before
+    # 200 MB of bodies went to disk; the process keeps the index plus the id window.
+    assert grown < 40 << 20, f"RSS grew by {grown / 2**20:.1f} MiB"
+    before = _rss_bytes()
+    with MessageStore(tmp_path, sync=False, dedup_window=10_000) as again:
+        assert again.messages == n
+        m = again.take()
+        assert m is not None and m.body == (body,)
+        grown = _rss_bytes() - before
+    assert grown < 40 << 20, f"recovery: RSS grew by {grown / 2**20:.1f} MiB"
