@@ -75,17 +75,54 @@ def raw(transport: str, n: int, frames: list[bytes], push: bool = False) -> floa
     return got / dt
 
 
+def _cs_sender(ep: str, n: int, frame: bytes) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.CLIENT)
+    s.sndhwm = 100_000
+    s.connect(ep)
+    for _ in range(n):
+        s.send(frame)
+    s.send(b"END")
+    s.close(linger=5000)
+    ctx.term()
+
+
+def raw_cs(transport: str, n: int, frame: bytes) -> float:
+    """Anchor for the draft path: CLIENT -> SERVER, one single-frame DAT per message."""
+    ctx = zmq.Context()
+    r = ctx.socket(zmq.SERVER)
+    r.rcvhwm = 100_000
+    r.bind(_endpoint(transport))
+    ep = r.getsockopt_string(zmq.LAST_ENDPOINT)
+    p = mp.get_context("spawn").Process(target=_cs_sender, args=(ep, n, frame))
+    p.start()
+    got = 0
+    t0 = None
+    while True:
+        data = r.recv()
+        if t0 is None:
+            t0 = time.perf_counter()
+        if data == b"END":
+            break
+        got += 1
+    dt = time.perf_counter() - t0
+    p.join(30)
+    r.close(0)
+    ctx.term()
+    return got / dt
+
+
 # -- our flows ------------------------------------------------------------------------------
 
 
-def _flow_sender(ep: str, n: int, window: int, batch: int) -> None:
+def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str = "routerdealer") -> None:
     from zio_spark.protocol.flow import Direction, Role
     from zio_spark.records import encode_records
     from zio_spark.transport.flow import FlowEndpoint
     from zio_spark.transport.port import ClientPort
 
     ctx = zmq.Context()
-    port = ClientPort(ctx, linger_ms=5000, sndhwm=100_000)
+    port = ClientPort(ctx, mode=mode, linger_ms=5000, sndhwm=100_000)
     port.connect(ep)
     fe = FlowEndpoint(port, Role.CLIENT)
     fe.connect(Direction.EXTRACT, window, timeout=30)
@@ -97,15 +134,15 @@ def _flow_sender(ep: str, n: int, window: int, batch: int) -> None:
     ctx.term()
 
 
-def flow(transport: str, n: int, window: int, batch: int) -> float:
+def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdealer") -> float:
     from zio_spark.protocol.flow import BotReceived, Data, EotReceived, Flow, Role
     from zio_spark.records import decode_batch
     from zio_spark.transport.port import ServerPort
 
     ctx = zmq.Context()
-    port = ServerPort(ctx, linger_ms=0, rcvhwm=100_000, sndhwm=100_000)
+    port = ServerPort(ctx, mode=mode, linger_ms=0, rcvhwm=100_000, sndhwm=100_000)
     ep = port.bind(_endpoint(transport))
-    p = mp.get_context("spawn").Process(target=_flow_sender, args=(ep, n, window, batch))
+    p = mp.get_context("spawn").Process(target=_flow_sender, args=(ep, n, window, batch, mode))
     p.start()
     f = Flow(Role.SERVER)
     records = 0
@@ -145,21 +182,32 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument(
+        "--mode",
+        choices=("routerdealer", "clientserver"),
+        default="routerdealer",
+        help="clientserver needs a draft pyzmq (.venv-draft)",
+    )
     a = ap.parse_args()
     runs = 1 if a.quick else 3
     n1 = 50_000 if a.quick else 200_000
     nb = 200_000 if a.quick else 2_000_000
-    from zio_spark.protocol.message import Message, encode_frames
+    from zio_spark.protocol.message import Message, encode_frames, encode_single
     from zio_spark.records import encode_records
 
     dat = [b"", *encode_frames(Message("FLOW", '{"flow": "DAT"}', payload=(RECORD,)))]
     block = encode_records(1, [RECORD] * 1000)
     results = []
+    raw_name = "CLIENT->SERVER" if a.mode == "clientserver" else "DEALER->ROUTER"
     for transport in ("tcp", "ipc"):
-        anchor = median_of(runs, raw, transport, n1, dat)
+        if a.mode == "clientserver":
+            single = encode_single(Message("FLOW", '{"flow": "DAT"}', payload=(RECORD,)))
+            anchor = median_of(runs, raw_cs, transport, n1, single)
+        else:
+            anchor = median_of(runs, raw, transport, n1, dat)
         results.append(
             {
-                "case": "raw DEALER->ROUTER (DAT frames)",
+                "case": f"raw {raw_name} (DAT)",
                 "transport": transport,
                 "window": None,
                 "records_per_s": anchor,
@@ -167,7 +215,7 @@ def main() -> None:
         )
         for window in (1, 10, 100, 1000) if not a.quick else (10, 1000):
             nn = n1 if window >= 100 else n1 // 10
-            r = median_of(runs, flow, transport, nn, window, 1)
+            r = median_of(runs, flow, transport, nn, window, 1, a.mode)
             results.append(
                 {
                     "case": "flow, 1 record/DAT",
@@ -187,7 +235,7 @@ def main() -> None:
             }
         )
         for window in (10, 100):
-            r = median_of(runs, flow, transport, nb, window, 1000)
+            r = median_of(runs, flow, transport, nb, window, 1000, a.mode)
             results.append(
                 {
                     "case": "flow, 1000 records/DAT (Arrow)",
@@ -198,7 +246,7 @@ def main() -> None:
                 }
             )
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "flow.json"), "w") as f:
+    with open(os.path.join(a.out, f"flow-{a.mode}.json"), "w") as f:
         json.dump(results, f, indent=2)
     print("| case | transport | window | records/s (median, min-max) | vs anchor |")
     print("|---|---|---|---|---|")
