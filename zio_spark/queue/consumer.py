@@ -159,6 +159,9 @@ CONSUMER_SCHEMA = pa.schema(
 )
 """The columns of a staged/published record: what the sink sends in ``format=arrow``."""
 
+_SCHEMA_MESSAGE: bytes = CONSUMER_SCHEMA.serialize().to_pybytes()
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation marker, length 0
+
 BatchId = int | str
 COMPACT_EVERY = 10_000
 STRING_IDS_KEPT = 10_000
@@ -269,10 +272,9 @@ def encode_payload(batch: pa.RecordBatch) -> bytes:
         raise LocalProtocolError(
             f"record batch schema must be {CONSUMER_SCHEMA}, got {batch.schema}", field="schema"
         )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, CONSUMER_SCHEMA) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    # schema message + record batch message + end-of-stream marker = an IPC stream; one
+    # pre-sized copy instead of a growing output stream and a second copy out of it.
+    return b"".join((_SCHEMA_MESSAGE, batch.serialize(), _IPC_EOS))
 
 
 def decode_payload(data: bytes) -> list[pa.RecordBatch]:
@@ -1235,20 +1237,20 @@ class Consumer:
                     stream, batch, seq, int(manifest["rows"]), entry
                 )
         if roll_forward:
-            with open(root / "committed.log", "ab") as f:
-                for e in sorted(roll_forward, key=lambda e: e["seq"]):
+            with open(root / "committed.log", "ab") as out:
+                for line in sorted(roll_forward, key=lambda x: int(x["seq"])):
                     log.warning(
                         "consumer: batch %r of stream %r was published but not logged; "
                         "rolled forward",
-                        e["batch"],
-                        e["stream"],
+                        line["batch"],
+                        line["stream"],
                     )
-                    f.write(json.dumps(e).encode("utf-8") + b"\n")
-                    self._apply(e)
+                    out.write(json.dumps(line).encode("utf-8") + b"\n")
+                    self._apply(line)
                     self._log_lines += 1
-                f.flush()
+                out.flush()
                 if self.fsync:
-                    os.fsync(f.fileno())
+                    os.fsync(out.fileno())
         for sdir in sorted((root / "staging").iterdir()):
             stream = _stream_from_dir(sdir.name)
             ids = self._ids.get(stream)
@@ -1261,8 +1263,8 @@ class Consumer:
                 if ids is not None and batch in ids:
                     shutil.rmtree(bdir, ignore_errors=True)
                     continue
-                for f in bdir.glob("*.part"):
-                    f.unlink()
+                for part in bdir.glob("*.part"):
+                    part.unlink()
 
     def _replay_log(self, path: Path) -> None:
         if not path.exists():

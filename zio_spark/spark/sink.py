@@ -309,16 +309,16 @@ def write_partition(
         extra=extra,
     )
     try:
-        b: pa.RecordBatch | None = first
-        while b is not None:
-            if b.num_rows:
-                norm = _normalise(b, cols)
+        current: pa.RecordBatch | None = first
+        while current is not None:
+            if current.num_rows:
+                norm = _normalise(current, cols)
                 if opts.format == "arrow":
                     for chunk in _chunks(norm):
                         w.write_payload(encode_payload(chunk), chunk.num_rows)
                 else:
                     _send_records(w, norm)
-            b = next(it, None)
+            current = next(it, None)
     except BaseException as e:
         w.fail(f"task failed: {type(e).__name__}: {e}")
         raise

@@ -275,7 +275,10 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._rt is None:
             return {}
-        return {"backlog": self._rt.spool.backlog()}
+        report: dict[str, Any] = {"backlog": self._rt.spool.backlog()}
+        if self._rt.server is not None:  # remote executors: reads served so far
+            report["segmentRequests"] = self._rt.server.requests
+        return report
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         rt = self._runtime()

@@ -39,7 +39,7 @@ class Channel(Protocol):
     """What a flow endpoint needs from a port."""
 
     @property
-    def endpoint(self) -> str: ...
+    def endpoint(self) -> str | None: ...
 
     def send(self, msg: Message) -> None: ...
 
@@ -49,7 +49,7 @@ class Channel(Protocol):
 class FlowRejected(TransportError):
     """The server answered our BOT with EOT; ``attrs`` holds its reasons."""
 
-    def __init__(self, endpoint: str, attrs: Mapping[str, Any]) -> None:
+    def __init__(self, endpoint: str | None, attrs: Mapping[str, Any]) -> None:
         self.attrs = dict(attrs)
         super().__init__(f"flow rejected by the server: {self.attrs}", endpoint=endpoint)
 
@@ -96,7 +96,7 @@ class FlowEndpoint:
     # -- small helpers -------------------------------------------------------------
 
     @property
-    def endpoint(self) -> str:
+    def endpoint(self) -> str | None:
         return self.channel.endpoint
 
     @property

@@ -1,0 +1,168 @@
+"""Throughput of the zio sink against Spark's Arrow writer floor (not a test).
+
+rate-micro-batch -> ``df.writeStream.format("zio")`` -> :class:`~zio_spark.queue.consumer.Consumer`
+(in this process, fsync on), next to rate-micro-batch -> a ``DataSourceStreamArrowWriter``
+that discards its input, in the same run and Spark session. The two alternate
+(noop, zio, noop, zio, ...) so both see the same machine (these VMs drift by 10-25 %).
+
+Each run takes ``--batches`` micro-batches of ``--rows`` rows (values ``--size`` bytes)
+after ``--warmup`` batches; rows/s is rows over the summed ``triggerExecution`` time of
+the measured batches (so query start-up is not counted, the ~0.3 s per-batch fixed cost
+is). Reported: median rows/s of each, and the ratio zio / noop (goal >= 0.7).
+
+    .venv/bin/python bench/bench_sink.py [--rows 1000000] [--batches 4] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from zio_spark.queue.consumer import Consumer
+
+
+@dataclass
+class _Count(WriterCommitMessage):  # type: ignore[misc]
+    rows: int
+
+
+class _NoopWriter(DataSourceStreamArrowWriter):  # type: ignore[misc]
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> _Count:
+        return _Count(sum(b.num_rows for b in iterator))
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass
+
+
+class NoopArrowSink(DataSource):  # type: ignore[misc]
+    @classmethod
+    def name(cls) -> str:
+        return "noop_arrow"
+
+    def streamWriter(self, schema: object, overwrite: bool) -> _NoopWriter:
+        return _NoopWriter()
+
+
+def run(spark, fmt: str, opts: dict[str, str], args: argparse.Namespace, ckpt: Path) -> float:
+    df = (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", args.rows)
+        .option("numPartitions", args.partitions)
+        .load()
+        .selectExpr(f"lpad(cast(value as string), {args.size}, 'x') as value")
+    )
+    w = (
+        df.writeStream.format(fmt)
+        .option("checkpointLocation", str(ckpt))
+        .trigger(processingTime="0 seconds")
+    )
+    for k, v in opts.items():
+        w = w.option(k, v)
+    q = w.start()
+    need = args.warmup + args.batches
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            if q.exception() is not None:
+                raise RuntimeError(f"{fmt} query failed: {q.exception()}")
+            done = [p for p in q.recentProgress if p["numInputRows"] > 0]
+            if len(done) >= need:
+                break
+            time.sleep(0.2)  # a benchmark's poll interval, not a test wait
+        else:
+            raise RuntimeError(f"{fmt}: {need} batches did not finish in time")
+    finally:
+        q.stop()
+    measured = done[args.warmup : need]
+    rows = sum(p["numInputRows"] for p in measured)
+    seconds = sum(p["durationMs"]["triggerExecution"] for p in measured) / 1000
+    return rows / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1_000_000, help="rows per micro-batch")
+    ap.add_argument("--size", type=int, default=100, help="value size in bytes")
+    ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--batches", type=int, default=4, help="measured batches per run")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2, help="noop/zio pairs")
+    ap.add_argument("--no-fsync", action="store_true", help="consumer skips fsync")
+    args = ap.parse_args()
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    root = Path(__file__).resolve().parents[1]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("bench-sink")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.dataSource.register(NoopArrowSink)
+    work = Path(tempfile.mkdtemp(prefix="bench-sink-"))
+    results: dict[str, list[float]] = {"noop": [], "zio": []}
+    try:
+        for r in range(args.rounds):
+            noop = run(spark, "noop_arrow", {}, args, work / f"ckpt-noop-{r}")
+            results["noop"].append(noop)
+            consumer = Consumer(
+                "tcp://127.0.0.1:*", work / f"consumer-{r}", fsync=not args.no_fsync
+            )
+            try:
+                zio = run(
+                    spark,
+                    "zio",
+                    {"endpoint": consumer.endpoint, "stream": "bench"},
+                    args,
+                    work / f"ckpt-zio-{r}",
+                )
+                published = len(consumer.published("bench"))
+                for _, b in consumer.published("bench"):
+                    consumer.ack("bench", b)
+            finally:
+                consumer.close()
+            results["zio"].append(zio)
+            print(
+                f"round {r}: noop {noop / 1e6:.2f}M rows/s, zio {zio / 1e6:.2f}M rows/s "
+                f"({zio / noop:.2f}x), {published} batches published",
+                flush=True,
+            )
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    noop_m = statistics.median(results["noop"])
+    zio_m = statistics.median(results["zio"])
+    print(
+        f"rows/batch {args.rows}, value {args.size} B, fsync {not args.no_fsync}: "
+        f"noop Arrow writer {noop_m / 1e6:.2f}M rows/s, zio sink {zio_m / 1e6:.2f}M rows/s, "
+        f"ratio {zio_m / noop_m:.2f}x (goal >= 0.7x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
