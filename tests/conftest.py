@@ -25,6 +25,8 @@ import pytest
 
 os.environ["ZIO_ZRE_BROADCAST"] = "127.255.255.255"
 os.environ["ZIO_ZRE_INTERFACE_ADDR"] = "127.0.0.1"
+# The source's segment server listens on loopback only in tests (default: all interfaces).
+os.environ["ZIO_SPOOL_SERVER_HOST"] = "127.0.0.1"
 
 
 def _unavailable(reason: str) -> None:

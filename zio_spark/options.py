@@ -134,6 +134,7 @@ class SourceOptions:
     spool_path: str = ""
     spool_path_given: bool = False
     spool_access: str = "auto"
+    spool_server_host: str = "0.0.0.0"
     fail_on_data_loss: bool = True
     connect_timeout: float = 30.0
     socket: str = "auto"
@@ -194,6 +195,7 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         lambda n, v: parse_choice(n, v, ("auto", "local", "remote")),
         "how executors read the spool",
     ),
+    "spoolServerHost": (None, "address the driver's segment server binds and advertises"),
     "failOnDataLoss": (parse_bool, "fail the query when records are known lost"),
     "maxRecords": (lambda n, v: parse_int(n, v, minimum=1), "batch read: stop after this many"),
     "timeout": (parse_duration, "batch read: stop after this long"),
@@ -304,6 +306,9 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
         spool_path=spool or default_spool_path(stream, endpoints, zre.group if zre else None),
         spool_path_given=spool is not None,
         spool_access=opts.get("spoolAccess", "auto"),
+        spool_server_host=opts.get(
+            "spoolServerHost", os.environ.get("ZIO_SPOOL_SERVER_HOST", "0.0.0.0")
+        ),
         fail_on_data_loss=opts.get("failOnDataLoss", True),
         connect_timeout=opts.get("connectTimeout", 30.0),
         socket=opts.get("socket", "auto"),

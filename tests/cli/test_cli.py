@@ -97,3 +97,59 @@ def test_produce_serves_a_taker_and_reports(capsys):
     assert result["rc"] == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["sent"] == 3000 and summary["acked"] == 3000
+
+
+def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
+    """`consume` publishes a committed batch to JSONL, text values as text, binary as b64."""
+    import pyarrow as pa
+
+    from zio_spark.queue.consumer import StagingWriter, send_command
+
+    with zmq.Context() as probe:
+        s = probe.socket(zmq.ROUTER)
+        port = s.bind_to_random_port("tcp://127.0.0.1")
+        s.close(0)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    out = tmp_path / "out.jsonl"
+    result = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            rc=main(
+                [
+                    "consume",
+                    "--bind",
+                    endpoint,
+                    "--out",
+                    str(out),
+                    "--count",
+                    "2",
+                    "--timeout",
+                    "60",
+                    "--json",
+                ]
+            )
+        )
+    )
+    t.start()
+    ctx = zmq.Context()
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "value": pa.array([b"hello", b"\xff\x00"], pa.binary()),
+            "key": pa.array([b"k", None], pa.binary()),
+            "headers": pa.array([[("h", "v")], None], pa.map_(pa.string(), pa.string())),
+        }
+    )
+    w = StagingWriter(endpoint, "s", 7, 0, 0, ctx=ctx, timeout=30)
+    w.write_batch(batch)
+    assert w.close() == 2
+    send_command(endpoint, "commit", "s", 7, [(0, 0, 2)], ctx=ctx, timeout=30)
+    t.join(60)
+    ctx.term()
+    assert result["rc"] == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines == [
+        {"stream": "s", "batch": 7, "value": "hello", "key": "k", "headers": {"h": "v"}},
+        {"stream": "s", "batch": 7, "value": "/wA=", "value_b64": True},
+    ]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["records"] == 2

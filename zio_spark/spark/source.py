@@ -160,9 +160,9 @@ class _Runtime:
             ).start()
         self.server: SegmentServer | None = None
         if opts.spool_access != "local":
-            # Executors on other hosts must reach it: listen on every interface and
-            # advertise the host name (server_endpoint).
-            self.server = SegmentServer(opts.spool_path, "tcp://0.0.0.0:*")
+            # Executors on other hosts must reach it: by default listen on every
+            # interface and advertise the host name (server_endpoint).
+            self.server = SegmentServer(opts.spool_path, f"tcp://{opts.spool_server_host}:*")
         self.stopped = False
 
     def server_endpoint(self) -> str | None:

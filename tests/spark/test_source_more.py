@@ -1,0 +1,276 @@
+"""More of the zio source on local Spark: restarts, admission control, remote spool
+access, batch reads, option errors, user schemas and the progress report."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import zmq
+
+from zio_spark.transport.producer import Producer
+
+
+@pytest.fixture
+def ctx():
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+@pytest.fixture
+def producers(ctx):
+    """``make(producer_id)``: a loopback producer, closed at teardown."""
+    made: list[Producer] = []
+
+    def make(producer_id: str) -> Producer:
+        p = Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind="tcp://127.0.0.1:*")
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close(flush=False, timeout=5)
+
+
+def _wait(cond, timeout=60.0, what="condition", interval=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _stream(spark, endpoint, tmp_path, **options):
+    reader = spark.readStream.format("zio").option("endpoints", endpoint)
+    reader = reader.option("spoolPath", str(tmp_path / "spool"))
+    for k, v in options.items():
+        reader = reader.option(k, str(v))
+    return reader
+
+
+def _input_rows(q) -> int:
+    return sum(p["numInputRows"] for p in q.recentProgress)
+
+
+# -- streaming ---------------------------------------------------------------------------
+
+
+def test_restart_exactly_once_into_parquet(spark, producers, tmp_path):
+    """Stop a running query and start it again on the same checkpoint and spool while the
+    producer keeps sending: every record lands in the parquet output exactly once."""
+    prod = producers("restart")
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+
+    def start():
+        return (
+            _stream(spark, prod.endpoint, tmp_path)
+            .load()
+            .writeStream.format("parquet")
+            .option("path", out)
+            .option("checkpointLocation", ckpt)
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+
+    values = [f"r{i}".encode() for i in range(9000)]
+    prod.send_many(values[:3000])
+    q1 = start()
+    try:
+        _wait(lambda: _input_rows(q1) >= 3000, what="first query's records")
+        prod.send_many(values[3000:4000])  # in flight while the query stops
+        assert q1.exception() is None
+    finally:
+        q1.stop()
+    prod.send_many(values[4000:6000])  # while no query runs
+    q2 = start()
+    try:
+        prod.send_many(values[6000:])
+        _wait(
+            lambda: spark.read.parquet(out).count() >= 9000,
+            what="all records in the output",
+            interval=0.5,
+        )
+        assert q2.exception() is None
+    finally:
+        q2.stop()
+    rows = spark.read.parquet(out).select("seq", "value").collect()
+    assert sorted((r.seq, bytes(r.value)) for r in rows) == [
+        (i + 1, v) for i, v in enumerate(values)
+    ]
+
+
+def test_max_records_per_trigger_and_user_schema(spark, producers, tmp_path):
+    """maxRecordsPerTrigger caps each micro-batch; a subset schema, in its own order."""
+    prod = producers("limited")
+    prod.send_many([f"m{i}".encode() for i in range(4500)])
+    batches: dict[int, list] = {}
+    q = (
+        _stream(spark, prod.endpoint, tmp_path, maxRecordsPerTrigger=1000)
+        .schema("seq bigint, value binary")
+        .load()
+        .writeStream.foreachBatch(lambda b, i: batches.__setitem__(i, b.collect()))
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    q.awaitTermination(120)
+    assert q.exception() is None
+    sizes = [len(rows) for _, rows in sorted(batches.items())]
+    assert sizes == [1000, 1000, 1000, 1000, 500]
+    assert [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]] == sizes
+    rows = [r for _, b in sorted(batches.items()) for r in b]
+    assert rows[0].__fields__ == ["seq", "value"]
+    assert [(r.seq, bytes(r.value)) for r in rows] == [
+        (i + 1, f"m{i}".encode()) for i in range(4500)
+    ]
+    # reportLatestOffset() is in the progress as sources[0].latestOffset.
+    reports = [json.loads(p["sources"][0]["latestOffset"]) for p in q.recentProgress]
+    assert reports[0]["backlog"] == {"limited": 4500}
+    # spoolAccess=auto on the runner's host: executors read the folder, never the server.
+    assert [r.get("segmentRequests", 0) for r in reports] == [0] * len(reports)
+
+
+def test_remote_spool_access_fetches_through_segment_server(spark, producers, tmp_path):
+    prod = producers("far")
+    got: list[int] = []
+    q = (
+        _stream(spark, prod.endpoint, tmp_path, spoolAccess="remote")
+        .load()
+        .writeStream.foreachBatch(lambda b, i: got.extend(r.seq for r in b.collect()))
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+
+    def served() -> int:
+        reports = [p["sources"][0].get("latestOffset") for p in q.recentProgress]
+        return max((json.loads(r).get("segmentRequests", 0) for r in reports if r), default=0)
+
+    try:
+        for wave in range(2):
+            prod.send_many([b"f"] * 1500)
+            _wait(lambda w=wave: len(got) >= 1500 * (w + 1), what=f"wave {wave}")
+        # Executors fetched their ranges from the runner's segment server, not the folder.
+        _wait(lambda: served() >= 2, what="segment requests in the progress report")
+        assert q.exception() is None
+    finally:
+        q.stop()
+    assert sorted(got) == list(range(1, 3001))
+
+
+# -- batch reads -------------------------------------------------------------------------
+
+
+def test_batch_read_max_records_then_the_rest(spark, producers, tmp_path):
+    prod = producers("batchy")
+    prod.send_many([f"b{i}".encode() for i in range(2500)])
+
+    def read():
+        df = (
+            spark.read.format("zio")
+            .option("endpoints", prod.endpoint)
+            .option("spoolPath", str(tmp_path / "spool"))
+            .option("maxRecords", "1000")
+            .load()
+        )
+        return sorted((r.seq, bytes(r.value)) for r in df.select("seq", "value").collect())
+
+    assert read() == [(i + 1, f"b{i}".encode()) for i in range(1000)]
+    _wait(lambda: prod.acked == 1000, what="the first read acknowledged")
+    # The next read continues where the first stopped (records 1..1000 were acked).
+    assert read() == [(i + 1, f"b{i}".encode()) for i in range(1000, 2000)]
+    assert prod.pending == 500
+
+
+def test_batch_read_until_eot(spark, producers, tmp_path):
+    """A producer that ends its flow (EOT): the read returns everything it sent."""
+    prod = producers("ending")
+    prod.send_many([f"e{i}".encode() for i in range(700)])
+
+    def close_when_sent() -> None:
+        _wait(lambda: prod.stats["records_sent"] >= 700, what="records sent")
+        prod.close(flush=False, timeout=5)
+
+    closer = threading.Thread(target=close_when_sent, daemon=True)
+    closer.start()
+    t = time.monotonic()
+    rows = (
+        spark.read.format("zio")
+        .schema("value binary, seq bigint")
+        .option("endpoints", prod.endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .option("timeout", "60s")
+        .load()
+        .collect()
+    )
+    took = time.monotonic() - t
+    closer.join(10)
+    assert sorted((r.seq, bytes(r.value)) for r in rows) == [
+        (i + 1, f"e{i}".encode()) for i in range(700)
+    ]
+    assert took < 30, f"the read waited {took:.1f} s: EOT did not end it"
+
+
+# -- options and schemas -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {"endpoints": "tcp://127.0.0.1:5555", "maxBacklogg": "10"},
+            ["option 'maxbacklogg'", "maxBacklog", "maxRecordsPerTrigger", "spoolPath"],
+        ),
+        (
+            {"endpoints": "tcp://127.0.0.1:5555", "group": "daq"},
+            ["option 'endpoints'", "exactly one of 'endpoints'", "not both"],
+        ),
+        ({"stream": "s"}, ["option 'endpoints'", "got None", "exactly one of 'endpoints'"]),
+        (
+            {"endpoints": "tcp://127.0.0.1:5555", "credit": "0"},
+            ["option 'credit'", "got '0'", "an integer 1..1000000"],
+        ),
+        (
+            {"endpoints": "tcp://127.0.0.1:5555", "connectTimeout": "soon"},
+            ["option 'connectTimeout'", "got 'soon'", "a duration such as 500ms"],
+        ),
+        (
+            {"endpoints": "localhost:5555"},
+            ["option 'endpoints'", "got 'localhost:5555'", "a ZeroMQ endpoint"],
+        ),
+    ],
+    ids=["unknown", "both", "neither", "credit", "duration", "endpoint"],
+)
+@pytest.mark.parametrize("kind", ["stream", "batch"])
+def test_option_errors_at_dataframe_creation(spark, tmp_path, options, expected, kind):
+    reader = spark.readStream if kind == "stream" else spark.read
+    reader = reader.format("zio")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    with pytest.raises(Exception) as info:
+        reader.load()  # no query, no action: load() alone must fail
+    text = str(info.value)
+    assert "ConfigError" in text
+    for part in expected:
+        assert part in text, f"{part!r} not in {text}"
+
+
+def test_user_schema_wrong_type_is_a_clear_error(spark, producers, tmp_path):
+    prod = producers("typed")
+    df = (
+        spark.read.format("zio")
+        .schema("value string, seq bigint")
+        .option("endpoints", prod.endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .load()
+    )
+    with pytest.raises(Exception) as info:
+        df.collect()
+    text = str(info.value)
+    assert "option 'schema'" in text
+    assert "column value of type binary" in text
+    assert prod.stats["takers"] == 0  # failed before connecting to anything

@@ -1,0 +1,587 @@
+"""The source's receiver on loopback: Producer (or a raw pyzmq giver) -> Receiver -> Spool.
+
+No Spark. Every socket is on 127.0.0.1 with a random port and linger 0, the zmq context
+must terminate at the end (a leaked socket fails the test), and every wait polls a
+condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from zio_spark.errors import TransportError
+from zio_spark.queue.spool import Spool
+from zio_spark.records import encode_records
+from zio_spark.spark.receiver import Receiver
+from zio_spark.transport.producer import Producer
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _wait(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _wait_quiet(
+    value: Callable[[], object], quiet: float = 0.5, timeout: float = 20.0, what: str = "value"
+) -> object:
+    """Poll ``value()`` until it has not changed for ``quiet`` seconds; return it."""
+    deadline = time.monotonic() + timeout
+    last, since = value(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return now
+    raise AssertionError(f"{what} still changing after {timeout} s (last {last!r})")
+
+
+def _held(spool: Spool, producer: str) -> int:
+    """Highest sequence number of ``producer`` the spool holds (durable once flushed)."""
+    return spool.next_seq(producer) - 1
+
+
+def _contents(spool: Spool, producer: str) -> list[tuple[int, bytes]]:
+    """Seal, then every retained record of ``producer`` as ``(seq, value)``."""
+    ends = spool.seal()
+    start = spool.start_offsets()[producer]
+    out: list[tuple[int, bytes]] = []
+    for batch in spool.read(producer, start, ends[producer]):
+        out.extend(
+            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
+        )
+    return out
+
+
+class BacklogSampler:
+    """Samples the spool's backlog in a thread and keeps the maximum per producer."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+        self.peak: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for p, n in self.spool.backlog().items():
+                self.peak[p] = max(self.peak.get(p, 0), n)
+            self.samples += 1
+            self._stop.wait(0.001)  # sampling period, not a wait for a condition
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+# -- a ZIO giver written with raw pyzmq (specs/zio-wire.md, ROUTER/DEALER fallback) ---------
+
+
+def _label(frames: list[bytes]) -> dict:
+    prefix = frames[0]
+    assert prefix[:3] == b"ZIO" and prefix[4:8] == b"FLOW", prefix[:8]
+    return json.loads(prefix[8:].decode("utf-8"))
+
+
+class RawGiver:
+    """A ROUTER that serves ZIO flows by hand; subclasses decide what to send.
+
+    A message arrives as ``[identity, b"", prefix, coord, *payload]``: prefix
+    ``b"ZIO" + level + b"FLOW" + label``, coord ``<QQQ`` origin, granule, seqno.
+    """
+
+    origin = 7
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.bots: list[dict] = []
+        self.eot_echoes = 0
+        self.errors: list[BaseException] = []
+        self._seqno: dict[bytes, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def send(
+        self, ident: bytes, label: dict, payload: tuple[bytes, ...] = (), granule: int = 0
+    ) -> None:
+        seqno = self._seqno.get(ident, 0)
+        self._seqno[ident] = seqno + 1
+        prefix = b"ZIO0FLOW" + json.dumps(label).encode()
+        coord = struct.pack("<QQQ", self.origin, granule, seqno)
+        self.sock.send_multipart([ident, b"", prefix, coord, *payload])
+
+    def send_raw(self, ident: bytes, *frames: bytes) -> None:
+        self.sock.send_multipart([ident, *frames])
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.sock.poll(20):
+                    continue
+                ident, empty, *frames = self.sock.recv_multipart()
+                assert empty == b"", "the DEALER side puts an empty delimiter first"
+                label = _label(frames)
+                flow = label["flow"]
+                if flow == "BOT":
+                    self._seqno[ident] = 0
+                    self.bots.append(label)
+                    self.on_bot(ident, label)
+                elif flow == "PAY":
+                    self.on_pay(ident, label)
+                elif flow == "EOT":
+                    self.on_eot(ident, label)
+        except BaseException as e:  # reported to the test through .errors
+            self.errors.append(e)
+
+    def on_bot(self, ident: bytes, label: dict) -> None:
+        raise NotImplementedError
+
+    def on_pay(self, ident: bytes, label: dict) -> None:
+        pass
+
+    def on_eot(self, ident: bytes, label: dict) -> None:
+        self.eot_echoes += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        assert not self.errors, self.errors
+
+
+class PlainGiver(RawGiver):
+    """A plain ZIO giver: no ``ack``, no producer id, one record per DAT, then EOT."""
+
+    def __init__(self, ctx: zmq.Context, values: list[bytes], credit: int = 5) -> None:
+        self.values = values
+        self.max_credit = credit
+        self.credit: dict[bytes, int] = {}
+        self.next: dict[bytes, int] = {}
+        self.eot_sent = False
+        super().__init__(ctx)
+
+    def on_bot(self, ident: bytes, label: dict) -> None:
+        assert label["direction"] == "inject"
+        self.credit[ident] = 0
+        self.next.setdefault(ident, 0)
+        # The server answers with the reversed direction and at most the offered credit.
+        credit = min(self.max_credit, label["credit"])
+        self.send(ident, {"flow": "BOT", "direction": "extract", "credit": credit})
+
+    def on_pay(self, ident: bytes, label: dict) -> None:
+        self.credit[ident] += label["credit"]
+        i = self.next[ident]
+        while self.credit[ident] > 0 and i < len(self.values):
+            self.send(ident, {"flow": "DAT", "unit": "mV"}, (self.values[i],), granule=1000 + i)
+            self.credit[ident] -= 1
+            i += 1
+        self.next[ident] = i
+        if i == len(self.values) and not self.eot_sent:
+            self.eot_sent = True
+            self.send(ident, {"flow": "EOT"})
+
+
+# -- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    t = threading.Thread(target=c.term, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "zmq context did not terminate: a socket was left open"
+
+
+@pytest.fixture
+def spool(tmp_path) -> Iterator[Spool]:
+    s = Spool(tmp_path / "spool", sync=False)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def closing() -> Iterator[list]:
+    """Things to close at teardown, newest first (receivers before their peers)."""
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, Receiver):
+            thing.stop()
+            assert thing.error is None, thing.error
+        elif isinstance(thing, Producer):
+            thing.close(flush=False, timeout=5)
+        else:
+            thing.close()
+
+
+def _producer(ctx, closing, producer_id: str, bind: str = "tcp://127.0.0.1:*") -> Producer:
+    p = Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind=bind)
+    closing.append(p)
+    return p
+
+
+def _receiver(closing, spool, endpoints, ctx, **kw) -> Receiver:
+    r = Receiver(spool, endpoints, ctx=ctx, **kw).start()
+    closing.append(r)
+    return r
+
+
+def _rebind(ctx, closing, producer_id: str, endpoint: str) -> Producer:
+    """A new producer on the very endpoint of one that just went away."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return _producer(ctx, closing, producer_id, bind=endpoint)
+        except (TransportError, zmq.ZMQError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)  # the old listener is being torn down by libzmq
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_records_reach_the_spool(ctx, spool, closing):
+    prod = _producer(ctx, closing, "p1")
+    n = 3000
+    prod.send_many(
+        [f"rec-{i}".encode() for i in range(n)],
+        keys=[b"k%d" % (i % 3) for i in range(n)],
+        headers=[{"i": str(i)} for i in range(n)],
+        granules=list(range(n)),
+    )
+    r = _receiver(closing, spool, [prod.endpoint], ctx)
+    _wait(lambda: _held(spool, "p1") == n, what="all records in the spool")
+    assert _contents(spool, "p1") == [(i + 1, f"rec-{i}".encode()) for i in range(n)]
+    batch = next(iter(spool.read("p1", 1, 3)))
+    assert batch.column("key").to_pylist() == [b"k0", b"k1"]
+    assert batch.column("granule").to_pylist() == [0, 1]
+    assert batch.column("producer").to_pylist() == ["p1", "p1"]
+    assert [dict(h) for h in batch.column("headers").to_pylist()] == [{"i": "0"}, {"i": "1"}]
+    (st,) = r.status()
+    assert (st.producer, st.state, st.encoding) == ("p1", "receiving", "arrow")
+    assert st.ack_capable and not st.at_most_once
+    assert (st.records, st.duplicates, st.failures) == (n, 0, 0)
+    # Nothing was committed, so nothing may be acknowledged.
+    assert prod.acked == 0 and prod.pending == n
+
+
+def test_backlog_bounded_until_commit_then_acks_flow(ctx, spool, closing):
+    """credit 10, maxBacklog 2000: a producer with 50k records blocks at 2000 until commits."""
+    n, max_backlog = 50_000, 2000
+    prod = _producer(ctx, closing, "big")
+    prod.send_many([b"v%d" % i for i in range(n)])
+    sampler = BacklogSampler(spool)
+    try:
+        r = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=max_backlog)
+        held = _wait_quiet(lambda: _held(spool, "big"), what="records received")
+        assert 0 < held <= max_backlog
+        assert spool.backlog()["big"] <= max_backlog
+        assert prod.pending == n  # blocked, everything still held by the producer
+        assert prod.acked == 0
+
+        # Commit what Spark would have read: more flows, and the ack reaches the producer.
+        committed = 1
+        while committed <= n:
+            ends = spool.seal()
+            committed = ends["big"]
+            r.commit(ends)
+            _wait(lambda c=committed: prod.acked == c - 1, what=f"ack {committed - 1}")
+            if committed <= n:
+                _wait(lambda c=committed: _held(spool, "big") >= c, what="more records")
+        assert prod.acked == n and prod.pending == 0
+    finally:
+        sampler.stop()
+    assert sampler.samples > 100
+    assert 0 < sampler.peak["big"] <= max_backlog, sampler.peak
+    assert r.stats["acks_sent"] >= n // max_backlog
+    assert spool.backlog()["big"] == 0
+
+
+def test_ack_only_pay_when_all_credit_is_out(ctx, spool, closing):
+    """The producer holds every credit and has nothing to send: an ack still gets through."""
+    prod = _producer(ctx, closing, "quiet")
+    prod.send_many([b"a", b"b", b"c"])
+    r = _receiver(closing, spool, [prod.endpoint], ctx, credit=4)
+    _wait(lambda: _held(spool, "quiet") == 3, what="3 records")
+    peer = r._peers[prod.endpoint]  # white box: prove the receiver holds no credit
+    _wait(lambda: peer.flow is not None and peer.flow.credit == 0, what="all credit paid out")
+    acks_before = r.stats["acks_sent"]
+    r.commit(spool.seal())
+    _wait(lambda: prod.acked == 3, what="ack 3")
+    assert prod.pending == 0
+    assert r.stats["acks_sent"] == acks_before + 1
+    assert peer.flow.credit == 0  # the PAY carried the ack and no credit
+    # The flow still works after an ack-only PAY.
+    prod.send_many([b"d"])
+    _wait(lambda: _held(spool, "quiet") == 4, what="record 4")
+    assert [v for _, v in _contents(spool, "quiet")] == [b"d"]
+
+
+def _consume(spool: Spool, r: Receiver, producer: str, got: list[tuple[int, bytes]]) -> int:
+    """Do what Spark does: seal, read the new range, commit it. Returns the new end."""
+    ends = spool.seal()
+    start = spool.committed().get(producer, 1)
+    for batch in spool.read(producer, start, ends[producer]):
+        got.extend(
+            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
+        )
+    r.commit(ends)
+    return ends[producer]
+
+
+def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path, closing):
+    """Kill the taker side twice mid-stream; the producer resends from resume + 1."""
+    n = 10_000
+    prod = _producer(ctx, closing, "rs")
+    prod.send_many([b"r%d" % i for i in range(n)])
+    path = tmp_path / "spool"
+    spool = Spool(path, sync=False)
+    closing.append(spool)
+    r1 = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=2000)
+    first = _wait_quiet(lambda: _held(spool, "rs"), what="first receiver blocked")
+    assert 0 < first < n
+    r1.stop()
+    spool.close()
+
+    # A new receiver (a restarted runner) on the same spool resumes where it left off.
+    spool = Spool(path, sync=False)
+    closing.append(spool)
+    r2 = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=2000)
+    got: list[tuple[int, bytes]] = []
+    end = _consume(spool, r2, "rs", got)
+    assert end == first + 1  # everything the first receiver stored, nothing more
+    _wait(lambda: _held(spool, "rs") > first, what="records after the restart")
+    assert r2.status()[0].duplicates == 0
+
+    # Drop and re-add the endpoint while records flow: a fresh flow, a fresh BOT.
+    r2.remove_endpoint(prod.endpoint)
+    r2.add_endpoint(prod.endpoint)
+    while end <= n:
+        end = _consume(spool, r2, "rs", got)
+        _wait(lambda e=end: _held(spool, "rs") >= min(e, n), what=f"records from {end}")
+    assert got == [(i + 1, b"r%d" % i) for i in range(n)]
+    (st,) = r2.status()
+    assert st.duplicates == 0 and spool.stats.duplicates == 0
+    assert prod.stats["takers"] >= 3
+    _wait(lambda: prod.acked == n, what="every record acknowledged")
+
+
+def test_resent_records_are_dropped(ctx, spool, closing):
+    """A giver that ignores ``resume`` and resends from 1: the spool keeps one copy."""
+
+    class Resender(RawGiver):
+        def __init__(self, ctx):
+            self.credit = self.cursor = 0
+            self.limit = 0
+            super().__init__(ctx)
+
+        def on_bot(self, ident, label):
+            assert label["ack"] is True and label["encoding"] == ["arrow"]
+            self.credit, self.cursor = 0, 1  # always from 1: resume is ignored
+            self.limit = 100 if self.limit == 0 else 150
+            attrs = {"producer": "again", "ack": True, "encoding": "arrow"}
+            self.send(ident, {"flow": "BOT", "direction": "extract", "credit": 3, **attrs})
+
+        def on_pay(self, ident, label):
+            self.credit += label["credit"]
+            while self.credit > 0 and self.cursor <= self.limit:
+                vals = [b"x%d" % s for s in range(self.cursor, self.cursor + 50)]
+                self.send(ident, {"flow": "DAT"}, (encode_records(self.cursor, vals),))
+                self.credit -= 1
+                self.cursor += 50
+
+    giver = Resender(ctx)
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, credit=3)
+    _wait(lambda: _held(spool, "again") == 100, what="round 1")
+    assert giver.bots[-1]["resume"] == 0
+    r.remove_endpoint(giver.endpoint)
+    r.add_endpoint(giver.endpoint)
+    _wait(lambda: _held(spool, "again") == 150, what="round 2")
+    assert giver.bots[-1]["resume"] == 100
+    assert _contents(spool, "again") == [(s, b"x%d" % s) for s in range(1, 151)]
+    (st,) = r.status()
+    assert st.duplicates == 100
+    assert spool.stats.duplicates == 0  # dropped by the receiver before the spool
+
+
+def test_fresh_spool_starts_where_the_producer_is(ctx, tmp_path, closing):
+    """Records 1..1000 acknowledged to a first taker (a batch read with its own spool):
+    a second taker with a fresh spool starts at 1001, not with a sequence gap."""
+    prod = _producer(ctx, closing, "shared")
+    prod.send_many([b"s%d" % i for i in range(3000)])
+    for k in range(2):
+        spool = Spool(tmp_path / f"spool{k}", sync=False)
+        closing.append(spool)
+        r = _receiver(closing, spool, [prod.endpoint], ctx, reconnect=False)
+        _wait(lambda s=spool, k=k: _held(s, "shared") >= 1000 * (k + 1), what=f"taker {k}")
+        assert r.fatal is None, r.fatal
+        rows = _contents(spool, "shared")
+        assert rows[0] == (1000 * k + 1, b"s%d" % (1000 * k))
+        assert rows == [(s, b"s%d" % (s - 1)) for s in range(1000 * k + 1, rows[-1][0] + 1)]
+        r.commit({"shared": 1000 * (k + 1) + 1})  # this taker used 1000 records only
+        assert r.flush_acks(5)
+        r.stop()
+    assert prod.acked == 2000
+
+
+@pytest.mark.parametrize("how", ["close", "kill"])
+def test_producer_restart_same_id_continues(ctx, spool, closing, how):
+    """Producer replaced on the same endpoint: the receiver reconnects by itself and the
+    new producer's records follow the old ones with no loss and no duplicate."""
+    n = 1000
+    if how == "close":  # graceful: EOT ends the flow
+        old = _producer(ctx, closing, "same")
+        old.send_many([b"old-%d" % i for i in range(n)])
+        endpoint = old.endpoint
+    else:  # crash: SIGKILL, the disconnect monitor notices
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD_PRODUCER, str(n)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        closing.append(_Killer(child))
+        endpoint = child.stdout.readline().strip()
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+    r = _receiver(closing, spool, [endpoint], ctx)
+    _wait(lambda: _held(spool, "same") == n, what="old producer's records")
+    if how == "close":
+        old.close(flush=False, timeout=5)
+        _wait(lambda: r.status()[0].state == "ended", what="EOT seen")
+    else:
+        child.kill()
+        child.wait(10)
+        _wait(lambda: r.status()[0].last_error == "disconnected", what="disconnect noticed")
+    new = _rebind(ctx, closing, "same", endpoint)
+    new.send_many([b"new-%d" % i for i in range(n)])
+    _wait(lambda: _held(spool, "same") == 2 * n, what="new producer's records")
+    expected = [b"old-%d" % i for i in range(n)] + [b"new-%d" % i for i in range(n)]
+    assert _contents(spool, "same") == list(zip(range(1, 2 * n + 1), expected, strict=True))
+    assert new.last_seq == 2 * n  # it numbered its records after the old ones
+    assert r.status()[0].duplicates == 0
+
+
+_CHILD_PRODUCER = """
+import sys
+from zio_spark.transport.producer import Producer
+p = Producer(producer_id="same", linger_ms=0, bind="tcp://127.0.0.1:*")
+p.send_many([b"old-%d" % i for i in range(int(sys.argv[1]))])
+print(p.endpoint, flush=True)
+sys.stdin.read()
+"""
+
+
+class _Killer:
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+
+
+def test_plain_zio_giver(ctx, spool, closing):
+    """A reference-style giver (raw pyzmq): receiver-assigned seqs, reported at most once."""
+    values = [b"plain-%d" % i for i in range(40)]
+    giver = PlainGiver(ctx, values, credit=5)
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
+    _wait(lambda: r.status()[0].state == "ended", what="EOT from the plain giver")
+    (st,) = r.status()
+    producer = giver.endpoint  # a plain giver names no producer: the endpoint is its id
+    assert st.producer == producer
+    assert not st.ack_capable and st.at_most_once and st.encoding == "plain"
+    assert st.records == 40
+    _wait(lambda: giver.eot_echoes == 1, what="the receiver's EOT echo")
+    bot = giver.bots[0]
+    assert bot["direction"] == "inject" and bot["ack"] is True and bot["resume"] == 0
+    ends = spool.seal()
+    batch = next(iter(spool.read(producer, 1, ends[producer])))
+    assert batch.column("seq").to_pylist() == list(range(1, 41))
+    assert batch.column("value").to_pylist() == values
+    assert batch.column("origin").to_pylist() == [7] * 40
+    assert batch.column("granule").to_pylist() == list(range(1000, 1040))
+    assert dict(batch.column("headers")[0].as_py()) == {"unit": "mV"}
+
+
+def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
+    class Garbage(RawGiver):
+        """Breaks the protocol differently on each BOT."""
+
+        def on_bot(self, ident, label):
+            if len(self.bots) == 1:  # not ZIO at all
+                self.send_raw(ident, b"", b"\x00garbage", b"more")
+                return
+            ok = {"flow": "BOT", "direction": "extract", "credit": 2, "encoding": "arrow"}
+            self.send(ident, ok)
+
+        def on_pay(self, ident, label):
+            if len(self.bots) == 2:  # says Arrow, sends something else
+                self.send(ident, {"flow": "DAT"}, (b"not arrow",))
+            else:  # more DATs than the credit paid (a flow control violation)
+                for seq in range(1, 4):
+                    self.send(ident, {"flow": "DAT"}, (encode_records(seq, [b"x"]),))
+
+    bad = Garbage(ctx)
+    closing.append(bad)
+    prod = _producer(ctx, closing, "good")
+    r = _receiver(closing, spool, [bad.endpoint, prod.endpoint], ctx, credit=20)
+    for wave in range(3):
+        prod.send_many([b"g%d" % i for i in range(wave * 2000, (wave + 1) * 2000)])
+        _wait(lambda w=wave: _held(spool, "good") == 2000 * (w + 1), what=f"wave {wave}")
+    _wait(lambda: len(bad.bots) >= 3 and r.stats["dropped"] >= 3, what="3 drops")
+    bad_status = next(s for s in r.status() if s.endpoint == bad.endpoint)
+    assert bad_status.failures >= 3
+    assert bad_status.last_error
+    assert r.error is None and r.fatal is None
+    assert _contents(spool, "good") == [(i + 1, b"g%d" % i) for i in range(6000)]
+
+
+def test_stop_is_prompt(ctx, spool, closing):
+    """Stop returns fast with a flow mid-stream, a silent peer and nothing listening."""
+    prod = _producer(ctx, closing, "busy")
+    prod.send_many([b"z"] * 20_000)
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers a BOT
+    silent.linger = 0
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        endpoints = [prod.endpoint, f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1"]
+        r = _receiver(closing, spool, endpoints, ctx, credit=10, max_backlog=5000)
+        _wait(lambda: _held(spool, "busy") > 0, what="records flowing")
+        t = time.monotonic()
+        r.stop()
+        took = time.monotonic() - t
+        assert r._thread is None
+        assert r.error is None
+        assert took < 1.0, f"stop took {took:.2f} s"
+    finally:
+        silent.close(0)
