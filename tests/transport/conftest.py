@@ -270,3 +270,11 @@ def recording_proxy() -> Iterator[Callable[[int], RecordingProxy]]:
     yield make
     for proxy in made:
         proxy.close()
+
+
+@pytest.fixture(
+    params=["routerdealer", pytest.param("clientserver", marks=pytest.mark.requires_draft)]
+)
+def wire_mode(request: pytest.FixtureRequest) -> str:
+    """Run a test on both socket pairs (clientserver needs a draft pyzmq)."""
+    return str(request.param)

@@ -30,13 +30,6 @@ MakeServer = Callable[..., ServerPort]
 MakeClient = Callable[..., ClientPort]
 
 
-@pytest.fixture(
-    params=["routerdealer", pytest.param("clientserver", marks=pytest.mark.requires_draft)]
-)
-def wire_mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 class OneClient:
     """A :class:`ServerPort` as the channel of one client's flow (the first to speak)."""
 

@@ -43,13 +43,6 @@ MakeServer = Callable[..., ServerPort]
 MakeClient = Callable[..., ClientPort]
 
 
-@pytest.fixture(
-    params=["routerdealer", pytest.param("clientserver", marks=pytest.mark.requires_draft)]
-)
-def wire_mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def poll_until(cond: Callable[[], Any], timeout: float = WAIT, what: str = "") -> None:
     """Re-check ``cond`` until it holds; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
