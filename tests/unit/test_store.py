@@ -270,6 +270,42 @@ def test_compaction_moves_stragglers_and_forwards_their_keys(tmp_path: Path) -> 
         assert set(left) == expected
 
 
+def test_pinned_messages_keep_their_keys_and_can_be_claimed_after_a_crash(
+    tmp_path: Path,
+) -> None:
+    """take(pin=True) is for a caller that logs keys elsewhere (the queue's flow port):
+    compaction leaves pinned messages where they are, and after a restart claim(key)
+    takes exactly those back."""
+    st = MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.5)
+    for i in range(0, 300, 100):
+        put_many(st, ids(300)[i : i + 100], b"p" * 500)
+        st.commit()
+    pinned = [st.take(pin=True) for _ in range(3)]
+    assert all(m is not None for m in pinned)
+    while (m := st.take()) is not None:
+        st.ack(m.key)
+    st.commit()
+    for b in range(4):  # new segments: compaction would move the stragglers
+        put_many(st, ids(150, f"y{b}-"), b"p" * 500)
+        st.commit()
+    assert st.stats().moved == 0, "the oldest segment holds pinned messages"
+    keys = {m.key: m.message_id for m in pinned if m is not None}
+    assert st.claim(next(iter(keys))) is None  # in flight already
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.5) as again:
+        claimed = [again.claim(key) for key in keys]
+        assert [(m.key, m.message_id, m.redelivery) for m in claimed if m] == [
+            (k, mid, True) for k, mid in keys.items()
+        ]
+        assert again.claim(1 << 32 | 10_000) is None  # no such message
+        rest = drain(again)
+        assert len(rest) == 600 and not set(rest) & set(keys.values())
+        for key in keys:
+            assert again.ack(key)
+        again.commit()
+        assert again.messages == 0
+
+
 def test_requeued_messages_are_delivered_after_a_move(tmp_path: Path) -> None:
     with MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.5) as st:
         for i in range(0, 300, 100):

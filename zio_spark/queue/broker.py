@@ -68,6 +68,11 @@ Bad input never stops the server: decode errors are counted and answered or drop
 above, and an unexpected exception while handling one message is logged with its
 traceback and counted (``errors``), and the loop goes on.
 
+*flow ports* (optional, :mod:`zio_spark.queue.flows`): ``flow_producer`` is a ZIO giver
+for Spark sources (messages leave the store when the source acks them after Spark's
+commit), ``flow_consumer`` a sink consumer whose published batches are moved into the
+store. Counted as ``flow_given``, ``flow_acked``, ``flow_stored``.
+
 Security: with ``curve_secret_key`` all three sockets are CURVE servers; clients need
 :attr:`QueueBroker.curve_public_key`. Without a ZAP handler on the context any client that
 knows the key may connect (see :func:`zio_spark.transport.start_authenticator`).
@@ -85,7 +90,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
@@ -106,6 +111,12 @@ from zio_spark.protocol.pzq import (
     decode_producer_message,
     encode_monitor_reply,
     encode_producer_ack,
+)
+from zio_spark.queue.flows import (
+    DEFAULT_FLOW_WINDOW,
+    FlowConsumerPort,
+    FlowProducerPort,
+    QueueFlows,
 )
 from zio_spark.queue.store import (
     DEFAULT_DEDUP_WINDOW,
@@ -153,6 +164,9 @@ EXTRA_MONITOR_KEYS: Final = (
     "segments",
     "errors",
     "store_failed",
+    "flow_given",
+    "flow_acked",
+    "flow_stored",
 )
 """Monitor keys after the spec's :data:`~zio_spark.protocol.pzq.MONITOR_KEYS`, in order."""
 
@@ -256,6 +270,13 @@ class QueueBroker:
         Passed to :class:`~zio_spark.queue.store.MessageStore`.
     linger_ms
         ZMQ_LINGER of the sockets at stop (so the last acks can leave).
+    flow_producer
+        Bind a ZIO flow producer port here for Spark sources (None: off); see
+        :mod:`zio_spark.queue.flows`.
+    flow_consumer
+        Bind a ZIO flow consumer port here for Spark sinks (None: off).
+    flow_window
+        Most messages given to the flow producer port and not yet acknowledged.
     context
         A zmq context to use (default: a private one, terminated at stop).
 
@@ -284,6 +305,9 @@ class QueueBroker:
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         sync: bool = True,
         linger_ms: int = 500,
+        flow_producer: str | None = None,
+        flow_consumer: str | None = None,
+        flow_window: int = DEFAULT_FLOW_WINDOW,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if (
@@ -297,6 +321,12 @@ class QueueBroker:
                 raise ConfigError(option, value, "an endpoint string")
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
             raise ConfigError("monitor", monitor, "an endpoint string or None")
+        for option, flow_ep in (("flow_producer", flow_producer), ("flow_consumer", flow_consumer)):
+            if flow_ep is not None and (not isinstance(flow_ep, str) or not flow_ep):
+                raise ConfigError(option, flow_ep, "an endpoint string or None")
+        self._flow_wanted = (flow_producer, flow_consumer)
+        self._flow_window = _check_count("flow_window", flow_window, 1)
+        self._flows: QueueFlows | None = None
         if queue_id is not None and (
             not isinstance(queue_id, bytes) or not 0 < len(queue_id) <= 255 or queue_id[0] == 0
         ):
@@ -322,7 +352,8 @@ class QueueBroker:
         self._start_error: BaseException | None = None
         self._wake_r, self._wake_w = -1, -1
         self.endpoints: dict[str, str] = {}
-        """Bound endpoints by socket name (``receive``, ``send``, ``monitor``)."""
+        """Bound endpoints by socket name (``receive``, ``send``, ``monitor``, and
+        ``flow_producer``/``flow_consumer`` when enabled)."""
         self.queue_id: bytes = b""
         """The send socket's routing id (part 0 of every delivery), once started."""
         self.counters: dict[str, int] = dict.fromkeys(
@@ -378,6 +409,7 @@ class QueueBroker:
             raise TransportError("the queue broker was already started")
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
         self._thread = threading.Thread(target=self._main, name="zio-queue", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -452,6 +484,7 @@ class QueueBroker:
                 store = MessageStore(self._store_path, **self._store_options)  # type: ignore[arg-type]
                 self.queue_id = self._queue_id_wanted or store.queue_id
                 self._open_sockets(ctx, sockets)
+                self._open_flows(ctx, store)
             except BaseException as e:
                 self._start_error = e
                 return
@@ -469,6 +502,8 @@ class QueueBroker:
             if sync_thread is not None:
                 self._sync_q.put(None)
                 sync_thread.join()
+            if self._flows is not None:
+                self._flows.close()
             if store is not None:
                 with contextlib.suppress(Exception):
                     self._last_stats = self._collect_stats(store)
@@ -527,6 +562,50 @@ class QueueBroker:
             actual = s.getsockopt(zmq.LAST_ENDPOINT)
             self.endpoints[name] = actual.decode() if isinstance(actual, bytes) else str(actual)
 
+    def _open_flows(self, ctx: zmq.Context[Any], store: MessageStore) -> None:
+        producer_ep, consumer_ep = self._flow_wanted
+        if producer_ep is None and consumer_ep is None:
+            return
+        curve = self._curve[0] if self._curve is not None else None
+        sync = bool(self._store_options["sync"])
+        producer: FlowProducerPort | None = None
+        consumer: FlowConsumerPort | None = None
+        try:
+            if producer_ep is not None:
+                # Before anything else takes from the store: it reclaims its messages.
+                producer = FlowProducerPort(
+                    store,
+                    producer_ep,
+                    ctx=ctx,
+                    window=self._flow_window,
+                    max_take=self._max_batch,
+                    sync=sync,
+                    curve_secret_key=curve,
+                    linger_ms=self._linger,
+                )
+            if consumer_ep is not None:
+                consumer = FlowConsumerPort(
+                    self._store_path,
+                    consumer_ep,
+                    after_durable=self.after_durable,
+                    wake=self._wake,
+                    ctx=ctx,
+                    max_put=self._max_batch,
+                    fsync=sync,
+                    curve_secret_key=curve,
+                    linger_ms=self._linger,
+                )
+        except BaseException:
+            if producer is not None:
+                producer.close()
+            raise
+        self._flows = QueueFlows(producer, consumer)
+        self.endpoints.update(self._flows.endpoints())
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"w")
+
     def _sync_worker(self) -> None:
         while True:
             ticket = self._sync_q.get()
@@ -550,6 +629,10 @@ class QueueBroker:
         self._acks: list[tuple[bytes, bytes]] = []  # (producer, id) awaiting a commit
         self._ticket: CommitTicket | None = None
         self._ticket_acks: list[tuple[bytes, bytes]] = []
+        # Callbacks run once everything put so far is durable (flows.py's bridge), with
+        # True, or False if that commit failed; they travel with the acks.
+        self._durable_cbs: list[Callable[[bool], None]] = []
+        self._ticket_cbs: list[Callable[[bool], None]] = []
         self._backlog: deque[list[bytes]] = deque()  # ack frames refused with EAGAIN
         self._tombstones_since = 0.0
         self._next_prune = time.monotonic() + _PRODUCER_WINDOW_S
@@ -563,6 +646,10 @@ class QueueBroker:
             poller.register(mon, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._done_r, zmq.POLLIN)
+        flows = self._flows
+        flow_sockets = flows.sockets() if flows is not None else []
+        for sock in flow_sockets:
+            poller.register(sock, zmq.POLLIN)
         self._last_stats = self._collect_stats(store)
         while not self._stopping.is_set():
             events = dict(poller.poll(self._poll_timeout_ms(store)))
@@ -581,6 +668,10 @@ class QueueBroker:
                 self._guard(self._receive_consumers, store)
             if mon is not None and mon in events:
                 self._guard(self._answer_monitor, store)
+            if flows is not None:
+                if any(sock in events for sock in flow_sockets):
+                    self._guard(flows.process, store)
+                self._guard(flows.pump, store)
             self._guard(self._housekeeping, store)
             self._guard(self._begin_commit, store)
             self._guard(self._dispatch, store)
@@ -598,7 +689,9 @@ class QueueBroker:
             log.exception("queue broker: unexpected error in %s", step.__name__)
 
     def _poll_timeout_ms(self, store: MessageStore) -> int:
-        if self._ticket is None and (self._acks or store.buffered_puts):
+        if self._ticket is None and (self._acks or store.buffered_puts or self._durable_cbs):
+            return 0
+        if self._flows is not None and self._flows.busy():
             return 0
         now = time.monotonic()
         wait = max(0.0, self._next_tick - now)
@@ -617,13 +710,15 @@ class QueueBroker:
         if ticket is not None:
             ticket.wait()
             self._finish_commit(store)
-        if not store.failed and (self._acks or store.dirty):
+        if not store.failed and (self._acks or store.dirty or self._durable_cbs):
             try:
                 store.commit()
             except StoreError as e:
                 self._fail_acks(self._acks, str(e))
+                self._run_durable_cbs(self._take_durable_cbs(), False)
             else:
                 self._send_acks(self._acks)
+                self._run_durable_cbs(self._take_durable_cbs(), True)
             self._acks = []
         self._flush_backlog()
 
@@ -683,11 +778,13 @@ class QueueBroker:
             if self._acks:  # cannot happen today (puts are refused first); never spin
                 self._fail_acks(self._acks, f"store failed: {store.failed}")
                 self._acks = []
+            self._run_durable_cbs(self._take_durable_cbs(), False)
             return
         if not store.dirty:
             if self._acks:  # only duplicates of durable messages: ack them now
                 self._send_acks(self._acks)
                 self._acks = []
+            self._run_durable_cbs(self._take_durable_cbs(), True)
             return
         if not self._acks and not store.buffered_puts:
             # Only tombstones: batch them a little (a lost one only means a redelivery).
@@ -701,17 +798,41 @@ class QueueBroker:
                 return
         self._tombstones_since = 0.0
         acks, self._acks = self._acks, []
+        cbs = self._take_durable_cbs()
         try:
             ticket = store.begin_commit()
         except StoreError as e:
             self._fail_acks(acks, str(e))
+            self._run_durable_cbs(cbs, False)
             return
         if ticket is None:
             self._send_acks(acks)
+            self._run_durable_cbs(cbs, True)
             return
         self._ticket = ticket
         self._ticket_acks = acks
+        self._ticket_cbs = cbs
         self._sync_q.put(ticket)
+
+    def _take_durable_cbs(self) -> list[Callable[[bool], None]]:
+        cbs, self._durable_cbs = self._durable_cbs, []
+        return cbs
+
+    def _run_durable_cbs(self, cbs: list[Callable[[bool], None]], ok: bool) -> None:
+        for cb in cbs:
+            try:
+                cb(ok)
+            except Exception:  # a bug in a flow port; the broker keeps serving
+                self.counters["errors"] += 1
+                log.exception("queue broker: a durability callback failed")
+
+    def after_durable(self, callback: Callable[[bool], None]) -> None:
+        """Run ``callback(ok)`` in the broker thread once every put made so far is
+        durable (``ok`` True), or the commit covering them failed (False).
+
+        Broker thread only (the flow ports use it).
+        """
+        self._durable_cbs.append(callback)
 
     def _finish_commit(self, store: MessageStore) -> None:
         ticket = self._ticket
@@ -719,6 +840,7 @@ class QueueBroker:
             return
         self._ticket = None
         acks, self._ticket_acks = self._ticket_acks, []
+        cbs, self._ticket_cbs = self._ticket_cbs, []
         try:
             store.end_commit(ticket)
         except StoreError as e:
@@ -726,8 +848,11 @@ class QueueBroker:
             self._fail_acks(acks, str(e))
             self._fail_acks(self._acks, str(e))
             self._acks = []
+            self._run_durable_cbs(cbs, False)
+            self._run_durable_cbs(self._take_durable_cbs(), False)
             return
         self._send_acks(acks)
+        self._run_durable_cbs(cbs, True)
 
     def _send_acks(self, acks: list[tuple[bytes, bytes]]) -> None:
         if self._backlog:
@@ -990,6 +1115,11 @@ class QueueBroker:
             "segments": s.segments,
             "errors": c["errors"],
             "store_failed": 1 if s.failed else 0,
+            **(
+                self._flows.stats()
+                if self._flows is not None
+                else {"flow_given": 0, "flow_acked": 0, "flow_stored": 0}
+            ),
         }
         assert tuple(stats) == MONITOR_KEYS + EXTRA_MONITOR_KEYS
         return stats
@@ -1024,6 +1154,18 @@ def _parser() -> argparse.ArgumentParser:
         help="message ids remembered to drop duplicates",
     )  # fmt: skip
     p.add_argument("--queue-id", metavar="ID", help="routing id consumers see (default: stored)")
+    p.add_argument(
+        "--flow-producer", metavar="EP",
+        help="ZIO flow producer port for Spark sources (default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flow-consumer", metavar="EP",
+        help="ZIO flow consumer port for Spark sinks (default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flow-window", type=int, default=DEFAULT_FLOW_WINDOW, metavar="N",
+        help="most messages given to the flow producer port and not yet acked",
+    )  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     return p
 
@@ -1067,6 +1209,9 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             curve_secret_key=secret,
             queue_id=args.queue_id.encode() if args.queue_id else None,
             dedup_window=args.dedup_window,
+            flow_producer=args.flow_producer,
+            flow_consumer=args.flow_consumer,
+            flow_window=args.flow_window,
         )
     except (ConfigError, OSError) as e:
         print(f"zio-spark queue: {e}", file=sys.stderr)

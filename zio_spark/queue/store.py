@@ -86,6 +86,13 @@ durable are dropped and every later :meth:`MessageStore.put`/commit raises
 :class:`StoreError`. Reads and acks go on in memory; restart (replay) to recover. Only
 one process may open a folder (:class:`StoreLockedError`).
 
+Pins. A caller that records store keys durably elsewhere (the queue's flow producer
+port, :mod:`zio_spark.queue.flows`) takes with ``take(pin=True)``: compaction never
+moves a pinned message, so its key stays valid across restarts (keys are
+``segment << 32 | slot`` and replay rebuilds the same slots). After a restart such a
+caller re-takes exactly those messages with :meth:`MessageStore.claim`. A pin ends with
+the message's ack or release.
+
 Threads: not thread-safe; one owner thread (the broker's). Only :meth:`CommitTicket.run`
 may run elsewhere.
 """
@@ -533,6 +540,9 @@ class MessageStore:
         self._cursor_no = 0
         self._cursor_slot = 0
         self._forward: dict[int, int] = {}
+        # Pinned in-flight keys (never moved by compaction), and their count per segment.
+        self._pinned: set[int] = set()
+        self._pins: dict[int, int] = {}
         # Duplicate window: ids in accept order; _window_first is the seq of _window[0].
         self._last_seq = 0
         self._durable_seq = 0
@@ -948,6 +958,7 @@ class MessageStore:
                 or seg is busy
                 or seg.no >= self._cursor_no
                 or seg.live > self._compact_ratio * len(seg.state)
+                or seg.no in self._pins
             ):
                 break
             heads.append(seg)
@@ -1308,11 +1319,17 @@ class MessageStore:
                 return -1, seq, payload[_PUT.size : pos], (payload[pos + 8 :],)
         return _parse_message(payload, payload[0])
 
-    def take(self) -> StoredMessage | None:
+    def take(self, *, pin: bool = False) -> StoredMessage | None:
         """Hand out the next deliverable message and mark it in flight.
 
         Requeued messages come first, then never-delivered ones oldest first. Only
         durable messages are deliverable.
+
+        Parameters
+        ----------
+        pin
+            Keep its key valid until it is acked or released: compaction does not move
+            it (see "Pins" in the module docstring).
 
         Returns
         -------
@@ -1327,6 +1344,11 @@ class MessageStore:
         """
         if self._closed:
             raise StoreError("the store is closed", path=self._root)
+        if pin:
+            message = self.take()
+            if message is not None:
+                self._pin(message.key)
+            return message
         while self._requeue:
             key = self._resolve(self._requeue.popleft())
             seg = self._segments.get(key >> 32)
@@ -1391,6 +1413,51 @@ class MessageStore:
         self._in_flight_bytes += seg.lengths[slot]
         return StoredMessage(key, message_id, body, redelivery)
 
+    def claim(self, key: int) -> StoredMessage | None:
+        """Take one particular durable, unacked message (by key) and pin it.
+
+        For a caller that recorded keys it had taken with ``take(pin=True)`` before a
+        restart (replay brings them back as pending). It is then in flight, as if
+        taken, and counts as a redelivery.
+
+        Returns
+        -------
+        StoredMessage or None
+            None if the key names no pending message (acked, never durable, unknown,
+            or already in flight).
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, or the record cannot be read back (it is then
+            dropped).
+        """
+        if self._closed:
+            raise StoreError("the store is closed", path=self._root)
+        seg = self._segments.get(key >> 32)
+        slot = key & 0xFFFFFFFF
+        if seg is None or slot >= seg.durable or seg.state[slot] not in (_P, _Q, _R):
+            return None
+        # A Q/R key stays in the requeue deque; take() skips it once it is no longer Q/R.
+        message = self._hand_out(seg, slot, key, True)
+        self._pin(key)
+        return message
+
+    def _pin(self, key: int) -> None:
+        self._pinned.add(key)
+        no = key >> 32
+        self._pins[no] = self._pins.get(no, 0) + 1
+
+    def _unpin(self, key: int) -> None:
+        if key in self._pinned:
+            self._pinned.remove(key)
+            no = key >> 32
+            left = self._pins[no] - 1
+            if left:
+                self._pins[no] = left
+            else:
+                del self._pins[no]
+
     def _taken(self, key: int) -> tuple[_Segment, int, int] | None:
         """(segment, slot, current key) of an in-flight ``key``, else None."""
         current = self._current(key) if self._forward else key
@@ -1421,6 +1488,8 @@ class MessageStore:
         if found is None:
             return False
         seg, slot, current = found
+        if self._pinned:
+            self._unpin(current)
         seg.state[slot] = _A
         seg.live -= 1
         self._messages -= 1
@@ -1452,6 +1521,8 @@ class MessageStore:
         if found is None:
             return False
         seg, slot, current = found
+        if self._pinned:
+            self._unpin(current)
         seg.state[slot] = _R if delivered else _Q
         self._in_flight -= 1
         self._in_flight_bytes -= seg.lengths[slot]

@@ -1,0 +1,1007 @@
+"""The queue's ZIO flow ports: a durable hub between Spark and PZQ peers.
+
+Theory of operation (DESIGN.md "The PZQ-style queue"; FACTS.md "PySpark" for when
+Spark commits)
+------------------------------------------------------------------------------------
+Both ports run inside the broker (:class:`~zio_spark.queue.broker.QueueBroker`, options
+``flow_producer`` / ``flow_consumer``), and everything that touches the
+:class:`~zio_spark.queue.store.MessageStore` runs in the broker's thread.
+
+**Flow producer port** (:class:`FlowProducerPort`; Spark sources connect to it:
+``readStream.format("zio").option("endpoints", <port>)``). An ack-capable ZIO giver in
+the zio-spark profile, like :class:`~zio_spark.transport.producer.Producer`, but backed by
+the store instead of memory:
+
+- Its producer id is ``queue:<queue id>`` (the id kept in the store folder), stable
+  across restarts. Messages get a contiguous sequence number 1, 2, 3, ... in the order
+  they are taken from the store (store order: requeued ones first, then oldest first).
+- A message is *assigned* to the flow by taking it from the store (``take(pin=True)``:
+  PZQ consumers no longer get it, and compaction will not move it, so its store key
+  stays valid). The assignment ``seq -> store key`` is appended to a side log,
+  ``flow-producer.log`` in the store folder, and the log is ``fdatasync``'d (one sync
+  per batch of assignments, group commit) *before* any DAT carrying it is sent.
+- DAT payload: one Arrow IPC frame (:func:`zio_spark.records.encode_records`): value =
+  the PZQ body, key = the PZQ message id. A multi-part body is joined with czmq's
+  framing (:func:`~zio_spark.protocol.message.join_single`) and the record gets the
+  header ``zio.frames: <parts>`` (what the source does for multi-frame plain DATs), so
+  nothing is lost; a one-part body is the value as is.
+- A PAY's ``ack: N`` (Spark committed everything up to N) acks the store messages of
+  seqs <= N: only now do they leave the store. An ``ACK N`` record goes to the side log.
+- BOT ``resume: R`` (what the taker's spool already holds): sending starts at
+  ``max(R, acked) + 1``; assignments up to R stay until a PAY acks them.
+- Restart: the side log is replayed; every assigned key is taken back with
+  :meth:`~zio_spark.queue.store.MessageStore.claim` before the broker serves anybody.
+  Seqs above the logged ack are given again to a resuming taker (which drops what it
+  holds); seqs at or below it whose store tombstone was lost in the crash are acked
+  again. The side log is rewritten (temporary file, synced, renamed) to hold only the
+  unacked assignments once it passes :data:`LOG_REWRITE_BYTES` and every store
+  tombstone is durable, so it stays bounded by the unacked window.
+- At most ``window`` messages are assigned and unacked at a time (bodies are held in
+  memory for resends), and nothing is assigned while no taker is attached or it has no
+  credit: with no Spark source connected, PZQ consumers get everything.
+- One taker at a time: a new BOT replaces the previous flow (a restarted Spark runner).
+  Takers without ``ack: true`` are rejected: this port is exactly-once only.
+- **Policy when the taker goes away**: its unacknowledged messages *stay assigned* (in
+  the store and the side log) until a taker resumes and acks them, across queue
+  restarts too. They are never released to PZQ consumers automatically: a resuming
+  Spark query may hold them in its spool, and giving them out again would duplicate
+  them. (Retiring a source for good is an operator action; see the module's gaps in
+  the issue note.)
+
+**Flow consumer port** (:class:`FlowConsumerPort`; Spark sinks write to it:
+``writeStream.format("zio").option("endpoint", <port>)``). It runs a sink
+:class:`~zio_spark.queue.consumer.Consumer` (staging, commit command, committed batch ids,
+atomic publish) on its own folder ``<store>/flow-consumer``, and a *bridge* in the
+broker thread that moves each published batch into the store, oldest first: record
+``n`` (in the consumer's read order, which is deterministic) becomes the message
+``<stream>/<batch>/<n>`` with the record's value as its body (a value with a
+``zio.frames`` header is split back into its parts; the key and other headers are not
+carried: PZQ messages have no place for them). Once the commit covering the batch's
+last put has ended, the batch is acked in the consumer (its files are deleted; its id
+stays committed, so a batch Spark re-delivers is ``ok``'d and not published again). A
+crash between the store commit and that ack re-moves the batch after the restart; the
+store's duplicate window drops the ids already stored, so the move is idempotent for
+batches up to ``dedup_window`` records (ids longer than
+:data:`~zio_spark.queue.store.MAX_ID_BYTES` are shortened to a hash of
+``<stream>/<batch>`` plus ``/<n>``).
+
+Monitor counters: ``flow_given`` (messages assigned to the flow), ``flow_acked``
+(acknowledged by the taker, so deleted from the store), ``flow_stored`` (records moved
+from the sink consumer into the store, duplicates excluded).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import zmq
+
+from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.protocol.flow import (
+    BotReceived,
+    Credit,
+    Direction,
+    EotReceived,
+    FlowState,
+    pay_ack,
+    profile_bot,
+)
+from zio_spark.protocol.message import join_single, split_single
+from zio_spark.queue.consumer import BatchId, Consumer
+from zio_spark.queue.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
+from zio_spark.records import ENCODING, encode_records
+from zio_spark.transport.port import ServerPort
+from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
+
+__all__ = [
+    "DEFAULT_FLOW_WINDOW",
+    "LOG_REWRITE_BYTES",
+    "FlowConsumerPort",
+    "FlowLog",
+    "FlowProducerPort",
+    "QueueFlows",
+    "bridge_message_id",
+    "record_from_body",
+]
+
+log = logging.getLogger("zio_spark.queue")
+
+DEFAULT_FLOW_WINDOW: Final = 100_000
+"""Most messages assigned to the flow producer port and not yet acknowledged."""
+
+LOG_REWRITE_BYTES: Final = 4 << 20
+"""The side log is rewritten to its live assignments once it grows past this."""
+
+FRAMES_HEADER: Final = "zio.frames"
+_MAX_DAT_RECORDS: Final = 1000
+_CONSUMER_FOLDER: Final = "flow-consumer"
+_LOG_NAME: Final = "flow-producer.log"
+_GONE: Final = 0  # store keys are never 0 (segment numbers start at 1)
+
+# Side log records: ``length u32, crc32 u32`` (little endian) and the payload, whose
+# first byte is the type. A file starts with BASE.
+_REC: Final = struct.Struct("<II")
+_BASE: Final = struct.Struct("<BQQ")  # type 0, next seq, acked
+_ASSIGN: Final = struct.Struct("<BQI")  # type 1, first seq, count; then count u64 keys
+_ACKED: Final = struct.Struct("<BQ")  # type 2, acked
+_NEXT: Final = struct.Struct("<BQ")  # type 3, next seq (a jump: the taker was ahead)
+_T_BASE, _T_ASSIGN, _T_ACKED, _T_NEXT = 0, 1, 2, 3
+
+
+# ------------------------------------------------------------------------ the side log
+
+
+class FlowLog:
+    """The flow producer port's durable ``seq -> store key`` assignments.
+
+    Append-only, group-committed (:meth:`commit`: one write and one ``fdatasync``),
+    rewritten to its live part by :meth:`rewrite`. Replay stops at the first torn or
+    corrupt record and cuts the file there (only a commit that never finished can leave
+    one, and nothing of it was acted upon).
+
+    Parameters
+    ----------
+    path
+        The log file (created if missing).
+    sync
+        ``fdatasync`` on commit (False: tests and benchmarks only).
+
+    Attributes
+    ----------
+    next_seq, acked
+        From the replay: the next sequence number to assign, the highest acknowledged.
+    assigned
+        From the replay: ``{seq: store key}`` of every assignment still in the file
+        (acknowledged ones included, until a rewrite drops them).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True) -> None:
+        self.path = Path(path)
+        self._sync = sync
+        self.next_seq = 1
+        self.acked = 0
+        self.assigned: dict[int, int] = {}
+        self.torn = 0
+        self._buf: list[bytes] = []
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            self.size = self._replay()
+            if self.size == 0:
+                self._append(_BASE.pack(_T_BASE, 1, 0))
+                self.commit()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _replay(self) -> int:
+        data = b""
+        size = os.fstat(self._fd).st_size
+        if size:
+            data = os.pread(self._fd, size, 0)
+        pos = good = 0
+        while pos < len(data):
+            if pos + _REC.size > len(data):
+                break
+            length, crc = _REC.unpack_from(data, pos)
+            start, end = pos + _REC.size, pos + _REC.size + length
+            if length == 0 or end > len(data):
+                break
+            payload = data[start:end]
+            if zlib.crc32(payload) != crc:
+                break
+            try:
+                self._apply(payload, first=pos == 0)
+            except (struct.error, ValueError):
+                break
+            pos = good = end
+        if good != len(data):
+            self.torn += 1
+            log.warning(
+                "flow log %s: torn or corrupt record at byte %d of %d; truncating",
+                self.path,
+                good,
+                len(data),
+            )
+            os.ftruncate(self._fd, good)
+            if self._sync:
+                os.fsync(self._fd)
+        return good
+
+    def _apply(self, payload: bytes, *, first: bool) -> None:
+        kind = payload[0]
+        if first != (kind == _T_BASE):
+            raise ValueError("BASE must come first, and only first")
+        if kind == _T_BASE:
+            _, self.next_seq, self.acked = _BASE.unpack(payload)
+        elif kind == _T_ASSIGN:
+            _, seq, count = _ASSIGN.unpack_from(payload, 0)
+            if len(payload) != _ASSIGN.size + 8 * count:
+                raise ValueError("bad ASSIGN length")
+            keys = struct.unpack_from(f"<{count}Q", payload, _ASSIGN.size)
+            for i, key in enumerate(keys):
+                self.assigned[seq + i] = key
+            self.next_seq = max(self.next_seq, seq + count)
+        elif kind == _T_ACKED:
+            self.acked = max(self.acked, _ACKED.unpack(payload)[1])
+        elif kind == _T_NEXT:
+            self.next_seq = max(self.next_seq, _NEXT.unpack(payload)[1])
+        else:
+            raise ValueError(f"unknown record type {kind}")
+
+    def _append(self, payload: bytes) -> None:
+        self._buf += (_REC.pack(len(payload), zlib.crc32(payload)), payload)
+
+    def assign(self, first_seq: int, keys: list[int]) -> None:
+        """Buffer the assignment of ``keys`` to ``first_seq, first_seq + 1, ...``."""
+        self._append(
+            _ASSIGN.pack(_T_ASSIGN, first_seq, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
+        )
+
+    def ack(self, acked: int) -> None:
+        """Buffer "everything up to ``acked`` is acknowledged"."""
+        self._append(_ACKED.pack(_T_ACKED, acked))
+
+    def jump(self, next_seq: int) -> None:
+        """Buffer "the next sequence number is at least ``next_seq``"."""
+        self._append(_NEXT.pack(_T_NEXT, next_seq))
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._buf)
+
+    def commit(self) -> None:
+        """Write what is buffered with one ``write`` and one ``fdatasync``.
+
+        Raises
+        ------
+        OSError
+            If writing or syncing fails (the caller must not act on the records).
+        """
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        self._buf.clear()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        if self._sync:
+            os.fdatasync(self._fd)
+        self.size += len(data)
+
+    def rewrite(self, next_seq: int, acked: int, live: list[tuple[int, int]]) -> None:
+        """Replace the file by BASE + the live assignments ``[(seq, key), ...]``.
+
+        ``live`` must be sorted by seq; gaps are written as runs of their own. Written to
+        a temporary name, synced and renamed, so a crash leaves the old or the new file.
+        """
+        parts = [_BASE.pack(_T_BASE, next_seq, acked)]
+        run: list[int] = []
+        run_first = 0
+        for seq, key in live:
+            if run and seq != run_first + len(run):
+                parts.append(_ASSIGN.pack(_T_ASSIGN, run_first, len(run)))
+                parts[-1] += struct.pack(f"<{len(run)}Q", *run)
+                run = []
+            if not run:
+                run_first = seq
+            run.append(key)
+        if run:
+            parts.append(
+                _ASSIGN.pack(_T_ASSIGN, run_first, len(run)) + struct.pack(f"<{len(run)}Q", *run)
+            )
+        data = b"".join(_REC.pack(len(p), zlib.crc32(p)) + p for p in parts)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if self._sync:
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        if self._sync:
+            dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        self._buf.clear()
+        self.size = len(data)
+
+    def close(self) -> None:
+        """Commit what is buffered and close; idempotent."""
+        if self._fd < 0:
+            return
+        try:
+            self.commit()
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# ------------------------------------------------------------------- body <-> record
+
+
+def record_from_body(body: tuple[bytes, ...]) -> tuple[bytes, dict[str, str] | None]:
+    """A PZQ body as a record value and headers (lossless; see the module docstring)."""
+    if len(body) == 1:
+        return body[0], None
+    return join_single(body), {FRAMES_HEADER: str(len(body))}
+
+
+def _body_from_record(value: bytes | None, headers: Any) -> tuple[bytes, ...]:
+    value = value or b""
+    if headers:
+        frames = dict(headers).get(FRAMES_HEADER)
+        if frames is not None and frames != "1":
+            with contextlib.suppress(RemoteProtocolError):
+                parts = split_single(value)
+                if parts and str(len(parts)) == frames:
+                    return tuple(parts)
+    return (value,)
+
+
+def bridge_message_id(stream: str, batch: BatchId, n: int) -> bytes:
+    """The store message id of record ``n`` of a sink batch: ``<stream>/<batch>/<n>``."""
+    mid = f"{stream}/{batch}/{n}".encode()
+    if len(mid) <= MAX_ID_BYTES:
+        return mid
+    digest = hashlib.sha256(f"{stream}/{batch}".encode()).hexdigest()[:40]
+    return f"{digest}/{n}".encode()
+
+
+# ------------------------------------------------------------------ the flow server
+
+
+class _InlineFlowServer(FlowServer):
+    """A :class:`FlowServer` driven from the broker's loop instead of its own thread."""
+
+    def process(self, limit: int = 1000) -> None:
+        """Dispatch up to ``limit`` waiting messages without blocking."""
+        for _ in range(limit):
+            got = self.port.recv(0)
+            if got is None:
+                return
+            self._dispatch(got)
+
+    def tick_all(self) -> None:
+        self._tick()
+
+    def close(self) -> None:
+        for conn, handler in list(self.flows.values()):
+            self._remove(conn, handler, "queue stopped")
+        self.port.close()
+
+
+def _check_endpoint(option: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(option, value, "an endpoint string")
+    return value
+
+
+# -------------------------------------------------------------- flow producer port
+
+
+@dataclass(slots=True)
+class _Given:
+    seq: int
+    key: int
+    message_id: bytes
+    body: tuple[bytes, ...]
+
+
+class _TakerHandler(FlowHandler):
+    def __init__(self, port: FlowProducerPort) -> None:
+        self.port = port
+        self.arrow = False
+        self.batch = 1
+        self.next_seq = 1
+
+    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
+        p = self.port
+        if bot.direction is not Direction.INJECT:
+            conn.reject({"reason": "this port is a producer: connect with direction inject"})
+            return
+        try:
+            prof = profile_bot(bot.attrs)
+        except RemoteProtocolError as e:
+            conn.reject({"reason": str(e)})
+            raise
+        if not prof.ack:
+            conn.reject(
+                {
+                    "reason": "the queue's flow port gives only to ack-capable takers "
+                    "(BOT ack: true): messages leave the queue when the taker acks them"
+                }
+            )
+            return
+        limit = bot.attrs.get("batch")
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            err = RemoteProtocolError(
+                f"BOT batch must be an integer >= 1, got {limit!r}", field="batch", value=limit
+            )
+            conn.reject({"reason": str(err)})
+            raise err
+        encodings = bot.attrs.get("encoding", ())
+        self.arrow = isinstance(encodings, list) and ENCODING in encodings
+        self.batch = min(_MAX_DAT_RECORDS, limit or _MAX_DAT_RECORDS) if self.arrow else 1
+        self.next_seq = p._attach(self, conn, prof.resume)
+        attrs: dict[str, Any] = {
+            "producer": p.producer_id,
+            "stream": prof.stream or "zio",
+            "ack": True,
+        }
+        if self.arrow:
+            attrs["encoding"] = ENCODING
+        conn.accept(None, attrs)
+
+    def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
+        ack = pay_ack(credit.attrs)
+        if ack is not None:
+            self.port._ack(ack)
+        self.port._push(self, conn)
+
+    def on_tick(self, conn: ServerFlow, now: float) -> None:
+        self.port._push(self, conn)
+
+    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
+        pass
+
+    def on_close(self, conn: ServerFlow, reason: str) -> None:
+        self.port._detach(self, reason)
+
+
+class FlowProducerPort:
+    """The queue's giver port for Spark sources (see the module docstring).
+
+    Broker thread only. Opening replays the side log and claims the assigned messages
+    from ``store``, so make it before anything else takes from the store.
+
+    Parameters
+    ----------
+    store
+        The broker's open store.
+    endpoint
+        Endpoint to bind.
+    ctx
+        zmq context for the port.
+    window
+        Most messages assigned and not yet acknowledged (their bodies are in memory).
+    max_take
+        Most messages taken from the store per loop turn.
+    sync
+        ``fdatasync`` the side log (False: tests and benchmarks only).
+    mode, curve_secret_key, linger_ms
+        For the :class:`~zio_spark.transport.port.ServerPort`.
+
+    Raises
+    ------
+    ConfigError
+        For a bad option.
+    TransportError
+        If the endpoint cannot be bound.
+    OSError
+        If the side log cannot be read or written.
+    """
+
+    def __init__(
+        self,
+        store: MessageStore,
+        endpoint: str,
+        *,
+        ctx: zmq.Context[Any],
+        window: int = DEFAULT_FLOW_WINDOW,
+        max_take: int = 4096,
+        sync: bool = True,
+        mode: str | None = None,
+        curve_secret_key: str | bytes | None = None,
+        linger_ms: int = 500,
+    ) -> None:
+        _check_endpoint("flow_producer", endpoint)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError("flow_window", window, "an integer >= 1")
+        self.store = store
+        self.window = window
+        self.max_take = max_take
+        self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
+        )
+        self._table: dict[int, _Given] = {}
+        self._taker: _TakerHandler | None = None
+        self._taker_conn: ServerFlow | None = None
+        self._log = FlowLog(store.path / _LOG_NAME, sync=sync)
+        try:
+            self._next_seq = self._log.next_seq
+            self._acked = self._log.acked
+            self._sent_max = self._next_seq - 1  # seqs above were never sent to anybody
+            self._reclaim(self._log.assigned)
+            self._log.assigned = {}
+            port = ServerPort(
+                ctx,
+                mode=mode,
+                linger_ms=linger_ms,
+                send_timeout_ms=200,
+                curve_secret_key=curve_secret_key,
+            )
+            try:
+                self.endpoint = port.bind(endpoint)
+            except BaseException:
+                port.close(linger_ms=0)
+                raise
+        except BaseException:
+            self._log.close()
+            raise
+        self._server = _InlineFlowServer(
+            port, lambda: _TakerHandler(self), ctx=ctx, name="queue flow producer"
+        )
+
+    def _reclaim(self, assigned: dict[int, int]) -> None:
+        store = self.store
+        for seq in sorted(assigned):
+            key = assigned[seq]
+            message = None
+            if key != _GONE:
+                try:
+                    message = store.claim(key)
+                except StoreError as e:
+                    log.error("queue flow: %s", e)
+            if seq <= self._acked:
+                if message is not None:  # acked by the taker, tombstone lost in a crash
+                    store.ack(message.key)
+                continue
+            if message is None:
+                # Cannot happen unless the disk lost data: a hole the taker reports as
+                # a sequence gap (DataLossError) if it had not received it yet.
+                self.counters["lost"] += 1
+                log.error(
+                    "queue flow: message %#x assigned to seq %d is no longer in the store",
+                    key,
+                    seq,
+                )
+                continue
+            self._table[seq] = _Given(seq, message.key, message.message_id, message.body)
+            self.counters["reclaimed"] += 1
+        if assigned:
+            log.info(
+                "queue flow: %d messages still assigned after restart (seqs %d..%d, acked %d)",
+                len(self._table),
+                min(assigned),
+                max(assigned),
+                self._acked,
+            )
+
+    @property
+    def socket(self) -> zmq.Socket[bytes]:
+        return self._server.port.socket
+
+    @property
+    def unacked(self) -> int:
+        """Messages assigned to the flow and not yet acknowledged."""
+        return len(self._table)
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    @property
+    def acked(self) -> int:
+        return self._acked
+
+    def process(self) -> None:
+        """The port's socket is readable: dispatch what arrived (broker thread)."""
+        self._server.process()
+
+    def pump(self) -> None:
+        """Send what the taker has credit for; keep the side log bounded (broker thread)."""
+        self._server.tick_all()
+        store = self.store
+        if (
+            self._log.size > LOG_REWRITE_BYTES
+            and not self._log.dirty
+            and not store.dirty
+            and not store.committing
+        ):
+            # Every store tombstone is durable: acknowledged assignments can go.
+            live = sorted((g.seq, g.key) for g in self._table.values())
+            self._log.rewrite(self._next_seq, self._acked, live)
+
+    def busy(self) -> bool:
+        """Whether the next loop turn has work without waiting for input."""
+        taker, conn = self._taker, self._taker_conn
+        return (
+            taker is not None
+            and conn is not None
+            and conn.flow.state is FlowState.READY
+            and conn.flow.credit > 0
+            and taker.next_seq < self._next_seq
+        )
+
+    def close(self) -> None:
+        try:
+            self._server.close()
+        finally:
+            self._log.close()
+
+    # -- handler side (broker thread) ------------------------------------------------
+
+    def _attach(self, taker: _TakerHandler, conn: ServerFlow, resume: int | None) -> int:
+        previous = (self._taker, self._taker_conn)
+        self._taker, self._taker_conn = taker, conn
+        self.counters["takers"] += 1
+        if previous[0] is not None and previous[0] is not taker and previous[1] is not None:
+            # One taker at a time: a new BOT is a restarted runner; the old flow is dead.
+            self._server._remove(previous[1], previous[0], "replaced by a new taker")
+        start = self._acked + 1
+        if resume is not None:
+            if resume >= self._next_seq:
+                # The taker holds seqs this queue never assigned (e.g. its spool outlived
+                # a wiped side log): continue after them, or new messages would be
+                # dropped as duplicates.
+                log.warning(
+                    "queue flow: taker resumes at %d, beyond the last assigned seq %d; "
+                    "continuing from %d",
+                    resume,
+                    self._next_seq - 1,
+                    resume + 1,
+                )
+                self._next_seq = resume + 1
+                self._log.jump(self._next_seq)
+                self._log.commit()
+            start = max(start, resume + 1)
+        log.info(
+            "queue flow: taker %s attached (resume %s, acked %d, sending from %d)",
+            conn.name,
+            resume,
+            self._acked,
+            start,
+        )
+        return start
+
+    def _detach(self, taker: _TakerHandler, reason: str) -> None:
+        if self._taker is taker:
+            self._taker = self._taker_conn = None
+            log.info(
+                "queue flow: taker left (%s); %d messages stay assigned", reason, len(self._table)
+            )
+
+    def _ack(self, ack: int) -> None:
+        upto = min(ack, self._next_seq - 1)
+        if upto <= self._acked:
+            return
+        store = self.store
+        table = self._table
+        done = 0
+        if upto - self._acked > len(table):
+            seqs: Iterable[int] = sorted(s for s in table if s <= upto)
+        else:
+            seqs = range(self._acked + 1, upto + 1)
+        for seq in seqs:
+            given = table.pop(seq, None)
+            if given is not None:
+                store.ack(given.key)
+                done += 1
+        self.counters["acked"] += done
+        self._acked = upto
+        self._log.ack(upto)
+        self._log.commit()
+
+    def _assign(self, wanted: int) -> int:
+        """Take up to ``wanted`` messages from the store for the flow; durable on return."""
+        room = self.window - len(self._table)
+        n = min(wanted, room, self.max_take)
+        if n <= 0 or self.store.failed:
+            return 0
+        first = self._next_seq
+        keys: list[int] = []
+        store = self.store
+        while len(keys) < n:
+            try:
+                message = store.take(pin=True)
+            except StoreError as e:  # an unreadable record; the store dropped it
+                log.error("queue flow: %s", e)
+                continue
+            if message is None:
+                break
+            seq = first + len(keys)
+            self._table[seq] = _Given(seq, message.key, message.message_id, message.body)
+            keys.append(message.key)
+        if not keys:
+            return 0
+        self._log.assign(first, keys)
+        try:
+            self._log.commit()
+        except OSError:
+            for i, key in enumerate(keys):
+                del self._table[first + i]
+                store.release(key, delivered=False)
+            raise
+        self._next_seq = first + len(keys)
+        self.counters["given"] += len(keys)
+        return len(keys)
+
+    def _push(self, taker: _TakerHandler, conn: ServerFlow) -> None:
+        if self._taker is not taker or conn.flow.state is not FlowState.READY:
+            return
+        flow = conn.flow
+        while flow.credit > 0:
+            if taker.next_seq >= self._next_seq and not self._assign(flow.credit * taker.batch):
+                return
+            batch: list[_Given] = []
+            seq = taker.next_seq
+            while len(batch) < taker.batch and seq < self._next_seq:
+                given = self._table.get(seq)
+                if given is None:
+                    if batch:
+                        break
+                    taker.next_seq = seq = seq + 1  # acked meanwhile, or lost (logged)
+                    continue
+                batch.append(given)
+                seq += 1
+            if not batch:
+                continue
+            values: list[bytes] = []
+            headers: list[dict[str, str] | None] = []
+            for given in batch:
+                value, hdrs = record_from_body(given.body)
+                values.append(value)
+                headers.append(hdrs)
+            if taker.arrow:
+                payload = encode_records(
+                    batch[0].seq,
+                    values,
+                    [g.message_id for g in batch],
+                    None,
+                    headers if any(h is not None for h in headers) else None,
+                )
+                conn.send_dat((payload,))
+            else:
+                attrs: dict[str, Any] = {
+                    "seq": batch[0].seq,
+                    "key": base64.b64encode(batch[0].message_id).decode("ascii"),
+                }
+                if headers[0]:
+                    attrs["headers"] = headers[0]
+                conn.send_dat((values[0],), attrs)
+            last = batch[-1].seq
+            if batch[0].seq <= self._sent_max:
+                self.counters["resent"] += min(last, self._sent_max) - batch[0].seq + 1
+            self._sent_max = max(self._sent_max, last)
+            taker.next_seq = last + 1
+
+
+# -------------------------------------------------------------- flow consumer port
+
+
+class _BridgeConsumer(Consumer):
+    """A sink consumer that says when a batch was published."""
+
+    def __init__(self, *args: Any, on_publish: Callable[[], None], **kw: Any) -> None:
+        self._on_publish = on_publish
+        super().__init__(*args, **kw)
+
+    def _commit(self, *args: Any, **kw: Any) -> dict[str, Any]:
+        reply = super()._commit(*args, **kw)
+        if reply.get("published"):
+            self._on_publish()
+        return reply
+
+
+@dataclass(slots=True)
+class _Move:
+    stream: str
+    batch: BatchId
+    records: Iterator[tuple[bytes | None, Any]]
+    n: int = 0
+    done: bool = False
+
+
+def _rows(consumer: Consumer, stream: str, batch: BatchId) -> Iterator[tuple[bytes | None, Any]]:
+    for b in consumer.read(stream, batch):
+        yield from zip(b.column(0).to_pylist(), b.column(2).to_pylist(), strict=True)
+
+
+class FlowConsumerPort:
+    """The queue's taker port for Spark sinks, and the bridge into the store.
+
+    The :class:`~zio_spark.queue.consumer.Consumer` serves flows in its own thread;
+    :meth:`pump` (the bridge) runs in the broker's thread.
+
+    Parameters
+    ----------
+    store_path
+        The store folder; the consumer's state goes in ``<store_path>/flow-consumer``.
+    endpoint
+        Endpoint to bind.
+    after_durable
+        The broker's :meth:`~zio_spark.queue.broker.QueueBroker.after_durable`.
+    wake
+        Called (from the consumer's thread) when a batch was published.
+    max_put
+        Most records moved per loop turn.
+    fsync, ctx, mode, curve_secret_key, linger_ms
+        For the consumer.
+
+    Raises
+    ------
+    ConsumerStateError, TransportError
+        As :class:`~zio_spark.queue.consumer.Consumer`.
+    """
+
+    def __init__(
+        self,
+        store_path: str | os.PathLike[str],
+        endpoint: str,
+        *,
+        after_durable: Callable[[Callable[[bool], None]], None],
+        wake: Callable[[], None],
+        ctx: zmq.Context[Any],
+        max_put: int = 4096,
+        fsync: bool = True,
+        mode: str | None = None,
+        curve_secret_key: str | bytes | None = None,
+        linger_ms: int = 500,
+    ) -> None:
+        _check_endpoint("flow_consumer", endpoint)
+        self._after_durable = after_durable
+        self._wake = wake
+        self._pending = threading.Event()
+        self._pending.set()  # batches published before a restart
+        self.max_put = max_put
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("stored", "duplicates", "rejected", "batches"), 0
+        )
+        self._move: _Move | None = None
+        self._waiting = False
+        self.consumer = _BridgeConsumer(
+            endpoint,
+            Path(store_path) / _CONSUMER_FOLDER,
+            ctx=ctx,
+            mode=mode,
+            curve_secret_key=curve_secret_key,
+            fsync=fsync,
+            linger_ms=linger_ms,
+            on_publish=self._published,
+        )
+        self.endpoint = self.consumer.endpoint
+
+    def _published(self) -> None:  # the consumer's thread
+        self._pending.set()
+        self._wake()
+
+    def busy(self) -> bool:
+        return self._move is not None and not self._waiting
+
+    def pump(self, store: MessageStore) -> None:
+        """Move published batches into the store, a slice per call (broker thread)."""
+        if self._waiting or store.failed:
+            return
+        move = self._move
+        if move is None:
+            if not self._pending.is_set():
+                return
+            self._pending.clear()
+            published = self.consumer.published()
+            if not published:
+                return
+            self._pending.set()  # more may follow this one
+            stream, batch = published[0]
+            move = self._move = _Move(stream, batch, _rows(self.consumer, stream, batch))
+        counters = self.counters
+        for _ in range(self.max_put):
+            row = next(move.records, None)
+            if row is None:
+                move.done = True
+                break
+            value, headers = row
+            mid = bridge_message_id(move.stream, move.batch, move.n)
+            move.n += 1
+            try:
+                key = store.put(mid, _body_from_record(value, headers))
+            except MessageRejected as e:
+                counters["rejected"] += 1
+                log.error("queue flow: record %r of the sink batch is refused: %s", mid, e)
+                continue
+            if key is None:
+                counters["duplicates"] += 1
+            else:
+                counters["stored"] += 1
+        if move.done:
+            self._waiting = True
+            self._after_durable(lambda ok: self._moved(move, ok))
+
+    def _moved(self, move: _Move, ok: bool) -> None:
+        self._waiting = False
+        self._move = None
+        if not ok:
+            log.error(
+                "queue flow: batch %r of stream %r not moved (the store commit failed)",
+                move.batch,
+                move.stream,
+            )
+            return
+        self.consumer.ack(move.stream, move.batch)
+        self.counters["batches"] += 1
+        self._pending.set()
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+# ----------------------------------------------------------------------- both ports
+
+
+class QueueFlows:
+    """The broker's flow ports (either may be absent). Broker thread only."""
+
+    def __init__(
+        self,
+        producer: FlowProducerPort | None,
+        consumer: FlowConsumerPort | None,
+    ) -> None:
+        self.producer = producer
+        self.consumer = consumer
+
+    def endpoints(self) -> dict[str, str]:
+        eps = {}
+        if self.producer is not None:
+            eps["flow_producer"] = self.producer.endpoint
+        if self.consumer is not None:
+            eps["flow_consumer"] = self.consumer.endpoint
+        return eps
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self.producer.socket] if self.producer is not None else []
+
+    def process(self, store: MessageStore) -> None:
+        """A flow socket is readable: dispatch what arrived."""
+        if self.producer is not None:
+            self.producer.process()
+
+    def pump(self, store: MessageStore) -> None:
+        if self.consumer is not None:
+            self.consumer.pump(store)
+        if self.producer is not None:
+            self.producer.pump()
+
+    def busy(self) -> bool:
+        return (self.consumer is not None and self.consumer.busy()) or (
+            self.producer is not None and self.producer.busy()
+        )
+
+    def stats(self) -> dict[str, int]:
+        p = self.producer.counters if self.producer is not None else {}
+        c = self.consumer.counters if self.consumer is not None else {}
+        return {
+            "flow_given": p.get("given", 0),
+            "flow_acked": p.get("acked", 0),
+            "flow_stored": c.get("stored", 0),
+        }
+
+    def close(self) -> None:
+        errors: list[BaseException] = []
+        for part in (self.producer, self.consumer):
+            if part is not None:
+                try:
+                    part.close()
+                except (OSError, TransportError) as e:
+                    errors.append(e)
+        if errors:
+            log.error("queue flow: closing: %s", "; ".join(map(str, errors)))
