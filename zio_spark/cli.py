@@ -255,7 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("bench", cmd_bench, "Run the benchmarks (numbers as ratios against anchors).")
     sp.add_argument("--quick", action="store_true", help="about two minutes; checks the harness")
-    sp.add_argument("--out", default="bench/results", help="folder for JSON, Markdown, PNGs")
+    sp.add_argument("--out", default="bench/results", help="folder for JSON and Markdown")
+    sp.add_argument(
+        "--only",
+        nargs="+",
+        choices=("flow", "spool", "queue", "source", "sink"),
+        help="run only these benchmarks",
+    )
     return p
 
 
