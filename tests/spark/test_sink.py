@@ -155,12 +155,6 @@ def test_bad_columns_fail_on_the_driver_naming_the_column(spark, consumer, tmp_p
     assert consumer.stats["data_flows"] == 0
 
 
-def test_group_target_is_refused(spark):
-    df = spark.range(1).selectExpr("cast(id as string) as value")
-    with pytest.raises(Exception, match="group targets are not supported yet"):
-        df.write.format("zio").mode("append").option("group", "g").save()
-
-
 def test_unreachable_consumer_fails_the_task_naming_the_endpoint(spark):
     df = spark.range(10, numPartitions=1).selectExpr("cast(id as string) as value")
     dead = "tcp://127.0.0.1:1"

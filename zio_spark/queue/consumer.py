@@ -115,7 +115,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 import zmq
@@ -132,6 +132,9 @@ from zio_spark.records import plain_value
 from zio_spark.transport.flow import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort, ServerPort
 from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
+
+if TYPE_CHECKING:
+    from zio_spark.transport.zre_node import ZreNode
 
 __all__ = [
     "COMPACT_EVERY",
@@ -777,6 +780,7 @@ class Consumer:
         self._log_lines = 0
         self._active: dict[tuple[str, BatchId, int, int], _DataHandler] = {}
         self._closed = False
+        self._zre: ZreNode | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
@@ -823,9 +827,35 @@ class Consumer:
             return
         self._closed = True
         try:
-            self.server.stop()
+            zre, self._zre = self._zre, None
+            if zre is not None:
+                zre.stop()
         finally:
-            self._release()
+            try:
+                self.server.stop()
+            finally:
+                self._release()
+
+    def advertise(self, group: str, **zre: object) -> None:
+        """Join ZRE ``group`` and advertise this consumer's flow port in it.
+
+        A sink with ``option("group", group)`` then spreads its partitions over the
+        consumers advertised there. ``zre`` goes to
+        :func:`~zio_spark.transport.discovery.advertise` (``beacon_port``, ``broadcast``,
+        ``interface_addr``, ``interval``); the node stops with :meth:`close`.
+        """
+        from zio_spark.transport.discovery import advertise
+
+        if self._closed:
+            raise ZioSparkError("the consumer is closed")
+        if self._zre is not None:
+            raise ZioSparkError("the consumer is already advertised")
+        self._zre = advertise(
+            group,
+            self.endpoint,
+            self.server.port.socket_type,
+            **zre,  # type: ignore[arg-type]
+        )
 
     def _release(self) -> None:
         with contextlib.suppress(Exception):

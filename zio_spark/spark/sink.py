@@ -19,7 +19,22 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
    before it records the batch as done; on restart it re-runs the batch and the
    consumer, which remembers committed ids, answers ``ok`` without publishing twice.
    ``abort`` is best effort (logged, never raised): it may overlap running tasks and
-   its messages may be None, so it always goes to the configured endpoint.
+   its messages may be None, so it always goes to the configured endpoint (with a
+   ``group``: to every consumer the aborting writer knows of, too).
+
+Group targets (option ``group`` instead of ``endpoint``): the writer object, made on the
+driver, resolves the consumers advertised in the ZRE group (port ``flow``, see
+:meth:`Consumer.advertise <zio_spark.queue.consumer.Consumer.advertise>`) through one
+:class:`~zio_spark.transport.zre_node.ZreNode` per (group, beacon port, broadcast,
+interface), cached in the driver's Python worker and reused across micro-batches. It
+waits up to ``connectTimeout`` for at least one (a fresh node first listens for about
+two beacon intervals, so it does not settle for the first consumer it hears), sorts the
+endpoints and keeps that list: partition ``p`` goes to ``endpoints[p % n]``. The list
+is pickled to the tasks with the writer, so tasks do no discovery and a retried task
+goes to the same consumer as its first attempt. Each commit message names its endpoint
+and socket mode, and commit goes to exactly the consumers the messages name (empty
+partitions included, so each records the batch id), each committing atomically on its
+own: a batch spread over consumers is published per consumer, not across them.
 
 Batch ids: a streaming write uses Spark's micro-batch id, read on executors from the
 local property ``streaming.sql.batchId`` (``write()`` is not given it). A batch write
@@ -45,12 +60,16 @@ binary or string, ``headers`` map<string,string>; anything else is a
 naming the column, its type and what is accepted.
 
 A new writer object is created for every micro-batch and another runs commit/abort
-(FACTS.md): the writers hold only the parsed options and column layout.
+(FACTS.md): the writers hold only the parsed options, the column layout and (with a
+group) the resolved consumers; commit/abort take endpoints and modes from the messages.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +83,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from zio_spark.errors import ConfigError, ZioSparkError
-from zio_spark.options import SinkOptions, parse_sink_options
+from zio_spark.errors import ConfigError, TransportError, ZioSparkError
+from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
 from zio_spark.queue.consumer import (
     CONSUMER_SCHEMA,
     BatchId,
@@ -73,6 +92,9 @@ from zio_spark.queue.consumer import (
     encode_payload,
     send_command,
 )
+from zio_spark.transport.discovery import FLOW_PORT
+from zio_spark.transport.port import choose_mode
+from zio_spark.transport.zre_node import ZreNode
 
 __all__ = [
     "MAX_BYTES_PER_DAT",
@@ -81,6 +103,7 @@ __all__ = [
     "ZioBatchWriter",
     "ZioCommitMessage",
     "ZioStreamWriter",
+    "resolve_targets",
     "sink_columns",
     "sink_options",
 ]
@@ -157,22 +180,9 @@ def sink_options(raw: Mapping[str, str]) -> SinkOptions:
     Raises
     ------
     ConfigError
-        As :func:`~zio_spark.options.parse_sink_options`, and for a ZRE ``group``
-        (not supported by the sink yet).
+        As :func:`~zio_spark.options.parse_sink_options`.
     """
-    opts = parse_sink_options({k: v for k, v in raw.items() if k.lower() not in _SPARK_OWNED})
-    _check_target(opts)
-    return opts
-
-
-def _check_target(opts: SinkOptions) -> str:
-    if opts.zre is not None or opts.endpoint is None:
-        raise ConfigError(
-            "group",
-            opts.zre.group if opts.zre else None,
-            "an explicit 'endpoint': group targets are not supported yet",
-        )
-    return opts.endpoint
+    return parse_sink_options({k: v for k, v in raw.items() if k.lower() not in _SPARK_OWNED})
 
 
 def _curve(opts: SinkOptions) -> tuple[bytes, bytes, bytes] | None:
@@ -184,6 +194,104 @@ def _mode(opts: SinkOptions) -> str | None:
     return None if opts.socket == "auto" else opts.socket
 
 
+# ---------------------------------------------------------------------------- targets
+
+Target = tuple[str, str | None]
+"""(consumer endpoint, socket mode or None for the configured ``socket`` option)."""
+
+_NodeKey = tuple[str, int, str, str | None]
+_NODES: dict[_NodeKey, ZreNode] = {}
+_NODES_LOCK = threading.Lock()
+_POLL = 0.05
+
+
+def _stop_nodes() -> None:
+    with _NODES_LOCK:
+        nodes = list(_NODES.values())
+        _NODES.clear()
+    for node in nodes:
+        try:
+            node.stop(timeout=1.0)
+        except Exception:  # pragma: no cover - best effort at interpreter exit
+            log.debug("zio sink: stopping a ZRE node failed", exc_info=True)
+
+
+def _group_node(z: ZreOptions) -> tuple[ZreNode, bool]:
+    """The cached ZRE node of this group (started on first use); (node, freshly made).
+
+    One node per (group, beacon port, broadcast, interface) in this process; the beacon
+    interval of the first writer to ask wins.
+    """
+    key = (z.group, z.beacon_port, z.broadcast, z.interface)
+    with _NODES_LOCK:
+        node = _NODES.get(key)
+        if node is not None and node.running:
+            return node, False
+        if not _NODES:
+            atexit.register(_stop_nodes)
+        node = ZreNode(
+            beacon_port=z.beacon_port,
+            broadcast=z.broadcast,
+            interface_addr=z.interface,
+            interval=z.interval,
+        )
+        node.join(z.group)
+        node.start()
+        _NODES[key] = node
+        return node, True
+
+
+def resolve_targets(opts: SinkOptions) -> tuple[Target, ...]:
+    """The consumers this writer sends to, sorted by endpoint (driver side).
+
+    With ``endpoint``: that one. With ``group``: the flow ports advertised in the ZRE
+    group, each with the socket mode its advertised socket type needs; waits up to
+    ``connectTimeout`` for at least one.
+
+    Raises
+    ------
+    TransportError
+        No usable consumer is advertised in the group within ``connectTimeout`` (the
+        message names the group, and any consumer refused for its socket type).
+    """
+    z = opts.zre
+    if z is None:
+        if opts.endpoint is None:  # pragma: no cover - parse_sink_options ensures one
+            raise ConfigError("endpoint", None, "an 'endpoint' or a 'group'")
+        return ((opts.endpoint, _mode(opts)),)
+    node, fresh = _group_node(z)
+    start = time.monotonic()
+    deadline = start + opts.connect_timeout
+    # A fresh node has heard nobody yet: listen a little, so that the first batch
+    # does not go all to whichever consumer answered first.
+    settle = start + 2 * z.interval if fresh else start
+    refused: dict[str, str] = {}
+    while True:
+        found: dict[str, str | None] = {}
+        for ep in node.zio_endpoints(z.group, port=FLOW_PORT):
+            try:
+                found[ep.address] = choose_mode(_mode(opts), ep.socket, option="socket").value
+            except ZioSparkError as e:
+                if ep.address not in refused:
+                    log.warning("zio sink: not writing to %s (%s): %s", ep.address, ep.socket, e)
+                refused[ep.address] = str(e)
+        now = time.monotonic()
+        if (found and now >= settle) or now >= deadline:
+            break
+        time.sleep(min(_POLL, max(0.0, deadline - now)))
+    if not found:
+        why = "".join(f"; refused {a}: {r}" for a, r in sorted(refused.items()))
+        raise TransportError(
+            f"no consumer advertised a {FLOW_PORT!r} port in ZRE group {z.group!r} "
+            f"(beacon port {z.beacon_port}) within {opts.connect_timeout:g} s{why}"
+        )
+    return tuple(sorted(found.items()))
+
+
+def _target_of(targets: Sequence[Target], partition: int) -> Target:
+    return targets[partition % len(targets)]
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -192,7 +300,8 @@ class ZioCommitMessage(WriterCommitMessage):  # type: ignore[misc]
     """What one task reports: where its partition is staged and how many rows.
 
     ``plain`` is true when the endpoint turned out to be a plain ZIO taker (its EOT
-    echo had no ``rows``): there is nothing staged to commit there.
+    echo had no ``rows``): there is nothing staged to commit there. ``mode`` is the
+    socket mode the task used (None: the ``socket`` option), for commit/abort.
     """
 
     endpoint: str
@@ -203,6 +312,7 @@ class ZioCommitMessage(WriterCommitMessage):  # type: ignore[misc]
     rows: int
     plain: bool = False
     query: str | None = None
+    mode: str | None = None
 
 
 # ------------------------------------------------------------------------- task side
@@ -276,8 +386,10 @@ def write_partition(
     attempt: int,
     query: str | None,
     batches: Iterator[pa.RecordBatch],
+    target: Target | None = None,
 ) -> ZioCommitMessage:
-    """Stream one partition to the consumer; returns its commit message.
+    """Stream one partition to the consumer ``target`` (default: the ``endpoint``
+    option); returns its commit message.
 
     Raises
     ------
@@ -285,7 +397,11 @@ def write_partition(
         The consumer is unreachable, gives no credit or does not confirm staging within
         ``connectTimeout``, or confirms a different row count.
     """
-    endpoint = _check_target(opts)
+    if target is None:
+        if opts.endpoint is None:
+            raise ZioSparkError("write_partition needs a target with a 'group' sink")
+        target = (opts.endpoint, _mode(opts))
+    endpoint, mode = target
     it = iter(batches)
     first: pa.RecordBatch | None = None
     for b in it:  # an empty partition opens no flow
@@ -293,7 +409,9 @@ def write_partition(
             first = b
             break
     if first is None:
-        return ZioCommitMessage(endpoint, opts.stream, batch, partition, attempt, 0, query=query)
+        return ZioCommitMessage(
+            endpoint, opts.stream, batch, partition, attempt, 0, query=query, mode=mode
+        )
     extra = {"query": query} if query is not None else None
     w = StagingWriter(
         endpoint,
@@ -304,7 +422,7 @@ def write_partition(
         format=opts.format,
         credit=opts.credit,
         timeout=opts.connect_timeout,
-        mode=_mode(opts),
+        mode=mode,
         curve=_curve(opts),
         extra=extra,
     )
@@ -324,7 +442,15 @@ def write_partition(
         raise
     rows = w.close()
     return ZioCommitMessage(
-        endpoint, opts.stream, batch, partition, attempt, rows, plain=w.plain_peer, query=query
+        endpoint,
+        opts.stream,
+        batch,
+        partition,
+        attempt,
+        rows,
+        plain=w.plain_peer,
+        query=query,
+        mode=mode,
     )
 
 
@@ -339,23 +465,37 @@ def _send_records(w: StagingWriter, batch: pa.RecordBatch) -> None:
 # ----------------------------------------------------------------------- driver side
 
 
-def _endpoints(messages: Sequence[Any]) -> dict[str, tuple[bool, str | None]]:
-    """endpoint -> (it is a plain ZIO taker, the query id)."""
+@dataclass
+class _Endpoint:
+    plain: bool  # a plain ZIO taker
+    query: str | None
+    mode: str | None
+    parts: list[tuple[int, int, int]]
+
+
+def _endpoints(messages: Sequence[Any], opts: SinkOptions) -> dict[str, _Endpoint]:
+    """What the messages say about each endpoint they name."""
     seen: dict[str, list[ZioCommitMessage]] = {}
     for m in messages:
         if isinstance(m, ZioCommitMessage):
             seen.setdefault(m.endpoint, []).append(m)
-    out: dict[str, tuple[bool, str | None]] = {}
+    out: dict[str, _Endpoint] = {}
     for ep, ms in seen.items():
         # Empty partitions opened no flow, so only a message with rows can tell.
         plain = any(m.plain for m in ms) and not any(m.rows and not m.plain for m in ms)
         query = next((m.query for m in ms if m.query is not None), None)
-        out[ep] = (plain, query)
+        mode = next((m.mode for m in ms if m.mode is not None), _mode(opts))
+        parts = sorted((m.partition, m.attempt, m.rows) for m in ms)
+        out[ep] = _Endpoint(plain, query, mode, parts)
     return out
 
 
 def commit_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> None:
     """Tell each consumer to publish the staged partitions of ``batch``.
+
+    The consumers are the ones the messages name (each partition's, empty ones
+    included) and, with an explicit ``endpoint``, that one even with no messages (it
+    records the batch id); each with the socket mode its messages name.
 
     Raises
     ------
@@ -364,43 +504,52 @@ def commit_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> 
     TransportError
         A consumer did not answer within ``connectTimeout``.
     """
-    endpoint = _check_target(opts)
-    targets = _endpoints(messages)
-    targets.setdefault(endpoint, (False, None))  # record the id even with no messages
-    for ep, (plain, query) in targets.items():
-        if plain:
+    found = _endpoints(messages, opts)
+    if opts.endpoint is not None and opts.endpoint not in found:
+        found[opts.endpoint] = _Endpoint(False, None, _mode(opts), [])
+    if not found:
+        log.info("zio sink: batch %r has no partitions; nothing to commit", batch)
+    for ep, t in sorted(found.items()):
+        if t.plain:
             log.info("zio sink: %s is a plain ZIO taker; batch %r not committed there", ep, batch)
             continue
-        parts = sorted(
-            (m.partition, m.attempt, m.rows)
-            for m in messages
-            if isinstance(m, ZioCommitMessage) and m.endpoint == ep
-        )
         send_command(
             ep,
             "commit",
             opts.stream,
             batch,
-            parts,
-            query=query,
-            mode=_mode(opts),
+            t.parts,
+            query=t.query,
+            mode=t.mode,
             curve=_curve(opts),
             timeout=opts.connect_timeout,
         )
 
 
-def abort_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> None:
-    """Tell each consumer to discard the staging of ``batch``; best effort, never raises."""
-    endpoint = _check_target(opts)
-    targets = set(_endpoints(messages)) | {endpoint}
-    for ep in sorted(targets):
+def abort_batch(
+    opts: SinkOptions,
+    messages: Sequence[Any],
+    batch: BatchId,
+    targets: Sequence[Target] = (),
+) -> None:
+    """Tell each consumer to discard the staging of ``batch``; best effort, never raises.
+
+    Goes to the endpoints the messages name, the ``endpoint`` option and ``targets``
+    (messages of failed tasks are None, so they cannot be relied on).
+    """
+    modes: dict[str, str | None] = {ep: t.mode for ep, t in _endpoints(messages, opts).items()}
+    for ep, mode in targets:
+        modes.setdefault(ep, mode)
+    if opts.endpoint is not None:
+        modes.setdefault(opts.endpoint, _mode(opts))
+    for ep, mode in sorted(modes.items()):
         try:
             send_command(
                 ep,
                 "abort",
                 opts.stream,
                 batch,
-                mode=_mode(opts),
+                mode=mode,
                 curve=_curve(opts),
                 timeout=min(opts.connect_timeout, 10.0),
             )
@@ -412,45 +561,63 @@ def abort_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> N
 
 
 class ZioStreamWriter(DataSourceStreamArrowWriter):  # type: ignore[misc]
-    """Micro-batch writer: one flow per task, commit/abort per batch id."""
+    """Micro-batch writer: one flow per task, commit/abort per batch id.
+
+    ``targets`` (resolved here, on the driver) travels pickled to the tasks: partition
+    ``p`` writes to ``targets[p % len(targets)]``.
+    """
 
     def __init__(self, opts: SinkOptions, cols: SinkColumns) -> None:
-        _check_target(opts)
         self.opts = opts
         self.cols = cols
+        self.targets = resolve_targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
         partition, attempt, batch_text, query = _task_ids()
         if batch_text is None:  # pragma: no cover - Spark always sets it for streams
             raise ZioSparkError("no streaming.sql.batchId in this task's local properties")
         return write_partition(
-            self.opts, self.cols, int(batch_text), partition, attempt, query, iterator
+            self.opts,
+            self.cols,
+            int(batch_text),
+            partition,
+            attempt,
+            query,
+            iterator,
+            _target_of(self.targets, partition),
         )
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
         commit_batch(self.opts, messages, batchId)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
-        abort_batch(self.opts, messages, batchId)
+        abort_batch(self.opts, messages, batchId, self.targets)
 
 
 class ZioBatchWriter(DataSourceArrowWriter):  # type: ignore[misc]
     """``df.write.format("zio")``: one batch with id ``write-<uuid>`` drawn on the driver."""
 
     def __init__(self, opts: SinkOptions, cols: SinkColumns, batch_id: str) -> None:
-        _check_target(opts)
         self.opts = opts
         self.cols = cols
         self.batch_id = batch_id
+        self.targets = resolve_targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
         partition, attempt, _, _ = _task_ids()
         return write_partition(
-            self.opts, self.cols, self.batch_id, partition, attempt, None, iterator
+            self.opts,
+            self.cols,
+            self.batch_id,
+            partition,
+            attempt,
+            None,
+            iterator,
+            _target_of(self.targets, partition),
         )
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
         commit_batch(self.opts, messages, self.batch_id)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
-        abort_batch(self.opts, messages, self.batch_id)
+        abort_batch(self.opts, messages, self.batch_id, self.targets)
