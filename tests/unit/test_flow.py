@@ -966,3 +966,14 @@ def test_zero_pay_without_ack_from_peer_is_flow_control_error():
     with pytest.raises(FlowControlError):
         pair.server.receive(bad)
     assert pair.server.state is FlowState.ERROR
+
+
+def test_profile_bot_batch_and_encodings():
+    prof = profile_bot({"batch": 7, "encoding": ["arrow", 3, "x"]})
+    assert (prof.batch, prof.encodings) == (7, ("arrow", "x"))
+    assert profile_bot({"encoding": "arrow"}).encodings == ("arrow",)
+    assert profile_bot({"encoding": {"arrow": 1}}).encodings == ()
+    for bad in (0, -1, "3", True, 1.5):
+        with pytest.raises(RemoteProtocolError) as info:
+            profile_bot({"batch": bad})
+        assert info.value.field == "batch"

@@ -582,6 +582,8 @@ class ProfileBot:
     producer: str | None = None
     resume: int | None = None
     ack: bool = False
+    batch: int | None = None  # taker: most records it accepts per DAT
+    encodings: tuple[str, ...] = ()  # payload encodings offered (taker) or used (giver)
 
 
 def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
@@ -612,7 +614,21 @@ def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
         raise RemoteProtocolError(
             f"BOT ack must be true or false, got {ack!r}", field="ack", value=ack
         )
-    return ProfileBot(stream, producer, resume, ack)
+    batch = attrs.get("batch")
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise RemoteProtocolError(
+            f"BOT batch must be an integer >= 1, got {batch!r}", field="batch", value=batch
+        )
+    # A taker lists the encodings it reads, a giver names the one it uses; anything else
+    # means none (plain payloads), as for a peer that does not know the attribute.
+    raw = attrs.get("encoding")
+    if isinstance(raw, str):
+        encodings: tuple[str, ...] = (raw,)
+    elif isinstance(raw, list):
+        encodings = tuple(e for e in raw if isinstance(e, str))
+    else:
+        encodings = ()
+    return ProfileBot(stream, producer, resume, ack, batch, encodings)
 
 
 def pay_ack(attrs: Mapping[str, Any]) -> int | None:

@@ -430,17 +430,8 @@ class _TakerHandler(FlowHandler):
                 }
             )
             return
-        limit = bot.attrs.get("batch")
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            err = RemoteProtocolError(
-                f"BOT batch must be an integer >= 1, got {limit!r}", field="batch", value=limit
-            )
-            conn.reject({"reason": str(err)})
-            raise err
-        encodings = bot.attrs.get("encoding", ())
-        self.arrow = isinstance(encodings, list) and ENCODING in encodings
+        limit = prof.batch
+        self.arrow = ENCODING in prof.encodings
         self.batch = min(_MAX_DAT_RECORDS, limit or _MAX_DAT_RECORDS) if self.arrow else 1
         self.next_seq = p._attach(self, conn, prof.resume)
         attrs: dict[str, Any] = {

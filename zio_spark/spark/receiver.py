@@ -423,7 +423,7 @@ class Receiver:
         prof = profile_bot(bot.attrs)
         producer = prof.producer or peer.endpoint
         peer.producer = producer
-        peer.arrow = bot.attrs.get("encoding") == ENCODING
+        peer.arrow = prof.encodings == (ENCODING,)
         peer.backoff = 0.2
         st = peer.status
         st.producer, st.state = producer, "receiving"

@@ -85,18 +85,9 @@ class _Taker(FlowHandler):
             conn.reject({"reason": f"no stream {prof.stream!r} here (this is {p.stream!r})"})
             return
         # The taker's "batch" caps the records per DAT (the Spark receiver refuses more).
-        limit = bot.attrs.get("batch")
-        if limit is not None and (
-            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
-        ):
-            e = RemoteProtocolError(
-                f"BOT batch must be an integer >= 1, got {limit!r}", field="batch", value=limit
-            )
-            conn.reject({"reason": str(e)})
-            raise e
-        encodings = bot.attrs.get("encoding", ())
+        limit = prof.batch
         self.acks = prof.ack
-        self.arrow = isinstance(encodings, list) and ENCODING in encodings
+        self.arrow = ENCODING in prof.encodings
         self.batch = (p.batch if limit is None else min(p.batch, limit)) if self.arrow else 1
         self.next_seq = p._attach(self, conn, prof.resume if prof.ack else None)
         attrs: dict[str, Any] = {"producer": p.producer_id, "stream": p.stream, "ack": True}
