@@ -24,7 +24,14 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import zmq
-from test_queue import _start_queue, monitor, nothing_within, recv, recv_delivery, wait_for
+from test_queue import (  # the queue_process fixture is shared by importing it
+    monitor,
+    nothing_within,
+    queue_process,  # noqa: F401
+    recv,
+    recv_delivery,
+    wait_for,
+)
 
 from zio_spark.protocol import pzq
 from zio_spark.protocol.message import join_single
@@ -215,26 +222,8 @@ def test_takers_without_ack_are_refused_and_pzq_consumers_keep_the_messages(
     assert got == {b"a", b"b"} and _stats(b, "flow_given") == 0
 
 
-@pytest.fixture
-def queue_process() -> Iterator[Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]]]:
-    started: list[subprocess.Popen[bytes]] = []
-
-    def start(store: Path, *args: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-        proc, info = _start_queue(store, *args)
-        started.append(proc)
-        return proc, info
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_queue_killed_mid_flow_resumes_without_loss_or_duplicate(
-    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],
+    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
     raw_socket: Callable[[int], Sock],
     ctx: zmq.Context[Any],
     spool: Spool,
