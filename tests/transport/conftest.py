@@ -25,7 +25,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import zmq
@@ -108,34 +108,32 @@ def ctx() -> Iterator[TrackingContext]:
         pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
 
 
-@pytest.fixture
-def make_server(ctx: zmq.Context[Any]) -> Iterator[Callable[..., ServerPort]]:
-    made: list[ServerPort] = []
+P = TypeVar("P", ServerPort, ClientPort)
 
-    def make(**kw: Any) -> ServerPort:
+
+def _ports(ctx: zmq.Context[Any], cls: Callable[..., P]) -> Iterator[Callable[..., P]]:
+    """A factory of ports (linger 0 unless given) that closes them all at teardown."""
+    made: list[P] = []
+
+    def make(**kw: Any) -> P:
         kw.setdefault("linger_ms", 0)
-        port = ServerPort(ctx, **kw)
+        port = cls(ctx, **kw)
         made.append(port)
         return port
 
     yield make
     for port in made:
         port.close(linger_ms=0)
+
+
+@pytest.fixture
+def make_server(ctx: zmq.Context[Any]) -> Iterator[Callable[..., ServerPort]]:
+    yield from _ports(ctx, ServerPort)
 
 
 @pytest.fixture
 def make_client(ctx: zmq.Context[Any]) -> Iterator[Callable[..., ClientPort]]:
-    made: list[ClientPort] = []
-
-    def make(**kw: Any) -> ClientPort:
-        kw.setdefault("linger_ms", 0)
-        port = ClientPort(ctx, **kw)
-        made.append(port)
-        return port
-
-    yield make
-    for port in made:
-        port.close(linger_ms=0)
+    yield from _ports(ctx, ClientPort)
 
 
 @pytest.fixture
