@@ -161,12 +161,6 @@ def cmd_keys(args: argparse.Namespace) -> int:
 # -- delegating commands ------------------------------------------------------------------
 
 
-def cmd_queue(args: argparse.Namespace) -> int:
-    from zio_spark.queue.broker import run_queue
-
-    return int(run_queue(args.rest) or 0)
-
-
 def cmd_consume(args: argparse.Namespace) -> int:
     from zio_spark.queue.consume_cli import run_consume
 
@@ -235,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--count", type=_positive_int, help="exit after this many records")
     sp.add_argument("--timeout", type=_non_negative_float, help="exit after this many seconds")
 
-    sp = add("queue", cmd_queue, "Run the PZQ-style durable queue server.")
-    sp.add_argument("rest", nargs=argparse.REMAINDER, help="queue options (see `queue --help`)")
+    # Listed for `zio-spark --help` only: main() hands `queue ...` to the queue's own parser.
+    sub.add_parser("queue", help="Run the PZQ-style durable queue server.")
 
     sp = add("peers", cmd_peers, "Show ZRE peers of a group and their ZIO ports, live.")
     sp.add_argument("--group", required=True, help="ZRE group")
