@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -48,6 +48,9 @@ from zio_spark.protocol.flow import (
 from zio_spark.records import ENCODING, encode_records
 from zio_spark.transport.port import ServerPort
 from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
+
+if TYPE_CHECKING:
+    from zio_spark.transport.zre_node import ZreNode
 
 __all__ = ["Producer"]
 
@@ -199,6 +202,8 @@ class Producer:
         self._taker_conn: ServerFlow | None = None
         self._wake_pending = False
         self._closed = False
+        self._eot_done: threading.Event | None = None  # set while close() awaits the echo
+        self._zre: ZreNode | None = None  # the discovery node, once advertise() ran
         self._server = FlowServer(
             port,
             lambda: _Taker(self),
@@ -374,7 +379,6 @@ class Producer:
                 else:
                     done.set()
 
-            self._eot_done: threading.Event | None = None
             if self._server._thread is not None:
                 self._server.call_soon(end)
                 if not done.wait(timeout if timeout is not None else None):
@@ -383,9 +387,8 @@ class Producer:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            zre = getattr(self, "_zre", None)
-            if zre is not None:
-                zre.stop()
+            if self._zre is not None:
+                self._zre.stop()
             self._server.stop()
 
     def __enter__(self) -> Producer:
@@ -441,9 +444,8 @@ class Producer:
             if self._taker is taker:
                 self._taker = None
                 self._taker_conn = None
-        done = getattr(self, "_eot_done", None)
-        if done is not None:
-            done.set()
+        if self._eot_done is not None:
+            self._eot_done.set()
         log.info("producer %s: taker left (%s)", self.producer_id, reason)
 
     def _take(self, first: int, n: int, release: bool) -> list[_Record]:
