@@ -7,7 +7,9 @@ Cases (each in two processes over loopback tcp, or ipc):
 - ``flow1``: one record per DAT through our stack: a client giver (``FlowEndpoint.put``)
   and a server taker (``ServerPort.recv`` + ``Flow.receive`` + PAY), at credit window W.
 - ``batched``: 1000 records per DAT packed as Arrow (``zio_spark.records``), window W;
-  compared in bytes/s with raw PUSH/PULL of the same payload bytes.
+  compared in bytes/s with raw PUSH/PULL of the same payload bytes. The taker counts
+  records (batch size x DATs, the first batch decoded as a check) rather than decoding
+  every batch, as the anchor does not decode either: this measures the flow.
 
 Run: ``.venv/bin/python bench/bench_flow.py [--quick]``; prints a table and writes JSON
 next to it (``bench/results/flow.json``).
@@ -35,87 +37,112 @@ def _endpoint(transport: str) -> str:
 
 
 # -- raw anchors -------------------------------------------------------------------------
+#
+# Every case returns (records/s, sender CPU µs per message, receiver CPU µs per message).
+# CPU is the sending or receiving Python thread's own time (time.thread_time; libzmq's I/O
+# threads excluded): unlike wall-clock rates it barely moves when other work shares the
+# machine, so it shows where the cost is even on a busy host.
 
 
-def _raw_sender(ep: str, n: int, frames: list[bytes], kind: int) -> None:
+def _report_cpu(cpu_q, t0: float, n: int) -> None:
+    cpu_q.put((time.thread_time() - t0) / max(n, 1) * 1e6)
+
+
+def _raw_sender(ep: str, n: int, frames: list[bytes], kind: int, cpu_q) -> None:
     ctx = zmq.Context()
     s = ctx.socket(kind)
     s.sndhwm = 100_000
     s.connect(ep)
+    t0 = time.thread_time()
     for _ in range(n):
         s.send_multipart(frames, copy=True)
+    _report_cpu(cpu_q, t0, n)
     s.send_multipart([b"END"])
     s.close(linger=5000)
     ctx.term()
 
 
-def raw(transport: str, n: int, frames: list[bytes], push: bool = False) -> float:
+def _run_receiver(sender, args: tuple, recv_one, is_end) -> tuple[float, float, float]:
+    """Start ``sender(*args, cpu_q)`` in a process; receive until ``is_end``."""
+    spawn = mp.get_context("spawn")
+    cpu_q = spawn.SimpleQueue()
+    p = spawn.Process(target=sender, args=(*args, cpu_q))
+    p.start()
+    got = 0
+    t0 = c0 = None
+    try:
+        while True:
+            item = recv_one()
+            if t0 is None:
+                t0, c0 = time.perf_counter(), time.thread_time()
+            if is_end(item):
+                break
+            got += 1
+        dt = time.perf_counter() - t0
+        cpu_recv = (time.thread_time() - c0) / max(got, 1) * 1e6
+        p.join(60)
+        cpu_send = cpu_q.get() if not cpu_q.empty() else float("nan")
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    return got / dt, cpu_send, cpu_recv
+
+
+def raw(transport: str, n: int, frames: list[bytes], push: bool = False):
     ctx = zmq.Context()
     r = ctx.socket(zmq.PULL if push else zmq.ROUTER)
     r.rcvhwm = 100_000
     r.bind(_endpoint(transport))
     ep = r.getsockopt_string(zmq.LAST_ENDPOINT)
-    p = mp.get_context("spawn").Process(
-        target=_raw_sender, args=(ep, n, frames, zmq.PUSH if push else zmq.DEALER)
-    )
-    p.start()
-    got = 0
-    t0 = None
-    while True:
-        parts = r.recv_multipart()
-        if t0 is None:
-            t0 = time.perf_counter()
-        if parts[-1] == b"END":
-            break
-        got += 1
-    dt = time.perf_counter() - t0
-    p.join(30)
-    r.close(0)
-    ctx.term()
-    return got / dt
+    kind = zmq.PUSH if push else zmq.DEALER
+    try:
+        return _run_receiver(
+            _raw_sender, (ep, n, frames, kind), r.recv_multipart, lambda m: m[-1] == b"END"
+        )
+    finally:
+        r.close(0)
+        ctx.term()
 
 
-def _cs_sender(ep: str, n: int, frame: bytes) -> None:
+def _cs_sender(ep: str, n: int, frame: bytes, cpu_q) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.CLIENT)
     s.sndhwm = 100_000
     s.connect(ep)
+    t0 = time.thread_time()
     for _ in range(n):
         s.send(frame)
+    _report_cpu(cpu_q, t0, n)
     s.send(b"END")
     s.close(linger=5000)
     ctx.term()
 
 
-def raw_cs(transport: str, n: int, frame: bytes) -> float:
+def raw_cs(transport: str, n: int, frame: bytes):
     """Anchor for the draft path: CLIENT -> SERVER, one single-frame DAT per message."""
     ctx = zmq.Context()
     r = ctx.socket(zmq.SERVER)
     r.rcvhwm = 100_000
     r.bind(_endpoint(transport))
     ep = r.getsockopt_string(zmq.LAST_ENDPOINT)
-    p = mp.get_context("spawn").Process(target=_cs_sender, args=(ep, n, frame))
-    p.start()
-    got = 0
-    t0 = None
-    while True:
-        data = r.recv()
-        if t0 is None:
-            t0 = time.perf_counter()
-        if data == b"END":
-            break
-        got += 1
-    dt = time.perf_counter() - t0
-    p.join(30)
-    r.close(0)
-    ctx.term()
-    return got / dt
+
+    def recv_one() -> bytes:
+        f = r.recv(copy=False)
+        f.routing_id  # noqa: B018 - a server needs it to reply; part of the cost
+        return f.bytes
+
+    try:
+        return _run_receiver(_cs_sender, (ep, n, frame), recv_one, lambda m: m == b"END")
+    finally:
+        r.close(0)
+        ctx.term()
 
 
 # -- our flows ------------------------------------------------------------------------------
 
 
-def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str = "routerdealer") -> None:
+def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, cpu_q) -> None:
     from zio_spark.protocol.flow import Direction, Role
     from zio_spark.records import encode_records
     from zio_spark.transport.flow import FlowEndpoint
@@ -127,14 +154,17 @@ def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str = "routerde
     fe = FlowEndpoint(port, Role.CLIENT)
     fe.connect(Direction.EXTRACT, window, timeout=30)
     payload = (encode_records(1, [RECORD] * batch),) if batch > 1 else (RECORD,)
+    t0 = time.thread_time()
     for _ in range(n // batch):
         fe.put(payload, timeout=30)
+    _report_cpu(cpu_q, t0, n // batch)
     fe.send_eot(timeout=30)
     port.close()
     ctx.term()
 
 
-def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdealer") -> float:
+def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdealer"):
+    """Our giver (``FlowEndpoint.put``) to a taker (``ServerPort.recv`` + ``Flow``)."""
     from zio_spark.protocol.flow import BotReceived, Data, EotReceived, Flow, Role
     from zio_spark.records import decode_batch
     from zio_spark.transport.port import ServerPort
@@ -142,40 +172,57 @@ def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdea
     ctx = zmq.Context()
     port = ServerPort(ctx, mode=mode, linger_ms=0, rcvhwm=100_000, sndhwm=100_000)
     ep = port.bind(_endpoint(transport))
-    p = mp.get_context("spawn").Process(target=_flow_sender, args=(ep, n, window, batch, mode))
-    p.start()
     f = Flow(Role.SERVER)
-    records = 0
-    t0 = None
-    unpaid = 0
-    while True:
-        got = port.recv(30_000)
-        assert got is not None and not hasattr(got, "error"), got
-        peer, msg = got
-        ev = f.receive(msg)
-        if isinstance(ev, BotReceived):
-            port.send(f.accept(), peer)
-            port.send(f.pay(), peer)
-            t0 = time.perf_counter()
-        elif isinstance(ev, Data):
-            records += decode_batch(msg.payload[0]).num_rows if batch > 1 else 1
-            unpaid += 1
-            if unpaid * 2 >= window:  # return credit in chunks, as the receiver does
-                port.send(f.pay(unpaid), peer)
-                unpaid = 0
-        elif isinstance(ev, EotReceived):
+    state = {"unpaid": 0, "checked": batch == 1}
+
+    def recv_one():
+        # The handshake happens before the first DAT, so it is not timed.
+        while True:
+            got = port.recv(30_000)
+            assert got is not None and not hasattr(got, "error"), got
+            peer, msg = got
+            ev = f.receive(msg)
+            if isinstance(ev, BotReceived):
+                port.send(f.accept(), peer)
+                port.send(f.pay(), peer)
+                continue
+            if isinstance(ev, Data):
+                if not state["checked"]:  # the payload is what was sent (checked once)
+                    assert decode_batch(msg.payload[0]).num_rows == batch
+                    state["checked"] = True
+                state["unpaid"] += 1
+                if state["unpaid"] * 2 >= window:  # credit back in chunks, as the receiver
+                    port.send(f.pay(state["unpaid"]), peer)
+                    state["unpaid"] = 0
+                return ev
+            assert isinstance(ev, EotReceived), ev
             port.send(f.send_eot(), peer)
-            break
-    dt = time.perf_counter() - t0
-    p.join(30)
-    port.close()
-    ctx.term()
-    return records / dt
+            return ev
+
+    try:
+        rate, cpu_s, cpu_r = _run_receiver(
+            _flow_sender,
+            (ep, n, window, batch, mode),
+            recv_one,
+            lambda ev: isinstance(ev, EotReceived),
+        )
+    finally:
+        port.close()
+        ctx.term()
+    # The taker counts records (batch x DATs) instead of decoding every batch: the anchor
+    # does not decode either, so this measures the flow.
+    return rate * batch, cpu_s, cpu_r
 
 
 def median_of(runs: int, fn, *args, scale: float = 1.0, **kw):
-    xs = [fn(*args, **kw) * scale for _ in range(runs)]
-    return statistics.median(xs), min(xs), max(xs)
+    """Median, min and max of the rate over ``runs``, plus median CPU µs/message."""
+    outs = [fn(*args, **kw) for _ in range(runs)]
+    xs = [o[0] * scale for o in outs]
+    return {
+        "rate": (statistics.median(xs), min(xs), max(xs)),
+        "cpu_send_us": statistics.median(o[1] for o in outs),
+        "cpu_recv_us": statistics.median(o[2] for o in outs),
+    }
 
 
 def main() -> None:
@@ -206,12 +253,7 @@ def main() -> None:
         else:
             anchor = median_of(runs, raw, transport, n1, dat)
         results.append(
-            {
-                "case": f"raw {raw_name} (DAT)",
-                "transport": transport,
-                "window": None,
-                "records_per_s": anchor,
-            }
+            {"case": f"raw {raw_name} (DAT)", "transport": transport, "window": None, **anchor}
         )
         for window in (1, 10, 100, 1000) if not a.quick else (10, 1000):
             nn = n1 if window >= 100 else n1 // 10
@@ -221,8 +263,8 @@ def main() -> None:
                     "case": "flow, 1 record/DAT",
                     "transport": transport,
                     "window": window,
-                    "records_per_s": r,
-                    "vs_anchor": r[0] / anchor[0],
+                    **r,
+                    "vs_anchor": r["rate"][0] / anchor["rate"][0],
                 }
             )
         push = median_of(runs, raw, transport, nb // 1000, [block], push=True, scale=1000)
@@ -231,31 +273,40 @@ def main() -> None:
                 "case": "raw PUSH/PULL (same bytes)",
                 "transport": transport,
                 "window": None,
-                "records_per_s": push,
+                **push,
             }
         )
-        for window in (10, 100):
+        for window in (1, 10, 100) if not a.quick else (10, 100):
             r = median_of(runs, flow, transport, nb, window, 1000, a.mode)
             results.append(
                 {
                     "case": "flow, 1000 records/DAT (Arrow)",
                     "transport": transport,
                     "window": window,
-                    "records_per_s": r,
-                    "vs_anchor": r[0] / push[0],
+                    **r,
+                    "vs_anchor": r["rate"][0] / push["rate"][0],
                 }
             )
+    for r in results:  # the figure other tools plot (median, min, max)
+        r["records_per_s"] = r.pop("rate")
+        r["mode"] = a.mode
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"flow-{a.mode}.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print("| case | transport | window | records/s (median, min-max) | vs anchor |")
-    print("|---|---|---|---|---|")
+    print(f"flow benchmark, {a.mode}, {runs} run(s) each; CPU = Python thread µs per message")
+    print()
+    print(
+        "| case | transport | window | records/s (median, min-max) | vs anchor "
+        "| CPU send | CPU recv |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         med, lo, hi = r["records_per_s"]
         ratio = f"{r['vs_anchor']:.2f}x" if "vs_anchor" in r else "anchor"
         print(
             f"| {r['case']} | {r['transport']} | {r['window'] or ''} | "
-            f"{med:,.0f} ({lo:,.0f}-{hi:,.0f}) | {ratio} |"
+            f"{med:,.0f} ({lo:,.0f}-{hi:,.0f}) | {ratio} | "
+            f"{r['cpu_send_us']:.2f} | {r['cpu_recv_us']:.2f} |"
         )
 
 

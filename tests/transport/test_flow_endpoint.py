@@ -19,7 +19,7 @@ import zmq
 
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import Credit, Data, Direction, Flow, FlowState, Role
-from zio_spark.protocol.message import Message, encode_frames, encode_single
+from zio_spark.protocol.message import DatCodec, Message, encode_frames, encode_single
 from zio_spark.transport.flow import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import BadMessage, ClientPort, PeerId, ServerPort
 
@@ -44,6 +44,9 @@ class OneClient:
 
     def send(self, msg: Message) -> None:
         self.port.send(msg, self.peer)
+
+    def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...]) -> None:
+        self.port.send_dat(codec, seqno, payload, self.peer)
 
     def recv(self, timeout_ms: int) -> Message | BadMessage | None:
         got = self.port.recv(timeout_ms)

@@ -53,6 +53,7 @@ from zio_spark.errors import (
     RemoteProtocolError,
 )
 from zio_spark.protocol.message import (
+    DAT_LABEL,
     FLOW_FORM,
     Message,
     decode_frames,
@@ -374,6 +375,57 @@ class Flow:
         self.dats_sent += 1
         return self._make(label, payload)
 
+    def send_dats(self, n: int = 1) -> int:
+        """Giver, the fast lane: spend ``n`` credits on plain DATs; returns the first seqno.
+
+        The caller encodes DAT ``i`` (0-based) with
+        ``DatCodec(self.origin).frames(first + i, payload)`` (or ``single``): the same
+        bytes :meth:`send_dat` without attributes would give, without a Message each.
+
+        Raises
+        ------
+        LocalProtocolError
+            If this end is not a giver in READY, or ``n`` is not 1..credit held.
+        """
+        if (
+            self.state is FlowState.READY
+            and self.direction is Direction.EXTRACT
+            and type(n) is int
+            and 0 < n <= self.credit
+        ):
+            first = self.sent
+            self.sent += n
+            self.credit -= n
+            self.dats_sent += n
+            return first
+        self._require(FlowState.READY, action="send DAT")
+        if not self.is_giver:
+            raise self._local("a taker (inject) cannot send DAT", field="direction")
+        raise self._local(
+            f"DAT count must be 1..{self.credit} (credit held of {self.total_credit}), got {n!r}",
+            field="credit",
+            value=n,
+        )
+
+    def take_dat(self) -> bool:
+        """Taker, the fast lane: account for one plain DAT; True if it was acceptable.
+
+        False changes nothing: the DAT is not acceptable here (wrong state, direction or
+        no credit outstanding), and passing the decoded message to :meth:`receive` raises
+        the precise error. True is exactly what :meth:`receive` would have done for a DAT
+        without attributes.
+        """
+        state = self.state
+        if (
+            (state is FlowState.READY or state is FlowState.EOT_SENT)
+            and self.direction is Direction.INJECT
+            and self.credit < self.total_credit
+        ):
+            self.credit += 1
+            self.dats_received += 1
+            return True
+        return False
+
     def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> Message:
         """Taker: hand ``amount`` credits (default: all held) to the giver.
 
@@ -430,6 +482,9 @@ class Flow:
         LocalProtocolError
             If the flow is already in ERROR.
         """
+        # Fast lane: a DAT without attributes that the taker can take (most messages).
+        if msg.label == DAT_LABEL and msg.form == FLOW_FORM and self.take_dat():
+            return Data(msg, _EMPTY)
         state = self.state
         if state is FlowState.ERROR:
             raise LocalProtocolError("flow is in ERROR state", field="state", value="ERROR")

@@ -29,7 +29,7 @@ from zio_spark.protocol.flow import (
     Rejected,
     Role,
 )
-from zio_spark.protocol.message import Message
+from zio_spark.protocol.message import DatCodec, Message
 from zio_spark.transport.port import BadMessage
 
 __all__ = ["Channel", "FlowEndpoint", "FlowRejected"]
@@ -42,6 +42,9 @@ class Channel(Protocol):
     def endpoint(self) -> str | None: ...
 
     def send(self, msg: Message) -> None: ...
+
+    def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...]) -> None:
+        """Send a plain DAT: what ``send`` does with the message ``codec`` describes."""
 
     def recv(self, timeout_ms: int) -> Message | BadMessage | None: ...
 
@@ -92,6 +95,7 @@ class FlowEndpoint:
         self.on_credit = on_credit
         self.bot: BotReceived | None = None
         self._pending_eot: EotReceived | None = None
+        self._dat_codec = DatCodec(origin)
 
     # -- small helpers -------------------------------------------------------------
 
@@ -213,7 +217,10 @@ class FlowEndpoint:
             event = self._next(deadline, "credit (PAY)", timeout)
             if not self._handle_giver_event(event):
                 return False
-        self.channel.send(self.flow.send_dat(payload, attrs))
+        if attrs:
+            self.channel.send(self.flow.send_dat(payload, attrs))
+        else:  # the fast lane: no Message for a plain DAT
+            self.channel.send_dat(self._dat_codec, self.flow.send_dats(1), payload)
         return True
 
     # -- taker ---------------------------------------------------------------------

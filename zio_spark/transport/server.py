@@ -35,7 +35,7 @@ from zio_spark.protocol.flow import (
     FlowState,
     Role,
 )
-from zio_spark.protocol.message import Message
+from zio_spark.protocol.message import DatCodec, Message
 from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
 
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
@@ -52,6 +52,7 @@ class ServerFlow:
         self.server = server
         self.peer = peer
         self.flow = Flow(Role.SERVER, origin=origin)
+        self._dat_codec = DatCodec(origin)
         self.last_seen = time.monotonic()
         self.bot: BotReceived | None = None
 
@@ -71,7 +72,10 @@ class ServerFlow:
     def send_dat(
         self, payload: tuple[bytes, ...] = (), attrs: Mapping[str, Any] | None = None
     ) -> None:
-        self._send(self.flow.send_dat(payload, attrs))
+        if attrs:
+            self._send(self.flow.send_dat(payload, attrs))
+        else:  # the fast lane: no Message for a plain DAT
+            self.server.port.send_dat(self._dat_codec, self.flow.send_dats(1), payload, self.peer)
 
     def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
         self._send(self.flow.pay(amount, attrs))
