@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -46,6 +45,7 @@ from zio_spark.protocol.flow import (
     profile_bot,
 )
 from zio_spark.records import ENCODING, encode_records
+from zio_spark.transport.held import HeldRecords, Taken
 from zio_spark.transport.port import ServerPort
 from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
@@ -55,15 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["Producer"]
 
 log = logging.getLogger("zio_spark.transport")
-
-
-@dataclass(slots=True)
-class _Record:
-    seq: int
-    value: bytes
-    key: bytes | None
-    granule: int | None
-    headers: Mapping[str, str] | None
 
 
 class _Taker(FlowHandler):
@@ -109,30 +100,26 @@ class _Taker(FlowHandler):
         if p._taker is not self or conn.flow.state is not FlowState.READY:
             return
         while conn.flow.credit > 0:
-            batch = p._take(self.next_seq, self.batch, release=not self.acks)
-            if not batch:
+            got = p._take(self.next_seq, self.batch, release=not self.acks)
+            if got is None:
                 return
             if self.arrow:
-                payload = encode_records(
-                    batch[0].seq,
-                    [r.value for r in batch],
-                    [r.key for r in batch],
-                    [r.granule for r in batch],
-                    [r.headers for r in batch],
-                )
+                payload = encode_records(got.first, got.values, got.keys, got.granules, got.headers)
                 conn.send_dat((payload,))
             else:
-                r = batch[0]
-                attrs: dict[str, Any] = {"seq": r.seq}
-                if r.key is not None:
-                    attrs["key"] = base64.b64encode(r.key).decode("ascii")
-                if r.headers:
-                    attrs["headers"] = dict(r.headers)
-                if r.granule is not None:
-                    attrs["granule"] = r.granule
-                conn.send_dat((r.value,), attrs)
-            self.next_seq = batch[-1].seq + 1
-            p._sent(batch[-1].seq, len(batch))
+                attrs: dict[str, Any] = {"seq": got.first}
+                key = None if got.keys is None else got.keys[0]
+                if key is not None:
+                    attrs["key"] = base64.b64encode(key).decode("ascii")
+                headers = None if got.headers is None else got.headers[0]
+                if headers:
+                    attrs["headers"] = dict(headers)
+                granule = None if got.granules is None else got.granules[0]
+                if granule is not None:
+                    attrs["granule"] = granule
+                conn.send_dat((got.values[0],), attrs)
+            self.next_seq = got.last + 1
+            p._sent(got.last, len(got.values))
 
     def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
         self.producer.stats["eot_received"] += 1
@@ -194,8 +181,7 @@ class Producer:
         self.max_unacked = max_unacked
         self.stats: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
-        self._records: collections.deque[_Record] = collections.deque()
-        self._next_seq = 1
+        self._records = HeldRecords()
         self._ever_sent = 0  # highest seq sent to any taker by this process
         self._acked = 0
         self._taker: _Taker | None = None
@@ -277,20 +263,17 @@ class Producer:
                         )
                     self._cond.wait(left)
                     continue
-                for j in range(i, min(n, i + room)):
-                    self._records.append(
-                        _Record(
-                            self._next_seq,
-                            values[j],
-                            None if keys is None else keys[j],
-                            None if granules is None else granules[j],
-                            None if headers is None else headers[j],
-                        )
-                    )
-                    self._next_seq += 1
-                i = min(n, i + room)
+                j = min(n, i + room)
+                whole = i == 0 and j == n
+                self._records.append(
+                    values if whole else values[i:j],
+                    keys if whole or keys is None else keys[i:j],
+                    granules if whole or granules is None else granules[i:j],
+                    headers if whole or headers is None else headers[i:j],
+                )
+                i = j
                 self._wake_locked()
-            return self._next_seq - 1
+            return self._records.next_seq - 1
 
     def _wake_locked(self) -> None:
         if not self._wake_pending and self._taker is not None:
@@ -313,7 +296,7 @@ class Producer:
     @property
     def last_seq(self) -> int:
         with self._cond:
-            return self._next_seq - 1
+            return self._records.next_seq - 1
 
     @property
     def pending(self) -> int:
@@ -409,27 +392,27 @@ class Producer:
             self._taker = taker
             self._taker_conn = conn
             self.stats["takers"] += 1
-            start = self._records[0].seq if self._records else self._next_seq
+            records = self._records
+            start = records.first
             if resume is not None:
                 never_sent = self._ever_sent + 1
-                if resume >= never_sent and self._next_seq > never_sent:
+                if resume >= never_sent and records.next_seq > never_sent:
                     shift = resume + 1 - never_sent
-                    kept = collections.deque(r for r in self._records if r.seq >= never_sent)
-                    for r in kept:
-                        r.seq += shift
-                    self._records = kept
-                    self._next_seq += shift
-                    self.stats["renumbered"] += len(kept)
+                    records.release(never_sent - 1)
+                    records.renumber(shift)
+                    kept = len(records)
+                    self.stats["renumbered"] += kept
                     log.warning(
                         "producer %s: taker resumes at %d beyond what this process sent; "
                         "%d unsent records renumbered from %d",
                         self.producer_id,
                         resume,
-                        len(kept),
+                        kept,
                         resume + 1,
                     )
-                elif resume >= never_sent:
-                    self._next_seq = max(self._next_seq, resume + 1)
+                elif resume >= never_sent:  # the taker has all we sent; nothing unsent
+                    records.release(resume)
+                    records.renumber(max(0, resume + 1 - records.next_seq))
                 self._release(resume)
                 start = max(start, resume + 1)
             self._cond.notify_all()
@@ -448,17 +431,13 @@ class Producer:
             self._eot_done.set()
         log.info("producer %s: taker left (%s)", self.producer_id, reason)
 
-    def _take(self, first: int, n: int, release: bool) -> list[_Record]:
+    def _take(self, first: int, n: int, release: bool) -> Taken | None:
         with self._cond:
-            if not self._records:
-                return []
-            start = max(0, first - self._records[0].seq)
-            out = [self._records[i] for i in range(start, min(len(self._records), start + n))]
-            if release and out:
-                for _ in range(len(out) + start):
-                    self._records.popleft()
+            got = self._records.take(first, n)
+            if release and got is not None:
+                self._records.release(got.last)
                 self._cond.notify_all()
-            return out
+            return got
 
     def _sent(self, last: int, n: int) -> None:
         with self._cond:
@@ -472,9 +451,7 @@ class Producer:
             self._cond.notify_all()
 
     def _release(self, upto: int) -> None:
-        records = self._records
-        while records and records[0].seq <= upto:
-            records.popleft()
+        self._records.release(upto)
         if upto > self._acked:
             self.stats["acked"] += upto - self._acked
             self._acked = upto
