@@ -28,7 +28,14 @@ from zio_spark.errors import (
     RemoteProtocolError,
     TransportError,
 )
-from zio_spark.protocol.message import Message, decode_frames, encode_frames, encode_single
+from zio_spark.protocol.message import (
+    DAT_LABEL,
+    DatCodec,
+    Message,
+    decode_frames,
+    encode_frames,
+    encode_single,
+)
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -873,3 +880,51 @@ def test_clientserver_refuses_a_routerdealer_peer_in_choose_mode():
     assert choose_mode("auto", "SERVER") is SocketMode.CLIENTSERVER
     with pytest.raises(TransportError):
         choose_mode("clientserver", "ROUTER")
+
+
+# ------------------------------------------------------------------------- the DAT fast lane
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_send_dat_is_the_same_message_as_send_both_ways(make_server, make_client, tcp_any, mode):
+    server, client = make_server(mode=mode), make_client(mode=mode)
+    client.connect(server.bind(tcp_any))
+    payloads = [(b"abc",), (b"",), (), (b"x" * 300, b"y"), (bytes(range(256)) * 64,)]
+    for seq, payload in enumerate(payloads):
+        client.send_dat(DatCodec(7), seq, payload)
+        peer, got = server_recv(server)
+        assert got == Message("FLOW", DAT_LABEL, 0, 7, 0, seq, payload)
+        server.send_dat(DatCodec(9), seq, payload, peer)
+        assert client_recv(client) == Message("FLOW", DAT_LABEL, 0, 9, 0, seq, payload)
+    assert server.stats["received"] == client.stats["received"] == len(payloads)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recv_waits_follow_each_calls_timeout(make_server, make_client, tcp_any, mode):
+    # The wait is the socket's RCVTIMEO, changed only when the timeout changes: a short
+    # wait must not stay in force for the next, longer one (or the other way round).
+    server, client = make_server(mode=mode), make_client(mode=mode)
+    client.connect(server.bind(tcp_any))
+    assert server.recv(20) is None
+    client.send(flow({"flow": "PAY", "credit": 1}))
+    assert server.recv(WAIT_MS) is not None  # a long wait after a short one
+    t0 = time.monotonic()
+    assert server.recv(30) is None  # and a short one after a long one
+    assert time.monotonic() - t0 < WAIT_MS / 1000
+    client.send(flow({"flow": "PAY", "credit": 1}))
+    assert server.recv(1e12) is not None  # beyond RCVTIMEO's int range: clamped, no error
+
+
+def test_multipart_messages_keep_their_frames(make_server, make_client, tcp_any):
+    # Our send/receive loops replace send_multipart/recv_multipart: frame boundaries and
+    # message boundaries must survive many messages of different lengths in a row.
+    server, client = make_server(), make_client()
+    client.connect(server.bind(tcp_any))
+    sent = [
+        flow({"flow": "DAT"}, seqno=i, payload=[b"p%d" % j for j in range(i % 5)])
+        for i in range(200)
+    ]
+    for m in sent:
+        client.send(m)
+    got = [server_recv(server)[1] for _ in sent]
+    assert got == sent
