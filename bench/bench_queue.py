@@ -18,7 +18,9 @@ of the same bytes, 1 record per sync and ``--window`` records per sync. With
 synchronous=FULL), same batches: the measurement behind the store's design.
 
     .venv/bin/python bench/bench_queue.py [--messages 200000] [--producers 2]
-        [--window 1000] [--size 1024] [--repeat 3] [--store-only]
+        [--window 1000] [--size 1024] [--repeat 3] [--store-only] [--out DIR]
+
+Writes ``DIR/queue.json`` (every run) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json  # noqa: E402
 
 from zio_spark.queue.store import MessageStore  # noqa: E402
 
@@ -316,6 +322,7 @@ def main() -> None:
     ap.add_argument("--window1-messages", type=int, default=2000)
     ap.add_argument("--store-only", action="store_true")
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: tmp)")
+    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-queue-", dir=args.dir))
     n, size, p, w = args.messages, args.size, args.producers, args.window
@@ -358,21 +365,81 @@ def main() -> None:
                 for key, value in so.items():
                     rates.setdefault(f"store only: {key} (1000/commit)", []).append(value)
                 shutil.rmtree(base / f"so-{r}", ignore_errors=True)
-        width = max(map(len, rates))
-        print(f"{'':<{width}}  {'msgs/s':>10}  {'broker':>8}  {'clients':>8}  (each run, msgs/s)")
-        print(f"{'':<{width}}  {'median':>10}  {'CPU us/msg':>8}  {'CPU us/msg':>8}")
+        anchor_w = f"anchor: append+fdatasync, {w} records/sync"
+        anchor_1 = "anchor: append+fdatasync, 1 record/sync"
+        vs: dict[str, tuple[str, dict]] = {}
         for name, values in rates.items():
-            med = statistics.median(values)
-            spread = ", ".join(f"{v:,.0f}" for v in values)
-            if name in cpu:
-                b = statistics.median(c[0] for c in cpu[name])
-                c = statistics.median(c[1] for c in cpu[name])
-                cols = f"{b:>8.1f}  {c:>8.1f}"
-            else:
-                cols = f"{'':>8}  {'':>8}"
-            print(f"{name:<{width}}  {med:>10,.0f}  {cols}  ({spread})")
+            if name.startswith("anchor"):
+                continue
+            ref = anchor_1 if "window 1" in name else anchor_w
+            vs[name] = (ref, ratio_spread(values, rates[ref]))
+        figures = {
+            name: {
+                "msgs_per_s": spread(values),
+                **(
+                    {
+                        "broker_cpu_us_per_msg": spread([c[0] for c in cpu[name]]),
+                        "clients_cpu_us_per_msg": spread([c[1] for c in cpu[name]]),
+                    }
+                    if name in cpu
+                    else {}
+                ),
+                **({"anchor": vs[name][0], "vs_anchor": vs[name][1]} if name in vs else {}),
+            }
+            for name, values in rates.items()
+        }
+        produce = figures["produce (durable, acked)"]["msgs_per_s"]["median"]
+        write_json(
+            args.out,
+            "queue.json",
+            {
+                "bench": "queue",
+                "machine": machine(),
+                "messages": n,
+                "size": size,
+                "producers": p,
+                "window": w,
+                "inflight": args.inflight,
+                "runs": args.repeat,
+                "unit": "msgs/s",
+                "figures": figures,
+                "extra": {k: spread(v) for k, v in extra.items()},
+                "targets_met": {"produce >= 50k durable acked msgs/s": produce >= 50_000},
+            },
+        )
+        print()
+        rows = []
+        for name, f in figures.items():
+            rows.append(
+                [
+                    name,
+                    fmt_spread(f["msgs_per_s"]),
+                    fmt_spread(f["broker_cpu_us_per_msg"], digits=1) if name in cpu else "",
+                    fmt_spread(f["clients_cpu_us_per_msg"], digits=1) if name in cpu else "",
+                    "anchor"
+                    if name.startswith("anchor")
+                    else (
+                        f"{fmt_spread(vs[name][1], 'x', digits=2)} of {vs[name][0][8:]}"
+                        if name in vs
+                        else ""
+                    ),
+                ]
+            )
+        print(
+            md_table(
+                [
+                    "path",
+                    "msgs/s (median, min-max)",
+                    "broker CPU µs/msg",
+                    "clients CPU µs/msg",
+                    "vs anchor",
+                ],
+                rows,
+            )
+        )
+        print()
         for name, values in extra.items():
-            print(f"# {name}: {statistics.median(values):,.0f}")
+            print(f"{name}: {statistics.median(values):,.0f}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -10,7 +10,10 @@ after ``--warmup`` batches; rows/s is rows over the summed ``triggerExecution`` 
 the measured batches (so query start-up is not counted, the ~0.3 s per-batch fixed cost
 is). Reported: median rows/s of each, and the ratio zio / noop (goal >= 0.7).
 
-    .venv/bin/python bench/bench_sink.py [--rows 1000000] [--batches 4] [--rounds 2]
+    .venv/bin/python bench/bench_sink.py [--rows 1000000] [--batches 4] [--rounds 2] [--out DIR]
+
+Writes ``DIR/sink.json`` (every round, medians, the ratio round by round) and prints a
+Markdown table.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json
 
 from zio_spark.queue.consumer import Consumer
 
@@ -104,6 +109,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="noop/zio pairs")
     ap.add_argument("--no-fsync", action="store_true", help="consumer skips fsync")
+    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -157,10 +163,51 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     noop_m = statistics.median(results["noop"])
     zio_m = statistics.median(results["zio"])
+    ratio = ratio_spread(results["zio"], results["noop"])
+    figures = {
+        "noop": {"label": "Arrow noop writer (anchor)", "rows_per_s": spread(results["noop"])},
+        "zio": {
+            "label": f"zio sink -> Consumer (fsync {not args.no_fsync})",
+            "rows_per_s": spread(results["zio"]),
+        },
+    }
+    write_json(
+        args.out,
+        "sink.json",
+        {
+            "bench": "sink",
+            "machine": machine(),
+            "rows_per_batch": args.rows,
+            "value_bytes": args.size,
+            "batches": args.batches,
+            "rounds": args.rounds,
+            "fsync": not args.no_fsync,
+            "unit": "rows/s",
+            "figures": figures,
+            "ratios": {"zio_vs_noop": ratio},
+            "targets_met": {"zio_vs_noop >= 0.7": ratio["median"] >= 0.7},
+        },
+    )
+    print()
     print(
-        f"rows/batch {args.rows}, value {args.size} B, fsync {not args.no_fsync}: "
-        f"noop Arrow writer {noop_m / 1e6:.2f}M rows/s, zio sink {zio_m / 1e6:.2f}M rows/s, "
-        f"ratio {zio_m / noop_m:.2f}x (goal >= 0.7x)"
+        md_table(
+            ["path", "rows/s (median, min-max)", "vs anchor"],
+            [
+                [figures["noop"]["label"], fmt_spread(figures["noop"]["rows_per_s"]), "anchor"],
+                [
+                    figures["zio"]["label"],
+                    fmt_spread(figures["zio"]["rows_per_s"]),
+                    fmt_spread(ratio, "x", digits=2),
+                ],
+            ],
+        )
+    )
+    print()
+    print(
+        f"rows/batch {args.rows}, value {args.size} B, fsync {not args.no_fsync}, "
+        f"{args.rounds} round(s) of {args.batches} measured batches: noop Arrow writer "
+        f"{noop_m / 1e6:.2f}M rows/s, zio sink {zio_m / 1e6:.2f}M rows/s, "
+        f"ratio {ratio['median']:.2f}x (goal >= 0.7x)"
     )
 
 

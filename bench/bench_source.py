@@ -1,37 +1,44 @@
 """Source throughput against anchors measured in the same run (local[2], noop sink).
 
-- ``rate``: Spark's built-in ``rate-micro-batch`` source, one batch of N rows (anchor).
-- ``synthetic``: a Python ``DataSourceStreamReader`` yielding Arrow batches of 100 B values,
-  10k rows each: the ceiling of any Python source (anchor for the target >= 0.9x).
-- ``zio``: an in-process Producer pre-loaded with N records of 100 B, read with
-  ``readStream.format("zio")`` under ``Trigger.AvailableNow`` (includes receiving, spooling
-  and reading; the producer side encodes Arrow batches of 1000 records per DAT).
+Cases, run back to back in every round (so a ratio compares neighbours in time):
 
-Each path gets two figures, median of runs: rows/s over the whole query (wall, start-up
-included; for zio this includes receiving everything) and over the batches' execution
-time only. The target ratio (>= 0.9x of synthetic) is taken on wall time.
-Run: ``.venv/bin/python bench/bench_source.py [--quick]``.
+- ``rate`` (anchor): Spark's built-in ``rate-micro-batch`` source, one batch of N rows.
+- ``synthetic Arrow`` (anchor): a Python ``DataSourceStreamReader`` yielding Arrow batches
+  of 100 B values, 10k rows each: the ceiling of any Python source (target >= 0.9x).
+- ``zio, Arrow DATs``: an in-process Producer pre-loaded with N records of 100 B (Arrow,
+  1000 records per DAT: the producer's default), read with ``readStream.format("zio")``.
+- ``zio, 1 record/DAT (plain)``: the same producer sending one plain record per DAT (the
+  wire shape of a plain ZIO giver), M records (target >= 250k records/s).
+- ``zio, 1 record/DAT (Arrow)``: ``Producer(batch=1)``: one Arrow-encoded record per DAT.
+
+Every query runs under ``Trigger.AvailableNow`` into the ``noop`` sink. Figures: rows/s
+over the whole query (wall clock, start-up included; for zio this includes receiving
+everything into the spool, i.e. the source's real work) and over the batches' own
+``triggerExecution`` time. Ratios are taken run by run on wall time against the anchors
+of the same round. Rows are counted from the query's progress, not assumed.
+
+Run: ``.venv/bin/python bench/bench_source.py [--quick] [--out DIR]``; writes
+``DIR/source.json`` and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
+from typing import Any
 
 import pyarrow as pa
+from common import fmt_spread, machine, md_table, plain_producer, ratio_spread, spread, write_json
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 ROWS_PER_BATCH = 10_000
 VALUE = b"x" * 100
 
 
-class _Synthetic(DataSource):
+class _Synthetic(DataSource):  # type: ignore[misc]
     @classmethod
     def name(cls) -> str:
         return "zio_bench_synthetic"
@@ -43,7 +50,7 @@ class _Synthetic(DataSource):
         return _SyntheticReader(int(self.options.get("rows", "1000000")))
 
 
-class _SyntheticReader(DataSourceStreamReader):
+class _SyntheticReader(DataSourceStreamReader):  # type: ignore[misc]
     def __init__(self, rows: int) -> None:
         self.rows = rows
 
@@ -68,7 +75,7 @@ class _SyntheticReader(DataSourceStreamReader):
             )
 
 
-def _run(spark, df, work: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _run(df: Any, work: str, expect: int) -> dict[str, float]:
     t0 = time.perf_counter()
     q = (
         df.writeStream.format("noop")
@@ -80,79 +87,161 @@ def _run(spark, df, work: str) -> tuple[float, float]:  # type: ignore[no-untype
     if q.exception() is not None:
         raise RuntimeError(q.exception())
     wall = time.perf_counter() - t0
-    # Steady state: the batches' own execution time, without query start-up (the zio
-    # source's wait for its producers to go quiet is part of its first batch).
-    busy = sum(p.durationMs.get("triggerExecution", 0) for p in q.recentProgress) / 1000
-    return wall, busy or wall
+    progress = q.recentProgress
+    rows = sum(p["numInputRows"] for p in progress)
+    if rows != expect:
+        raise RuntimeError(f"query read {rows} rows, expected {expect}")
+    busy = sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000
+    return {"wall": rows / wall, "batches": rows / (busy or wall), "seconds": wall}
+
+
+def _zio(spark: Any, work: str, n: int, kind: str) -> dict[str, float]:
+    from zio_spark.transport.producer import Producer
+
+    common = {"producer_id": f"bench-{kind}", "linger_ms": 0, "max_unacked": n + 1}
+    if kind == "plain":
+        prod = plain_producer(**common)
+    else:
+        prod = Producer(batch=1000 if kind == "arrow" else 1, **common)
+    try:
+        for lo in range(0, n, 100_000):
+            prod.send_many([VALUE] * min(100_000, n - lo))
+        df = (
+            spark.readStream.format("zio")
+            .option("endpoints", prod.endpoint)
+            .option("spoolPath", os.path.join(work, f"spool-{time.time_ns()}"))
+            .option("spoolAccess", "local")
+            .option("maxBacklog", str(max(n, 1_000_000)))
+            .option("connectTimeout", "60s")
+            .load()
+        )
+        return _run(df, work, n)
+    finally:
+        # The availableNow query has ended: no taker is left to echo our EOT.
+        prod.close(flush=False, timeout=0.2)
+
+
+CASES = {
+    "rate": "rate (built-in, anchor)",
+    "synthetic": "synthetic Python Arrow source (anchor)",
+    "arrow": "zio, Arrow DATs (1000 records/DAT)",
+    "plain": "zio, 1 record/DAT (plain)",
+    "arrow1": "zio, 1 record/DAT (Arrow, batch=1)",
+}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rows", type=int, default=None, help="N (default 3M, quick 200k)")
+    ap.add_argument("--single", type=int, default=None, help="M (default 60k, quick 10k)")
+    ap.add_argument("--runs", type=int, default=None, help="rounds (default 3, quick 1)")
     ap.add_argument("--out", default="bench/results")
     a = ap.parse_args()
-    n = 500_000 if a.quick else 3_000_000
-    runs = 1 if a.quick else 3
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
+    n = a.rows or (200_000 if a.quick else 3_000_000)
+    m = a.single or (10_000 if a.quick else 60_000)
+    runs = a.runs or (1 if a.quick else 3)
 
-    from zio_spark.transport.producer import Producer
+    from common import spark_session
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = spark_session("bench-source")
     spark.dataSource.register(_Synthetic)
     work = tempfile.mkdtemp(prefix="zio-bench-source-")
-    res: dict[str, list[float]] = {}
+    res: dict[str, dict[str, list[float]]] = {k: {"wall": [], "batches": []} for k in CASES}
 
-    def record(name: str, times: tuple[float, float]) -> None:
-        res.setdefault(f"{name} (wall)", []).append(n / times[0])
-        res.setdefault(f"{name} (batches)", []).append(n / times[1])
+    def record(case: str, r: dict[str, float]) -> None:
+        res[case]["wall"].append(r["wall"])
+        res[case]["batches"].append(r["batches"])
 
     try:
-        for _ in range(runs):
+        # Warm-up (not counted): first use of the Python data source machinery.
+        _run(
+            spark.readStream.format("zio_bench_synthetic").option("rows", "1000").load(), work, 1000
+        )
+        for i in range(runs):
             rate = spark.readStream.format("rate-micro-batch").option("rowsPerBatch", str(n)).load()
-            record("rate", _run(spark, rate, work))
+            record("rate", _run(rate, work, n))
             syn = spark.readStream.format("zio_bench_synthetic").option("rows", str(n)).load()
-            record("synthetic", _run(spark, syn, work))
-            prod = Producer(producer_id="bench", linger_ms=0, max_unacked=n + 1)
-            try:
-                for lo in range(0, n, 100_000):
-                    prod.send_many([VALUE] * min(100_000, n - lo))
-                spool = os.path.join(work, f"spool-{time.time_ns()}")
-                zio = (
-                    spark.readStream.format("zio")
-                    .option("endpoints", prod.endpoint)
-                    .option("spoolPath", spool)
-                    .option("connectTimeout", "30s")
-                    .load()
-                )
-                record("zio", _run(spark, zio, work))
-            finally:
-                prod.close(flush=False, timeout=5)
+            record("synthetic", _run(syn, work, n))
+            record("arrow", _zio(spark, work, n, "arrow"))
+            record("plain", _zio(spark, work, m, "plain"))
+            record("arrow1", _zio(spark, work, m, "arrow1"))
+            print(
+                f"round {i}: " + ", ".join(f"{k} {v['wall'][-1]:,.0f}/s" for k, v in res.items()),
+                flush=True,
+            )
     finally:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
-    summary = {
-        k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in res.items()
+
+    figures = {
+        k: {
+            "label": CASES[k],
+            "rows": m if k in ("plain", "arrow1") else n,
+            "rows_per_s_wall": spread(v["wall"]),
+            "rows_per_s_batches": spread(v["batches"]),
+        }
+        for k, v in res.items()
     }
-    ratio = summary["zio (wall)"]["median"] / summary["synthetic (wall)"]["median"]
-    summary["zio_vs_synthetic_wall"] = ratio
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "source.json"), "w") as f:
-        json.dump({"rows": n, "runs": runs, **summary}, f, indent=2)
-    print("| path | rows/s (median, min-max) |")
-    print("|---|---|")
-    for k, v in summary.items():
-        if isinstance(v, dict):
-            print(f"| {k} | {v['median']:,.0f} ({v['min']:,.0f}-{v['max']:,.0f}) |")
-    print(f"zio / synthetic Arrow source (wall, start-up included): {ratio:.2f}x")
+    ratios = {
+        f"{k}_vs_{anchor}": ratio_spread(res[k]["wall"], res[anchor]["wall"])
+        for k in ("arrow", "plain", "arrow1")
+        for anchor in ("synthetic", "rate")
+    }
+    targets = {
+        "arrow_vs_synthetic >= 0.9": ratios["arrow_vs_synthetic"]["median"] >= 0.9,
+        "plain >= 250k records/s": figures["plain"]["rows_per_s_wall"]["median"] >= 250_000,
+    }
+    write_json(
+        a.out,
+        "source.json",
+        {
+            "bench": "source",
+            "machine": machine(),
+            "rows": n,
+            "single_rows": m,
+            "runs": runs,
+            "unit": "rows/s",
+            "figures": figures,
+            "ratios": ratios,
+            "targets_met": targets,
+        },
+    )
+    print()
+    print(
+        md_table(
+            [
+                "path",
+                "rows",
+                "rows/s, wall (median, min-max)",
+                "rows/s, batches only",
+                "vs synthetic",
+                "vs rate",
+            ],
+            [
+                [
+                    f["label"],
+                    f"{f['rows']:,}",
+                    fmt_spread(f["rows_per_s_wall"]),
+                    fmt_spread(f["rows_per_s_batches"]),
+                    "anchor"
+                    if k in ("rate", "synthetic")
+                    else fmt_spread(ratios[f"{k}_vs_synthetic"], "x", digits=3),
+                    "anchor"
+                    if k in ("rate", "synthetic")
+                    else fmt_spread(ratios[f"{k}_vs_rate"], "x", digits=3),
+                ]
+                for k, f in figures.items()
+            ],
+        )
+    )
+    print()
+    print(
+        f"{runs} round(s), {os.cpu_count()} CPUs. Targets: zio Arrow >= 0.9x synthetic "
+        f"({'met' if targets['arrow_vs_synthetic >= 0.9'] else 'NOT met'}); 1 record/DAT "
+        f">= 250k/s ({'met' if targets['plain >= 250k records/s'] else 'NOT met'}). "
+        "ROUTER/DEALER fallback (no draft libzmq) unless the build has drafts."
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ disk, the anchor: raw ``os.write`` + ``os.fdatasync`` of the same payload bytes 
 the spool every seal interval. Each batch's records are built just before its timed
 append: building them is the receiver's cost, not the spool's.
 
-    .venv/bin/python bench/bench_spool.py [--records 1000000] [--producers 1]
+    .venv/bin/python bench/bench_spool.py [--records 1000000] [--producers 1] [--out DIR]
+
+Writes ``DIR/spool.json`` (every run) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json
 
 from zio_spark.queue.spool import Record, Spool
 
@@ -107,6 +111,7 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=3, help="runs; the median is reported")
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: tmp)")
+    ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-spool-", dir=args.dir))
     try:
@@ -119,49 +124,61 @@ def main() -> None:
             )
             shutil.rmtree(run_dir)
         med = statistics.median
-        anchors = [r["anchor_rps"] for r in runs]
-        a = med(anchors)
-        af = med(r["append_flush_rps"] for r in runs)
-        ratios = [r["append_flush_rps"] / r["anchor_rps"] for r in runs]
+        col = {k: [r[k] for r in runs] for k in runs[0]}
+        ratio = ratio_spread(col["append_flush_rps"], col["anchor_rps"])
+        figures = {
+            "anchor_rps": ("anchor: write + fdatasync, same bytes per sync", "rec/s"),
+            "append_flush_rps": ("spool append + flush (fdatasync)", "rec/s"),
+            "append_only_rps": ("spool append alone (CPU, no sync)", "rec/s"),
+            "with_seal_rps": ("spool append + flush + seal", "rec/s"),
+            "read_rps": ("spool read back (zero-copy)", "rec/s"),
+            "flush_ms": ("per sync: spool flush", "ms"),
+            "anchor_ms": ("per sync: anchor write + fdatasync", "ms"),
+        }
+        write_json(
+            args.out,
+            "spool.json",
+            {
+                "bench": "spool",
+                "machine": machine(),
+                "records": args.records,
+                "size": args.size,
+                "batch": args.batch,
+                "seal_every": args.seal_every,
+                "producers": args.producers,
+                "runs": args.repeat,
+                "figures": {
+                    k: {"label": label, "unit": unit, "value": spread(col[k])}
+                    for k, (label, unit) in figures.items()
+                },
+                "ratios": {"append_flush_vs_anchor": ratio},
+                "segments": runs[-1]["segments"],
+                "bytes_on_disk": runs[-1]["bytes_on_disk"],
+            },
+        )
         print(
             f"spool bench: {args.records} records x {args.size} B, {args.batch}/flush, "
             f"seal every {args.seal_every}, {args.producers} producer(s), "
-            f"median of {args.repeat}"
+            f"median of {args.repeat} (min-max)"
         )
-        print(f"  anchor write+fdatasync : {a:12,.0f} rec/s   (runs {_fmt(anchors)})")
+        print()
+        rows = []
+        for k, (label, unit) in figures.items():
+            vs = ""
+            if k == "anchor_rps":
+                vs = "anchor"
+            elif k == "append_flush_rps":
+                vs = fmt_spread(ratio, "x", digits=2)
+            digits = 2 if unit == "ms" else 0
+            rows.append([label, fmt_spread(spread(col[k]), f" {unit}", digits=digits), vs])
+        print(md_table(["path", "median (min-max)", "vs anchor"], rows))
+        print()
         print(
-            f"  spool append+flush     : {af:12,.0f} rec/s   (runs "
-            f"{_fmt([r['append_flush_rps'] for r in runs])})"
-        )
-        print(
-            f"  ratio spool/anchor     : {med(ratios):12.2f}         (runs "
-            + ", ".join(f"{x:.2f}" for x in ratios)
-            + ")"
-        )
-        print(
-            f"  append alone (CPU)     : {med(r['append_only_rps'] for r in runs):12,.0f} rec/s"
-            f"   (no fdatasync; the spool's own cost)"
-        )
-        print(
-            f"  per sync               : spool flush {med(r['flush_ms'] for r in runs):.2f} ms, "
-            f"anchor write+sync {med(r['anchor_ms'] for r in runs):.2f} ms"
-        )
-        print(f"  incl. seal             : {med(r['with_seal_rps'] for r in runs):12,.0f} rec/s")
-        print(f"  seal total             : {med(r['seal_s'] for r in runs):12.3f} s")
-        print(
-            f"  read (zero-copy)       : {med(r['read_rps'] for r in runs):12,.0f} rec/s"
-            f"   (runs {_fmt([r['read_rps'] for r in runs])})"
-        )
-        print(
-            f"  segments {runs[-1]['segments']:.0f}, "
+            f"seal total {med(col['seal_s']):.3f} s; segments {runs[-1]['segments']:.0f}, "
             f"on disk {runs[-1]['bytes_on_disk'] / 1e6:.1f} MB"
         )
     finally:
         shutil.rmtree(base, ignore_errors=True)
-
-
-def _fmt(values: list[float]) -> str:
-    return ", ".join(f"{v / 1e3:,.0f}k" for v in values)
 
 
 if __name__ == "__main__":

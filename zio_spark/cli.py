@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zio_spark.bench import BENCHES
 from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 
 __all__ = ["main"]
@@ -253,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--only",
         nargs="+",
-        choices=("flow", "spool", "queue", "source", "sink"),
+        choices=tuple(BENCHES),
         help="run only these benchmarks",
     )
     return p

@@ -1,0 +1,309 @@
+"""Shared helpers of the benchmark scripts (not a test, not part of the library).
+
+- :func:`spark_session`: the local[2] session every Spark benchmark uses, loopback only.
+- :func:`spread` / :func:`write_json` / :func:`md_table`: every figure is kept as its
+  runs, reported as median with min-max, written as JSON for machines and printed as a
+  Markdown table for the README.
+- :func:`plain_producer`: a :class:`~zio_spark.transport.producer.Producer` whose flows
+  carry one plain record per DAT (what it sends to a plain ZIO taker), for the
+  one-record-per-DAT figure of the source.
+- :class:`RssSampler`: resident memory of the Python driver, the driver JVM and the JVM's
+  Python children (source runner, workers), read from ``/proc`` by pid.
+
+Scripts import it as ``common`` (they run as ``python bench/<name>.py``, so ``bench/`` is
+first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+# ----------------------------------------------------------------------------- Spark
+
+
+def spark_session(app: str) -> Any:
+    """local[2], bound to 127.0.0.1, no UI, errors only in the log."""
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # The JVM's Python workers and the source runner import zio_spark / pyspark_zio.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p
+    )
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def jvm_pid(spark: Any) -> int | None:
+    """Pid of the driver JVM: the java process among this process's descendants."""
+    for pid in descendants(os.getpid()):
+        if _comm(pid) == "java":
+            return pid
+    return None
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """A figure over its runs: median, min, max and every run."""
+    vals = [float(v) for v in values]
+    return {
+        "median": statistics.median(vals),
+        "min": min(vals),
+        "max": max(vals),
+        "runs": vals,
+    }
+
+
+def fmt_spread(s: dict[str, Any], unit: str = "", scale: float = 1.0, digits: int = 0) -> str:
+    def f(v: float) -> str:
+        return f"{v * scale:,.{digits}f}"
+
+    if len(s["runs"]) == 1:
+        return f"{f(s['median'])}{unit}"
+    return f"{f(s['median'])}{unit} ({f(s['min'])}-{f(s['max'])})"
+
+
+def ratio_spread(ours: Sequence[float], anchor: Sequence[float]) -> dict[str, Any]:
+    """Ratios run by run (each pair measured back to back), as a spread."""
+    return spread([a / b for a, b in zip(ours, anchor, strict=True) if b])
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(out: str | Path, name: str, obj: object) -> Path:
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (they are noisy: say how loaded the box was)."""
+    return {
+        "cpus": os.cpu_count(),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "python": sys.version.split()[0],
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ----------------------------------------------------------------------------- producers
+
+
+def plain_producer(**kw: Any) -> Any:
+    """A Producer that sends one plain record per DAT, whatever the taker accepts.
+
+    The Producer packs records into Arrow DATs only when the taker lists ``arrow`` in
+    its BOT (the Spark receiver always does); hiding that from it gives the plain ZIO
+    giver's wire shape, one value per DAT, still numbered and acknowledged.
+    """
+    from zio_spark.protocol.flow import BotReceived
+    from zio_spark.transport import producer as producer_mod
+
+    class _PlainTaker(producer_mod._Taker):
+        def on_bot(self, conn: Any, bot: BotReceived) -> None:
+            attrs = {k: v for k, v in bot.attrs.items() if k != "encoding"}
+            super().on_bot(conn, BotReceived(bot.direction, bot.credit, attrs))
+
+    prod = producer_mod.Producer(**kw)
+    # No taker can have connected yet: the factory is called on a client's first BOT.
+    prod._server.handler_factory = lambda: _PlainTaker(prod)
+    return prod
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
+        except OSError:
+            continue
+        out += [int(c) for c in text.split()]
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    seen: list[int] = []
+    todo = children(pid)
+    while todo:
+        p = todo.pop()
+        if p not in seen:
+            seen.append(p)
+            todo += children(p)
+    return seen
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of ``pid`` (0 once it has gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def classify(pid: int, jvm: int | None) -> str:
+    """Role of a process of the run, from its command line."""
+    if pid == os.getpid():
+        return "python driver"
+    if pid == jvm:
+        return "driver JVM"
+    cmd = cmdline(pid)
+    if "python_streaming_source_runner" in cmd or "streaming_source_runner" in cmd:
+        return "source runner"
+    if "python" in cmd or "pyspark" in cmd:
+        return "python workers"
+    return "other"
+
+
+class RssSampler:
+    """Samples RSS of the run's processes every ``interval`` s in a background thread.
+
+    Groups: ``python driver`` (this process), ``driver JVM``, ``source runner`` (the
+    JVM's long-lived Python process that holds the zio receiver), ``python workers``
+    (the JVM's other Python processes: the daemon and its forked workers, i.e. the
+    executors' Python side in local mode). Each sample is ``{"t": s, group: bytes}``.
+    """
+
+    def __init__(self, jvm: int | None, interval: float = 1.0) -> None:
+        self.jvm = jvm
+        self.interval = interval
+        self.samples: list[dict[str, float]] = []
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> RssSampler:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def sample(self) -> dict[str, float]:
+        groups: dict[str, float] = {
+            "python driver": 0,
+            "driver JVM": 0,
+            "source runner": 0,
+            "python workers": 0,
+        }
+        groups["python driver"] = rss_bytes(os.getpid())
+        workers = 0
+        if self.jvm is not None:
+            groups["driver JVM"] = rss_bytes(self.jvm)
+            for pid in descendants(self.jvm):
+                role = classify(pid, self.jvm)
+                if role in groups:
+                    groups[role] += rss_bytes(pid)
+                    workers += role == "python workers"
+        # workers_n: how many worker processes the "python workers" figure sums.
+        return {"t": round(time.monotonic() - self._t0, 2), **groups, "workers_n": workers}
+
+    def _run(self) -> None:
+        while not self._stop.wait(0 if not self.samples else self.interval):
+            self.samples.append(self.sample())
+
+    def stop(self) -> list[dict[str, float]]:
+        self._stop.set()
+        if self._thread.ident is not None:
+            self._thread.join(10)
+        return self.samples
+
+
+class SteadySender:
+    """Feeds a Producer at ``rate`` records/s from a thread, each value stamped.
+
+    A value is the send time (``time.time()``, little-endian double) padded to ``size``
+    bytes; records go in small chunks every ``tick`` seconds so the rate is steady.
+    """
+
+    def __init__(self, producer: Any, rate: float, size: int = 100, tick: float = 0.005) -> None:
+        self.producer = producer
+        self.rate = rate
+        self.pad = b"x" * max(0, size - 8)
+        self.tick = tick
+        self.sent = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="steady-sender", daemon=True)
+
+    def start(self) -> SteadySender:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        import struct
+
+        pack = struct.Struct("<d").pack
+        t0 = time.monotonic()
+        try:
+            while not self._stop.wait(self.tick):
+                due = int(self.rate * (time.monotonic() - t0)) - self.sent
+                if due > 0:
+                    v = pack(time.time()) + self.pad
+                    self.producer.send_many([v] * due, timeout=60)
+                    self.sent += due
+        except BaseException as e:  # reported by stop()
+            self.error = e
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(60)
+        if self.error is not None:
+            raise RuntimeError(f"sender failed: {self.error}") from self.error
+        return self.sent
