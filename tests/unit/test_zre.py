@@ -519,6 +519,64 @@ def test_table_config_is_validated() -> None:
     assert (table.evasive_after, table.expired_after) == (1.0, 2.0)
 
 
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"max_peers": 0}, "max_peers"),
+        ({"max_unconfirmed": 0}, "max_unconfirmed"),
+        ({"max_peers": True}, "max_peers"),
+        ({"max_peers": 4, "max_unconfirmed": 5}, "max_unconfirmed"),
+    ],
+)
+def test_table_bounds_are_validated(kw: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        PeerTable(ME, **kw)  # type: ignore[arg-type]
+    assert field in str(e.value)
+
+
+def _uuids(n: int, base: int = 1) -> list[UUID]:
+    return [UUID(int=(base << 64) + i) for i in range(n)]
+
+
+def test_forged_beacons_evict_the_oldest_unconfirmed_peer() -> None:
+    table = PeerTable(ME, max_peers=10, max_unconfirmed=3)
+    fakes = _uuids(5)
+    events: list[Event] = []
+    for i, u in enumerate(fakes):
+        events += table.on_beacon(Beacon(u, 9), "127.0.0.1", float(i))
+    # Each fake got a CONNECT; the 4th and 5th evicted the two oldest, in order.
+    assert [e for e in events if isinstance(e, DropAction)] == [
+        DropAction(fakes[0], DropReason.CROWDED, "newer unconfirmed peers"),
+        DropAction(fakes[1], DropReason.CROWDED, "newer unconfirmed peers"),
+    ]
+    assert sum(isinstance(e, ConnectAction) for e in events) == 5
+    assert len(table) == 3
+    # A real peer arriving after the flood still gets in and, once it says HELLO, is
+    # confirmed: later fakes evict other fakes, never it.
+    table.on_beacon(Beacon(A, 50000), "10.0.0.2", 10.0)
+    assert isinstance(table.on_message(A, hello(), 10.0)[0], EnterEvent)
+    for i, u in enumerate(_uuids(10, base=2)):
+        table.on_beacon(Beacon(u, 9), "127.0.0.1", 11.0 + i)
+    peer = table.get(A)
+    assert peer is not None and peer.ready
+    assert len(table) == 4 and table.refused == 0
+
+
+def test_a_full_table_refuses_new_nodes_until_a_place_frees_up() -> None:
+    table = PeerTable(ME, max_peers=2, max_unconfirmed=2)
+    for u in (A, B):
+        table.on_beacon(Beacon(u, 50000), "10.0.0.2", 0.0)
+        table.on_message(u, hello(), 0.0)
+    c = UUID(int=99)
+    assert table.on_beacon(Beacon(c, 50000), "10.0.0.3", 1.0) == []
+    assert table.on_message(c, hello(endpoint="tcp://10.0.0.3:1"), 1.0) == []
+    assert c not in table and table.refused == 2
+    table.on_beacon(Beacon(A, 0), "10.0.0.2", 2.0)  # A leaves
+    assert table.on_beacon(Beacon(c, 50000), "10.0.0.3", 3.0) == [
+        ConnectAction(c, "tcp://10.0.0.3:50000")
+    ]
+
+
 def test_beacon_new_peer_connects_once() -> None:
     table = PeerTable(ME)
     assert table.on_beacon(Beacon(A, 49152), "192.168.1.7", 0.0) == [

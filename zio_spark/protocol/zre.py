@@ -114,6 +114,10 @@ EVASIVE_AFTER = 5.0
 """Default seconds of silence after which a peer is EVASIVE and gets a PING."""
 EXPIRED_AFTER = 30.0
 """Default seconds of silence after which a peer is dead (EXIT)."""
+MAX_PEERS = 512
+"""Default bound on known peers (each costs the transport a DEALER socket)."""
+MAX_UNCONFIRMED = 64
+"""Default bound on peers known from a beacon only, still waiting for their HELLO."""
 ZIO_PORT_PREFIX = "zio.port."
 
 _UINT8_MAX = 0xFF
@@ -705,6 +709,9 @@ class DropReason(enum.Enum):
     """A second HELLO from a greeted peer: the old incarnation is gone."""
     LOCAL = "local"
     """Removed by :meth:`PeerTable.remove` (e.g. its send buffer is full)."""
+    CROWDED = "crowded"
+    """Not yet greeted (no HELLO) and the oldest such peer when a newer one came and
+    ``max_unconfirmed`` were waiting: forged beacons must not crowd out real peers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -937,6 +944,11 @@ class PeerTable:
     - :meth:`tick`: an entered peer silent for ``evasive_after`` seconds gives EVASIVE and
       SEND_PING, once per silence; any peer silent for ``expired_after`` seconds is
       removed (EXIT if it had entered, then DROP with :attr:`DropReason.EXPIRED`).
+    - Bounds (the spec has none; each peer costs the transport a socket): at most
+      ``max_unconfirmed`` peers known only from a beacon wait for their HELLO; a newer
+      one evicts the oldest (DROP with :attr:`DropReason.CROWDED`), so a flood of forged
+      beacons cannot lock real peers out. At most ``max_peers`` in all: beyond that a
+      new node is ignored (counted in :attr:`refused`) until a place frees up.
 
     Parameters
     ----------
@@ -946,11 +958,14 @@ class PeerTable:
         Seconds of silence before EVASIVE + PING (default 5.0, the spec's "typically").
     expired_after
         Seconds of silence before the peer is dead (default 30.0).
+    max_peers, max_unconfirmed
+        The bounds above (defaults 512 and 64).
 
     Raises
     ------
     ConfigError
-        If ``evasive_after`` is not positive or ``expired_after`` is not greater.
+        If ``evasive_after`` is not positive, ``expired_after`` is not greater, or a
+        bound is not an integer with ``1 <= max_unconfirmed <= max_peers``.
     """
 
     def __init__(
@@ -959,7 +974,19 @@ class PeerTable:
         *,
         evasive_after: float = EVASIVE_AFTER,
         expired_after: float = EXPIRED_AFTER,
+        max_peers: int = MAX_PEERS,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
     ) -> None:
+        for name, value, low in (
+            ("max_peers", max_peers, 1),
+            ("max_unconfirmed", max_unconfirmed, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(name, value, f"an integer >= {low}")
+        if max_unconfirmed > max_peers:
+            raise ConfigError(
+                "max_unconfirmed", max_unconfirmed, f"at most max_peers ({max_peers})"
+            )
         if not evasive_after > 0:
             raise ConfigError("evasive_after", evasive_after, "a positive number of seconds")
         if not expired_after > evasive_after:
@@ -972,6 +999,11 @@ class PeerTable:
         self.evasive_after = float(evasive_after)
         self.expired_after = float(expired_after)
         self._peers: dict[UUID, _PeerRecord] = {}
+        self.max_peers = max_peers
+        self.max_unconfirmed = max_unconfirmed
+        # Peers known from a beacon only, oldest first (dicts keep insertion order).
+        self._unconfirmed: dict[UUID, None] = {}
+        self.refused = 0  # new nodes ignored because the table was full
 
     # -- queries ---------------------------------------------------------------------
 
@@ -1048,8 +1080,17 @@ class PeerTable:
             return self._remove(record, DropReason.LEAVING, "port-0 beacon")
         if record is None:
             endpoint = tcp_endpoint(addr_host, beacon.port)
+            events: list[Event] = []
+            if len(self._unconfirmed) >= self.max_unconfirmed:
+                oldest = self._peers[next(iter(self._unconfirmed))]
+                events += self._remove(oldest, DropReason.CROWDED, "newer unconfirmed peers")
+            if len(self._peers) >= self.max_peers:
+                self.refused += 1
+                return events
             self._peers[beacon.uuid] = _PeerRecord(beacon.uuid, endpoint, now)
-            return [ConnectAction(beacon.uuid, endpoint)]
+            self._unconfirmed[beacon.uuid] = None
+            events.append(ConnectAction(beacon.uuid, endpoint))
+            return events
         self._refresh(record, now)
         return []
 
@@ -1218,10 +1259,14 @@ class PeerTable:
         if record is None:
             if not cmd.endpoint:
                 return events  # nowhere to connect back to; the spec says discard
+            if len(self._peers) >= self.max_peers:
+                self.refused += 1
+                return events
             record = _PeerRecord(peer, cmd.endpoint, now)
             self._peers[peer] = record
             events.append(ConnectAction(peer, cmd.endpoint))
         record.ready = True
+        self._unconfirmed.pop(peer, None)
         record.name = cmd.name
         record.headers = dict(cmd.headers)
         record.expected_sequence = 2
@@ -1244,6 +1289,7 @@ class PeerTable:
 
     def _remove(self, record: _PeerRecord, reason: DropReason, detail: str) -> list[Event]:
         del self._peers[record.uuid]
+        self._unconfirmed.pop(record.uuid, None)
         events: list[Event] = []
         if record.ready:
             events.append(ExitEvent(record.uuid, record.name))

@@ -475,6 +475,11 @@ class _Port:
         return tuple(self._endpoints)
 
     @property
+    def sndhwm(self) -> int:
+        """Most messages queued to one peer (0: no limit)."""
+        return self._sndhwm
+
+    @property
     def endpoint(self) -> str | None:
         """The first endpoint, or ``None`` before ``bind``/``connect``."""
         return self._endpoints[0] if self._endpoints else None

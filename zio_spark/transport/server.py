@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from zio_spark.errors import ProtocolError, TransportError
+from zio_spark.errors import ConfigError, ProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
@@ -61,9 +61,17 @@ class ServerFlow:
         return format_peer(self.peer)
 
     def _send(self, msg: Message) -> None:
-        self.server.port.send(msg, self.peer)
+        self.server.port.send(msg, self.peer, timeout_ms=self.server.send_timeout_ms)
 
     def accept(self, credit: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
+        """Accept the client's BOT; the credit is lowered to what our queue to it holds.
+
+        With more credit than the send queue (``sndhwm``) takes, a client that is slow
+        for a moment would look like one that stopped reading (see ``send_timeout``).
+        """
+        cap = self.server.max_credit
+        if cap is not None and self.bot is not None:
+            credit = min(self.bot.credit if credit is None else credit, cap)
         self._send(self.flow.accept(credit, attrs))
 
     def reject(self, attrs: Mapping[str, Any] | None = None) -> None:
@@ -75,7 +83,13 @@ class ServerFlow:
         if attrs:
             self._send(self.flow.send_dat(payload, attrs))
         else:  # the fast lane: no Message for a plain DAT
-            self.server.port.send_dat(self._dat_codec, self.flow.send_dats(1), payload, self.peer)
+            self.server.port.send_dat(
+                self._dat_codec,
+                self.flow.send_dats(1),
+                payload,
+                self.peer,
+                timeout_ms=self.server.send_timeout_ms,
+            )
 
     def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
         self._send(self.flow.pay(amount, attrs))
@@ -125,6 +139,11 @@ class FlowServer:
     tick
         Longest poll wait in seconds; handlers' :meth:`~FlowHandler.on_tick` run at
         least this often.
+    send_timeout
+        Longest wait, in seconds, for room to queue one message to a client. Every flow
+        shares the loop thread, so a client that stops reading must not hold it: a
+        well-behaved peer's queue never fills (DATs and PAYs are bounded by the credit),
+        and one that stays full this long is removed (``stats["send_failures"]``).
     """
 
     def __init__(
@@ -137,7 +156,14 @@ class FlowServer:
         tick: float = 0.05,
         origin: int = 0,
         name: str = "flow-server",
+        send_timeout: float = 0.2,
     ) -> None:
+        if isinstance(send_timeout, bool) or not (
+            isinstance(send_timeout, (int, float)) and 0 <= send_timeout <= 3600
+        ):
+            raise ConfigError("send_timeout", send_timeout, "seconds, 0..3600")
+        self.send_timeout_ms = send_timeout * 1000.0
+        self.max_credit = port.sndhwm or None  # 0: no limit
         self.port = port
         self.handler_factory = handler_factory
         self.idle_timeout = idle_timeout
@@ -294,9 +320,7 @@ class FlowServer:
         except ProtocolError as e:
             self._drop(conn, handler, e)
         except TransportError as e:
-            log.warning("%s: cannot reply to %s: %s", self.name, conn.name, e)
-            if handler is not None:
-                self._remove(conn, handler, f"transport error: {e}")
+            self._send_failed(conn, handler, e)
         except Exception as e:  # a handler bug ends its flow, not the server
             self.stats["handler_errors"] += 1
             log.exception("%s: handler of %s failed", self.name, conn.name)
@@ -320,11 +344,21 @@ class FlowServer:
         except ProtocolError as e:
             self._drop(conn, handler, e)
         except TransportError as e:
-            self._remove(conn, handler, f"transport error: {e}")
+            self._send_failed(conn, handler, e)
         except Exception as e:
             self.stats["handler_errors"] += 1
             log.exception("%s: on_tick of %s failed", self.name, conn.name)
             self._remove(conn, handler, f"handler error: {e!r}")
+
+    def _send_failed(
+        self, conn: ServerFlow, handler: FlowHandler | None, error: TransportError
+    ) -> None:
+        # The client is gone, or its queue stayed full for send_timeout: it is not
+        # reading, and it must not hold up every other flow on this loop.
+        self.stats["send_failures"] += 1
+        log.warning("%s: removing %s, cannot send to it: %s", self.name, conn.name, error)
+        if handler is not None:
+            self._remove(conn, handler, f"transport error: {error}")
 
     def _drop(self, conn: ServerFlow, handler: FlowHandler | None, error: ProtocolError) -> None:
         self.stats["dropped"] += 1

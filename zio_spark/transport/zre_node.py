@@ -82,6 +82,8 @@ from zio_spark.protocol.zre import (
     DISCOVERY_PORT,
     EVASIVE_AFTER,
     EXPIRED_AFTER,
+    MAX_PEERS,
+    MAX_UNCONFIRMED,
     Beacon,
     Command,
     ConnectAction,
@@ -275,6 +277,11 @@ class ZreNode:
     evasive_after, expired_after
         Seconds of silence before a peer gets a PING (EVASIVE) and before it is dropped
         (EXIT); defaults 5 and 30.
+    max_peers, max_unconfirmed
+        Most peers known, and most known only from a beacon (still waiting for their
+        HELLO); defaults 512 and 64. Each peer costs a socket, and a context has about
+        1000: see :class:`~zio_spark.protocol.zre.PeerTable` for how the bounds keep a
+        flood of forged beacons from locking real peers out (``stats["peers_refused"]``).
     ctx
         The zmq context for the mailbox and DEALERs; by default the node makes its own
         and terminates it in :meth:`stop`.
@@ -315,6 +322,8 @@ class ZreNode:
         interval: float = 1.0,
         evasive_after: float = EVASIVE_AFTER,
         expired_after: float = EXPIRED_AFTER,
+        max_peers: int = MAX_PEERS,
+        max_unconfirmed: int = MAX_UNCONFIRMED,
         ctx: zmq.Context[Any] | None = None,
         on_event: Callable[[AppEvent], object] | None = None,
         linger_ms: int = 100,
@@ -351,8 +360,12 @@ class ZreNode:
         if not isinstance(interval, int | float) or not math.isfinite(interval) or interval <= 0:
             raise ConfigError("interval", interval, "a positive number of seconds")
         self._interval = float(interval)
+        self._table_bounds = {"max_peers": max_peers, "max_unconfirmed": max_unconfirmed}
         self._table = PeerTable(
-            self._uuid, evasive_after=evasive_after, expired_after=expired_after
+            self._uuid,
+            evasive_after=evasive_after,
+            expired_after=expired_after,
+            **self._table_bounds,
         )
         self._evasive_after = float(evasive_after)
         self._expired_after = float(expired_after)
@@ -449,9 +462,10 @@ class ZreNode:
         messages), ``bad_messages``, ``messages_sent``, ``pings_sent``,
         ``ping_oks_received``, ``send_failures`` (peer's queue full), ``peers_connected``
         (DEALERs opened), ``peers_dropped``, ``events_dropped`` (event queue full),
-        ``callback_errors``, ``internal_errors``.
+        ``callback_errors``, ``internal_errors``, ``peers_refused`` (new nodes ignored
+        while ``max_peers`` were known).
         """
-        return dict(self._stats)
+        return {**self._stats, "peers_refused": self._table.refused}
 
     # -- configuration (before start) --------------------------------------------------
 
@@ -948,7 +962,10 @@ class ZreNode:
         with self._lock:
             self._state = _State.STOPPED
             self._table = PeerTable(
-                self._uuid, evasive_after=self._evasive_after, expired_after=self._expired_after
+                self._uuid,
+                evasive_after=self._evasive_after,
+                expired_after=self._expired_after,
+                **self._table_bounds,
             )
             commands, self._commands = self._commands, deque()
             for sock in (self._wake_r, self._wake_w):
