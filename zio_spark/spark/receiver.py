@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -99,6 +99,12 @@ class _Peer:
     # ``batch`` we ask for in BOT sends bigger DATs: credit is then sized by what it
     # really sends, and one credit at a time until its first DAT shows the size.
     dat_rows: int = 0
+    # What one drain took in, appended to the spool in one go when it ends (a spool
+    # append per DAT costs more than the DAT itself when DATs are small): WAL batches
+    # (Arrow givers) or records (plain givers), and the last seq among them.
+    pending_batches: list[pa.RecordBatch] = field(default_factory=list)
+    pending_records: list[Record] = field(default_factory=list)
+    pending_last: int = 0
 
 
 class Receiver:
@@ -367,7 +373,6 @@ class Receiver:
 
     def _drain(self, peer: _Peer, now: float) -> bool:
         assert peer.port is not None
-        appended = False
         for _ in range(10_000):
             if peer.port is None or peer.flow is None:
                 break
@@ -383,28 +388,51 @@ class Receiver:
                 self._fail(peer, f"bad message: {got.error}", now)
                 break
             try:
-                appended |= self._on_message(peer, got, now)
-            except DataLossError as e:
-                # A gap: the producer no longer has records the spool never got. Fatal
-                # for the query when failOnDataLoss (the spool then raises); reported.
-                self.stats["data_loss"] += 1
-                self.fatal = e
-                peer.status.state = "failed"
-                peer.status.last_error = str(e)
-                self._end_flow(peer, eot=True)
-                peer.retry_at = float("inf")
-                break
+                self._on_message(peer, got, now)
             except (ProtocolError, ValueError) as e:
                 self.stats["dropped"] += 1
                 self._fail(peer, f"{type(e).__name__}: {e}", now)
                 break
-        return appended
+        # What arrived before a failure was valid and in order: it is kept.
+        return self._append_pending(peer)
 
-    def _on_message(self, peer: _Peer, msg: Message, now: float) -> bool:
+    def _append_pending(self, peer: _Peer) -> bool:
+        """Append what the drain took in; True if anything new reached the spool."""
+        batches, records = peer.pending_batches, peer.pending_records
+        if not batches and not records:
+            return False
+        peer.pending_batches, peer.pending_records, peer.pending_last = [], [], 0
+        producer = peer.producer
+        assert producer is not None
+        total = sum(b.num_rows for b in batches) + len(records)
+        try:
+            if batches:
+                one = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+                new = self.spool.append_batch(producer, one)
+            else:
+                new = self.spool.append(producer, records)
+        except DataLossError as e:
+            # A gap: the producer no longer has records the spool never got. Fatal
+            # for the query when failOnDataLoss (the spool then raises); reported.
+            self.stats["data_loss"] += 1
+            self.fatal = e
+            peer.status.state = "failed"
+            peer.status.last_error = str(e)
+            if peer.flow is not None:
+                self._end_flow(peer, eot=True)
+            peer.retry_at = float("inf")
+            return False
+        peer.status.records += new
+        peer.status.duplicates += total - new
+        self.stats["records"] += new
+        return new > 0
+
+    def _on_message(self, peer: _Peer, msg: Message, now: float) -> None:
         assert peer.flow is not None
         event = peer.flow.receive(msg)
         if isinstance(event, Data):
-            return self._on_data(peer, event)
+            self._on_data(peer, event)
+            return
         if isinstance(event, BotReceived):
             self._on_bot(peer, event)
         elif isinstance(event, Rejected):
@@ -417,7 +445,6 @@ class Receiver:
             peer.retry_at = now + peer.backoff if self.reconnect else float("inf")
         elif isinstance(event, Credit):  # pragma: no cover - a taker gets no PAY
             raise RemoteProtocolError("PAY sent to a taker")
-        return False
 
     def _on_bot(self, peer: _Peer, bot: BotReceived) -> None:
         prof = profile_bot(bot.attrs)
@@ -434,10 +461,11 @@ class Receiver:
             self._known_ids[peer.endpoint] = producer
             self._save_ids()
 
-    def _on_data(self, peer: _Peer, data: Data) -> bool:
+    def _on_data(self, peer: _Peer, data: Data) -> None:
+        """Take one DAT's records into the drain's pending append."""
         producer = peer.producer
         assert producer is not None
-        held = self.spool.next_seq(producer) - 1
+        held = peer.pending_last or self.spool.next_seq(producer) - 1
         ts = self.wall_clock_us()
         origin = data.message.origin
         if peer.arrow:
@@ -466,12 +494,10 @@ class Receiver:
             if wal is None:
                 peer.status.duplicates += batch.num_rows
                 self.stats["duplicate_dats"] += 1
-                return False
-            new = self.spool.append_batch(producer, wal)
-            peer.status.records += new
-            peer.status.duplicates += wal.num_rows - new
-            self.stats["records"] += new
-            return True
+                return
+            peer.pending_batches.append(wal)
+            peer.pending_last = max(held, first + batch.num_rows - 1)
+            return
         else:
             value, nframes = plain_value(data.message.payload)
             headers = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.attrs.items()}
@@ -484,15 +510,8 @@ class Receiver:
             records = [
                 Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
             ]
-        if not records:
-            peer.status.duplicates += 1
-            self.stats["duplicate_dats"] += 1
-            return False
-        new = self.spool.append(producer, records)
-        peer.status.records += new
-        peer.status.duplicates += len(records) - new
-        self.stats["records"] += new
-        return True
+        peer.pending_records.extend(records)
+        peer.pending_last = held + 1
 
     def _start_at(self, producer: str, first: int) -> int:
         """First contact with a producer whose records start at ``first > 1``.
