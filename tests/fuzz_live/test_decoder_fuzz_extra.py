@@ -11,7 +11,8 @@ and every PZQ codec (``tests/unit/test_pzq.py``). Here, seeded ``random.Random``
   *valid* CRC, so the decoder behind the checksum is reached): ``None`` or a record,
   never an exception;
 - the spool's sealed-segment reader :func:`~zio_spark.queue.spool.read_sealed` on
-  corrupted segment files: ``DataLossError`` or correct rows;
+  corrupted segment files: ``CorruptSegmentError`` (a ``DataLossError``) or fully valid
+  batches of exactly the requested sequence numbers;
 - the queue store's record payload decoder ``_parse_message``: only ``ValueError`` /
   ``struct.error`` (what its caller catches);
 - the flow profile readers ``profile_bot`` / ``pay_ack`` and :meth:`Flow.receive` on
@@ -141,7 +142,7 @@ def test_fuzz_spool_wal_record_decoder(n: int, tmp_path: Path) -> None:
     assert first is not None
     records = [stream[: first[0]], stream[first[0] :]]
     t0 = time.monotonic()
-    decoded = oserrors = 0
+    decoded = 0
     for _ in range(n):
         choice = rng.randrange(4)
         if choice == 0:
@@ -153,18 +154,17 @@ def test_fuzz_spool_wal_record_decoder(n: int, tmp_path: Path) -> None:
             head = spool_mod._WAL_HEADER.size
             data = _reseal(rec[:head] + mutate(rec[head:], rng))
         off = 0 if rng.random() < 0.9 else rng.randint(0, len(data))
-        try:
-            got = spool_mod._decode_wal_record(pa.py_buffer(data), off)
-        except (OSError, EOFError):  # known bug, see the xfail test below: should be None
-            oserrors += 1
-            continue
+        got = spool_mod._decode_wal_record(pa.py_buffer(data), off)
         if got is not None:
             decoded += 1
             length, producer, _, batch = got
             assert 0 < length <= len(data) - off
             assert isinstance(producer, str)
             assert batch.schema.equals(spool_mod._WAL_SCHEMA)
-    _done("spool._decode_wal_record", n, t0, decoded=decoded, oserror_known_bug=oserrors)
+            batch.validate(full=True)
+            seqs = batch.column("seq").to_pylist()
+            assert seqs == sorted(set(seqs)) and seqs[0] >= 1
+    _done("spool._decode_wal_record", n, t0, decoded=decoded)
 
 
 # ------------------------------------------------------------------ spool sealed segments
@@ -189,52 +189,38 @@ def _read_all(path: Path) -> list[pa.RecordBatch]:
 
 @pytest.mark.parametrize("n", cases())
 def test_fuzz_spool_segment_reader(n: int, tmp_path: Path) -> None:
-    """Corrupted segment files: classify what read_sealed does with each.
-
-    Never validated by read_sealed today (see the two xfail tests below): a corrupt file
-    raises pyarrow's own errors, or yields batches that fail ``validate(full=True)``
-    (reading their values can crash the process). Counted here, not failed on, so that
-    the run covers everything else: no other exception type, and a batch that validates
-    has the requested sequence numbers.
+    """Corrupted segment files: ``CorruptSegmentError`` (a ``DataLossError``) naming the
+    file and the field, or batches that validate fully and hold exactly the requested
+    sequence numbers. Nothing else: no other exception, no invalid batch. The values may
+    still differ (an Arrow IPC file has no checksum: a flipped value byte goes unnoticed);
+    that is counted, not failed on.
     """
     rng = random.Random("spool-segment")
     path, original, rows = _segment(tmp_path)
     intact = pa.Table.from_batches(rows).combine_chunks()
     root = tmp_path / "spool"
     t0 = time.monotonic()
-    counts = dict.fromkeys(("same", "values_differ", "data_loss", "invalid_batch"), 0)
+    counts = dict.fromkeys(("same", "values_differ", "data_loss"), 0)
     for _ in range(n):
         path.write_bytes(mutate(original, rng))
         try:
             batches = _read_all(root)
-        except DataLossError:
+        except spool_mod.CorruptSegmentError as e:
+            assert e.path == path and e.field and e.problem and str(path) in str(e)
             counts["data_loss"] += 1
             continue
-        except Exception as e:  # known bug: anything but DataLossError (see the xfail below)
-            key = f"error_{type(e).__name__}"
-            counts[key] = counts.get(key, 0) + 1
-            continue
-        try:
-            for b in batches:
-                b.validate(full=True)
-        except pa.ArrowInvalid:  # known: should be DataLossError
-            counts["invalid_batch"] += 1
-            continue
-        if any(not b.schema.equals(intact.schema) for b in batches):
-            counts["schema_differs"] = counts.get("schema_differs", 0) + 1
-            continue
-        if pa.Table.from_batches(batches, intact.schema).combine_chunks().equals(intact):
+        for b in batches:
+            b.validate(full=True)
+            assert b.schema.equals(intact.schema)
+        got = pa.Table.from_batches(batches, intact.schema).combine_chunks()
+        assert got.column("seq").to_pylist() == list(range(1, 41))
+        if got.equals(intact):
             counts["same"] += 1
-        else:  # no checksum in Arrow IPC files: a flipped value byte goes unnoticed
+        else:
             counts["values_differ"] += 1
     _done("spool.read_sealed (corrupt segments)", n, t0, **counts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: read_sealed yields structurally invalid batches from a corrupted segment "
-    "(no batch.validate); reading their values can segfault the Python worker",
-)
 def test_read_sealed_never_yields_an_invalid_batch(tmp_path: Path) -> None:
     rng = random.Random("spool-segment")
     path, original, _ = _segment(tmp_path)
@@ -242,7 +228,7 @@ def test_read_sealed_never_yields_an_invalid_batch(tmp_path: Path) -> None:
         path.write_bytes(mutate(original, rng))
         try:
             batches = _read_all(tmp_path / "spool")
-        except (DataLossError, OSError, pa.ArrowException):
+        except DataLossError:
             continue
         for b in batches:
             try:
@@ -251,26 +237,102 @@ def test_read_sealed_never_yields_an_invalid_batch(tmp_path: Path) -> None:
                 pytest.fail(f"read_sealed yielded an invalid batch: {e}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: read_sealed lets pyarrow errors (OSError, ArrowInvalid) and ValueError (bad "
-    "zio.covers_from metadata), TypeError (null seq), IndexError out of a corrupted segment "
-    "instead of "
-    "DataLossError "
-    "(failOnDataLoss=false cannot skip it)",
+def _meta_segment(tmp: Path, **changes: str | None) -> Path:
+    """The test segment, rewritten with schema metadata ``changes`` (None: removed)."""
+    path, original, _ = _segment(tmp)
+    reader = pa.ipc.open_file(pa.py_buffer(original))
+    meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+    for key, value in changes.items():
+        if value is None:
+            meta.pop(f"zio.{key}", None)
+        else:
+            meta[f"zio.{key}"] = value
+    schema = reader.schema.with_metadata(meta)
+    batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as w:
+        for b in batches:
+            w.write_batch(pa.RecordBatch.from_arrays(b.columns, schema=schema))
+    path.write_bytes(sink.getvalue().to_pybytes())
+    return path
+
+
+def _rewrite(path: Path, batches: list[pa.RecordBatch], schema: pa.Schema) -> None:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as w:
+        for b in batches:
+            w.write_batch(b)
+    path.write_bytes(sink.getvalue().to_pybytes())
+
+
+def _corrupt(tmp: Path, case: str) -> tuple[Path, str]:
+    """A segment damaged in one way, and the field the error must name."""
+    if case == "torn footer":
+        path, original, _ = _segment(tmp)
+        path.write_bytes(original[:-40])
+        return path, "file"
+    if case == "empty file":
+        path, _, _ = _segment(tmp)
+        path.write_bytes(b"")
+        return path, "file"
+    if case.startswith("meta "):
+        key, _, value = case[5:].partition("=")
+        return _meta_segment(tmp, **{key: None if value == "<none>" else value}), f"zio.{key}"
+    path, original, rows = _segment(tmp)
+    reader = pa.ipc.open_file(pa.py_buffer(original))
+    schema = reader.schema
+    batch = pa.Table.from_batches(rows).combine_chunks().to_batches()[0]
+    seq = batch.column("seq").to_pylist()
+    if case == "other schema":
+        other = pa.schema([pa.field("seq", pa.int64())], metadata=schema.metadata)
+        _rewrite(path, [pa.RecordBatch.from_arrays([batch.column("seq")], schema=other)], other)
+        return path, "schema"
+    if case == "null seq":
+        seq[5] = None
+    elif case == "seq gap":
+        seq[5:] = [s + 1 for s in seq[5:]]
+    elif case == "seq reordered":
+        seq[5], seq[6] = seq[6], seq[5]
+    elif case == "rows missing":
+        batch, seq = batch.slice(0, 39), seq[:39]
+    columns = batch.columns
+    columns[batch.schema.get_field_index("seq")] = pa.array(seq, pa.int64())
+    _rewrite(path, [pa.RecordBatch.from_arrays(columns, schema=schema)], schema)
+    return path, "seq"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "torn footer",
+        "empty file",
+        "other schema",
+        "meta covers_from=x1",
+        "meta covers_from=<none>",
+        "meta covers_from= 1",
+        "meta covers_from=99",
+        "meta covers_from=-1",
+        "meta rows=1_0",
+        "meta rows=41",
+        "meta producer=q",
+        "meta producer=<none>",
+        "meta format=2",
+        "null seq",
+        "seq gap",
+        "seq reordered",
+        "rows missing",
+    ],
 )
-def test_read_sealed_reports_a_corrupt_segment_as_data_loss(tmp_path: Path) -> None:
-    path, original, _ = _segment(tmp_path)
-    path.write_bytes(original[:-40])  # a torn footer
-    with pytest.raises(DataLossError):
+def test_read_sealed_reports_a_corrupt_segment_as_data_loss(tmp_path: Path, case: str) -> None:
+    path, field = _corrupt(tmp_path, case)
+    with pytest.raises(DataLossError) as info:
         _read_all(tmp_path / "spool")
+    err = info.value
+    assert isinstance(err, spool_mod.CorruptSegmentError)
+    assert (err.path, err.field, err.producer) == (path, field, "p"), str(err)
+    assert str(path) in str(err) and field in str(err)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: spool._decode_wal_record raises OSError (or EOFError) for a CRC-valid record "
-    "whose Arrow body is short, instead of returning None (it catches ArrowException only)",
-)
 def test_wal_record_with_valid_crc_and_short_arrow_body_is_torn(tmp_path: Path) -> None:
     stream = _wal_record(random.Random(0), tmp_path)
     first = spool_mod._decode_wal_record(pa.py_buffer(stream), 0)

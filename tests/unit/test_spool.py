@@ -12,9 +12,11 @@ import os
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
+import zlib
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from hypothesis import strategies as st
 from zio_spark.errors import ConfigError, DataLossError
 from zio_spark.queue.spool import (
     SPARK_SCHEMA,
+    CorruptSegmentError,
     MissingRangeError,
     Record,
     SequenceGapError,
@@ -496,6 +499,64 @@ def test_wal_record_after_a_lost_one_is_skipped(tmp_path: Path) -> None:
         assert sp.stats.wal_records_skipped == 1  # p 3-4: covers_from 3 > next 1
         assert sp.next_seq("p") == 1
         assert sp.next_seq("q") == 1
+
+
+def test_damage_inside_a_wal_file_resumes_at_the_next_valid_record(tmp_path: Path) -> None:
+    """Valid records after a damaged one: not a torn tail. Those of producers that lost
+    nothing are kept; the damaged producer's later records are skipped (no hole)."""
+    path = tmp_path / "s"
+    with Spool(path) as sp:
+        sp.append("p", recs(1, 3))
+        (wal,) = wal_files(path)
+        p_end = wal.stat().st_size
+        sp.append("q", recs(1, 3))
+        sp.append("p", recs(3, 5))
+        sp.flush()
+    data = bytearray(wal.read_bytes())
+    data[p_end - 30] ^= 0x10  # inside p's first record: its CRC no longer matches
+    wal.write_bytes(bytes(data))
+    with Spool(path) as sp:
+        assert sp.stats.torn_wal_records == 1
+        assert sp.stats.wal_records_skipped == 1  # p 3-4: covers_from 3 > next 1
+        assert sp.next_seq("p") == 1
+        assert sp.next_seq("q") == 3  # kept, where a plain truncation would drop it
+        assert sp.seal() == {"q": 3}
+        assert values(sp.read("q", 1, 3)) == [b"v1", b"v2"]
+
+
+def test_crc_valid_undecodable_wal_tail_is_torn(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with Spool(path) as sp:
+        sp.append("p", recs(1, 3))
+        sp.flush()
+        (wal,) = wal_files(path)
+    good = wal.read_bytes()
+    payload = bytes(40)  # covers_from 0, an empty id, then no Arrow message at all
+    header = struct.pack("<4sIII", b"ZSW1", len(payload), zlib.crc32(payload), 0)
+    wal.write_bytes(good + header + payload)
+    with Spool(path) as sp:
+        assert sp.stats.torn_wal_records == 1
+        assert sp.next_seq("p") == 3
+
+
+def test_corrupt_segment_is_reported_by_read_and_open(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with Spool(path) as sp:
+        sp.append("p", recs(1, 11))
+        sp.seal()
+        (segment,) = segment_files(path)
+        original = segment.read_bytes()
+        segment.write_bytes(original[: len(original) // 2])  # the disk lost the rest
+        with pytest.raises(CorruptSegmentError) as err:
+            list(sp.read("p", 1, 11))
+        assert (err.value.path, err.value.field, err.value.producer) == (segment, "file", "p")
+        with pytest.raises(DataLossError):
+            list(read_sealed(path, "p", 5, 6))
+    with pytest.raises(CorruptSegmentError, match="not a readable Arrow IPC file"):
+        Spool(path)
+    segment.write_bytes(original)
+    with Spool(path) as sp:
+        assert seqs(sp.read("p", 1, 11)) == list(range(1, 11))
 
 
 def test_wal_left_over_by_a_crash_during_seal_is_harmless(tmp_path: Path) -> None:
