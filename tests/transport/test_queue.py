@@ -303,6 +303,98 @@ def test_bad_frames_are_answered_or_counted_and_serving_goes_on(
     assert b.running and b.stats()["errors"] == 0
 
 
+# ---------------------------------------------------------------------- producers reading no acks
+
+
+def _deaf_producer(raw_socket: Callable[[int], Sock], b: QueueBroker, name: bytes, n: int) -> Sock:
+    """A producer that sends ``n`` valid messages and reads none of their acks (yet)."""
+    deaf = raw_socket(zmq.DEALER)
+    deaf.rcvhwm = 1
+    deaf.setsockopt(zmq.RCVBUF, 2048)
+    deaf.connect(b.endpoints["receive"])
+    for i in range(n):
+        deaf.send_multipart([b"%s-%d" % (name, i), b"", b"x"])
+    return deaf
+
+
+def _read_all_acks(sock: Sock) -> list[int]:
+    """The numbers of the acked ids ``<name>-<n>`` until nothing comes for 1 s."""
+    got: list[int] = []
+    while sock.poll(1000):
+        frames = sock.recv_multipart()
+        assert frames[1] == b"1"
+        got.append(int(frames[0].rsplit(b"-", 1)[1]))
+    return got
+
+
+def _ipc_broker(make_broker: Callable[..., QueueBroker], tmp_path: Path, **kw: Any) -> QueueBroker:
+    # ipc: the kernel buffers no more than ~200 KB of acks (TCP autotunes up to MBs), so a
+    # few 10k messages fill a deaf producer's pipe and then its ack backlog.
+    return make_broker(receive=f"ipc://{tmp_path}/rx", hwm=1000, **kw)
+
+
+@pytest.mark.parametrize("ack_backlog", [1, 100])
+def test_a_producer_reading_no_acks_delays_no_other_and_its_backlog_is_bounded(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    tmp_path: Path,
+    ack_backlog: int,
+) -> None:
+    b = _ipc_broker(make_broker, tmp_path, ack_backlog=ack_backlog)
+    n = 20_000
+    deaf = _deaf_producer(raw_socket, b, b"deaf", n)
+    wait_for(lambda: int(b.stats()["received"]) == n, what="the deaf producer's messages")
+    wait_for(lambda: int(b.stats()["acks_dropped"]) > 0, what="acks dropped")
+    good = raw_socket(zmq.DEALER)
+    good.connect(b.endpoints["receive"])
+    good.send_multipart([b"good-1", b"", b"body"])
+    assert recv(good, 2.0)[:2] == [b"good-1", b"1"]
+    # Late, the deaf producer reads: the newest acks, in order; the oldest were dropped.
+    got = _read_all_acks(deaf)
+    assert got == sorted(set(got)) and got[-1] == n - 1
+    wait_for(lambda: len(got) + int(b.stats()["acks_dropped"]) == n, what="acks accounted")
+    assert b.stats()["acks_undeliverable"] == 0 and b.stats()["errors"] == 0
+    # Its resend of a message whose ack was dropped is acked as a duplicate.
+    lost = b"deaf-%d" % min(set(range(n)) - set(got))
+    deaf.send_multipart([lost, b"", b"x"])
+    assert recv(deaf)[:2] == [lost, b"1"]
+    wait_for(lambda: int(b.stats()["duplicates"]) == 1, what="the resend as a duplicate")
+
+
+def test_the_ack_backlog_of_a_producer_that_went_away_is_dropped(
+    make_broker: Callable[..., QueueBroker], raw_socket: Callable[[int], Sock], tmp_path: Path
+) -> None:
+    b = _ipc_broker(make_broker, tmp_path, ack_backlog=100)
+    deaf = _deaf_producer(raw_socket, b, b"deaf", 20_000)
+    wait_for(lambda: int(b.stats()["acks_dropped"]) > 0, what="a full ack backlog")
+    deaf.close(linger=0)
+    wait_for(lambda: int(b.stats()["acks_undeliverable"]) > 0, what="undeliverable acks")
+    wait_for(lambda: not b._backlogs and b._backlogged == 0, what="the backlog dropped")
+
+
+def test_all_ack_backlogs_together_are_bounded(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(broker_mod, "_MAX_BACKLOG_PRODUCERS", 2)
+    monkeypatch.setattr(broker_mod, "_MAX_BACKLOG_TOTAL", 150)
+    b = _ipc_broker(make_broker, tmp_path, ack_backlog=100)
+    n = 20_000
+    deaf = [_deaf_producer(raw_socket, b, b"d%d" % i, n) for i in range(3)]
+    wait_for(lambda: int(b.stats()["received"]) == 3 * n, what="every message")
+    wait_for(lambda: int(b.stats()["acks_dropped"]) > 0, what="acks dropped")
+    time.sleep(0.3)  # let the last commits' acks reach the backlogs
+    assert len(b._backlogs) <= 2 and b._backlogged <= 150
+    got = [_read_all_acks(sock) for sock in deaf]
+    for acks in got:
+        assert acks == sorted(set(acks))
+    total = sum(map(len, got))
+    wait_for(lambda: total + int(b.stats()["acks_dropped"]) == 3 * n, what="acks accounted")
+    assert b.stats()["acks_undeliverable"] == 0 and b.stats()["errors"] == 0
+
+
 def test_monitor_reply_has_the_spec_keys_then_ours(
     make_broker: Callable[..., QueueBroker], clients: Callable[..., tuple[Sock, Sock, Sock]]
 ) -> None:

@@ -17,8 +17,13 @@ stored again and is acked ``1`` once its original is durable. Failures get
 :data:`~zio_spark.queue.store.MAX_ID_BYTES`, oversized messages, a failed store. Frames
 without a readable id are dropped and counted (``bad_frames``). Acks never get dropped
 silently: a producer over its high-water mark gets them later (``ROUTER_MANDATORY``
-turns the would-be drop into ``EAGAIN``); acks for a producer that has gone away are
-counted (``acks_undeliverable``), and its resend is then acked as a duplicate.
+turns the would-be drop into ``EAGAIN``, per peer), from a backlog of its own, so a
+producer that reads no acks delays nobody else's. Each backlog is bounded
+(``ack_backlog`` acks; all of them together by :data:`_MAX_BACKLOG_TOTAL` and
+:data:`_MAX_BACKLOG_PRODUCERS`): beyond that the oldest acks of the producer stuck
+longest are dropped, counted (``acks_dropped``) and logged once per producer. Acks for a
+producer that has gone away are counted (``acks_undeliverable``). Either way the
+producer resends what it saw no ack for, and the resend is acked as a duplicate.
 
 *send* (ROUTER, consumers connect with ROUTER): deliveries ``[queue id, message id, sent
 µs, ack timeout µs, "", *body]`` as the consumer sees them. The message id is the
@@ -160,6 +165,7 @@ EXTRA_MONITOR_KEYS: Final = (
     "bad_frames",
     "unknown_acks",
     "acks_undeliverable",
+    "acks_dropped",
     "commits",
     "segments",
     "errors",
@@ -174,7 +180,13 @@ _PRODUCER_WINDOW_S: Final = 60.0  # "producers" counts identities seen this rece
 _TOMBSTONE_DELAY_S: Final = 0.05  # acks alone are committed after at most this long...
 _TOMBSTONE_BATCH: Final = 4096  # ...or once this many are buffered
 _BACKLOG_RETRY_S: Final = 0.01  # retry acks a producer's full pipe refused
-_MAX_BACKLOG: Final = 1_000_000  # beyond this, undeliverable acks are dropped (counted)
+DEFAULT_ACK_BACKLOG: Final = 10_000
+"""Default ``ack_backlog``: most acks kept for one producer whose pipe is full."""
+# Bounds over all producers' ack backlogs (memory, and the cost of one retry round):
+# past either, the producer whose backlog is oldest loses its oldest ack.
+_MAX_BACKLOG_TOTAL: Final = 1_000_000
+_MAX_BACKLOG_PRODUCERS: Final = 1024
+_MAX_WARNED: Final = 4096  # producers remembered as already logged for dropped acks
 _SUCCESS_TAIL: Final = (ACK_SUCCESS, DELIMITER, b"")
 _TICK_S: Final = 0.1  # refresh stats() and retry consumers whose pipes were full
 _IDLE_S: Final = 1.0  # no producer message for this long: tidy the store
@@ -235,6 +247,16 @@ def _curve_keys(secret: str | bytes) -> tuple[bytes, bytes]:
     return key, zmq.curve_public(key)
 
 
+class _AckBacklog:
+    """Acks one producer's full pipe refused, oldest first: a message id (a success
+    ack, the hot case, stored small) or the whole ack after the routing id."""
+
+    __slots__ = ("acks",)
+
+    def __init__(self) -> None:
+        self.acks: deque[bytes | tuple[bytes, ...]] = deque()
+
+
 class _Consumer:
     __slots__ = ("ident", "ready")
 
@@ -257,6 +279,10 @@ class QueueBroker:
         Seconds a consumer has to ack a delivery before it is requeued (> 0).
     hwm
         High-water mark, messages per peer, of the receive and send sockets (0: none).
+    ack_backlog
+        Most acks kept for one producer whose pipe is full (it reads no acks) beyond
+        ``hwm``; past this its oldest are dropped (``acks_dropped``), and it gets them by
+        resending (acked as duplicates).
     inflight
         Most unacked deliveries per consumer (>= 1).
     curve_secret_key
@@ -297,6 +323,7 @@ class QueueBroker:
         monitor: str | None = "tcp://127.0.0.1:*",
         ack_timeout: float = 5.0,
         hwm: int = 10_000,
+        ack_backlog: int = DEFAULT_ACK_BACKLOG,
         inflight: int = 1000,
         curve_secret_key: str | bytes | None = None,
         queue_id: bytes | None = None,
@@ -335,6 +362,8 @@ class QueueBroker:
         self._endpoints_wanted = (receive, send, monitor)
         self._ack_timeout_us = max(1, round(ack_timeout * 1e6))
         self._hwm = _check_count("hwm", hwm, 0)
+        self._ack_backlog = _check_count("ack_backlog", ack_backlog, 1)
+        self._backlog_total = max(_MAX_BACKLOG_TOTAL, self._ack_backlog)
         self._inflight_limit = _check_count("inflight", inflight, 1)
         self._max_batch = _check_count("max_batch", max_batch, 1)
         self._linger = _check_count("linger_ms", linger_ms, 0)
@@ -369,6 +398,7 @@ class QueueBroker:
                 "bad_frames",
                 "unknown_acks",
                 "acks_undeliverable",
+                "acks_dropped",
                 "bad_monitor_requests",
                 "errors",
             ),
@@ -633,7 +663,12 @@ class QueueBroker:
         # True, or False if that commit failed; they travel with the acks.
         self._durable_cbs: list[Callable[[bool], None]] = []
         self._ticket_cbs: list[Callable[[bool], None]] = []
-        self._backlog: deque[list[bytes]] = deque()  # ack frames refused with EAGAIN
+        # Acks refused with EAGAIN, per producer routing id; dict order = since when
+        # each backlog is non-empty (oldest first). _backlogged counts all their acks.
+        self._backlogs: dict[bytes, _AckBacklog] = {}
+        self._backlogged = 0
+        self._next_flush = 0.0
+        self._warned: set[bytes] = set()  # producers logged for dropped acks
         self._tombstones_since = 0.0
         self._next_prune = time.monotonic() + _PRODUCER_WINDOW_S
         self._next_tick = 0.0
@@ -695,8 +730,8 @@ class QueueBroker:
             return 0
         now = time.monotonic()
         wait = max(0.0, self._next_tick - now)
-        if self._backlog:
-            wait = _BACKLOG_RETRY_S
+        if self._backlogs:
+            wait = min(wait, max(0.0, self._next_flush - now) + 0.001)
         if store.pending_tombstones and self._ticket is None:
             wait = min(wait, max(0.0, self._tombstones_since + _TOMBSTONE_DELAY_S - now))
         deadline = self._inflight.next_deadline()
@@ -720,7 +755,7 @@ class QueueBroker:
                 self._send_acks(self._acks)
                 self._run_durable_cbs(self._take_durable_cbs(), True)
             self._acks = []
-        self._flush_backlog()
+        self._flush_backlogs()
 
     # ------------------------------------------------------------------ producers
 
@@ -855,19 +890,19 @@ class QueueBroker:
         self._run_durable_cbs(cbs, True)
 
     def _send_acks(self, acks: list[tuple[bytes, bytes]]) -> None:
-        if self._backlog:
-            self._flush_backlog()
+        backlogs = self._backlogs
+        if backlogs:
+            self._flush_backlogs()
         rx = self._rx
         for ident, message_id in acks:
-            # [id, "1", "", ""] is encode_producer_ack(ProducerAck(id, True, "")).
-            frames = [ident, message_id, *_SUCCESS_TAIL]
-            if self._backlog:
-                self._defer_ack(frames)
+            if backlogs and ident in backlogs:  # keep each producer's acks in order
+                self._defer_ack(ident, message_id)
                 continue
             try:
-                _send_frames(rx, frames)
-            except zmq.Again:
-                self._defer_ack(frames)
+                # [id, "1", "", ""] is encode_producer_ack(ProducerAck(id, True, "")).
+                _send_frames(rx, (ident, message_id, *_SUCCESS_TAIL))
+            except zmq.Again:  # this producer's pipe is full (ROUTER_MANDATORY)
+                self._defer_ack(ident, message_id)
             except zmq.ZMQError:  # EHOSTUNREACH: the producer went away
                 self.counters["acks_undeliverable"] += 1
 
@@ -876,31 +911,105 @@ class QueueBroker:
             self._send_producer_ack(ident, message_id, False, reason)
 
     def _send_producer_ack(self, ident: bytes, message_id: bytes, ok: bool, reason: str) -> None:
-        frames = [ident, *encode_producer_ack(ProducerAck(message_id, ok, reason))]
+        ack = tuple(encode_producer_ack(ProducerAck(message_id, ok, reason)))
+        if ident in self._backlogs:
+            self._defer_ack(ident, ack)
+            return
         try:
-            _send_frames(self._rx, frames)
+            _send_frames(self._rx, (ident, *ack))
         except zmq.Again:
-            self._defer_ack(frames)
+            self._defer_ack(ident, ack)
         except zmq.ZMQError:
             self.counters["acks_undeliverable"] += 1
 
-    def _defer_ack(self, frames: list[bytes]) -> None:
-        if len(self._backlog) >= _MAX_BACKLOG:
-            # The producer reads no acks; it will resend and get a duplicate's ack.
-            self.counters["acks_undeliverable"] += 1
-            return
-        self._backlog.append(frames)
+    def _defer_ack(self, ident: bytes, ack: bytes | tuple[bytes, ...]) -> None:
+        """Keep an ack that ``ident``'s full pipe refused, for :meth:`_flush_backlogs`.
 
-    def _flush_backlog(self) -> None:
-        backlog = self._backlog
-        while backlog:
-            try:
-                _send_frames(self._rx, backlog[0])
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                self.counters["acks_undeliverable"] += 1
-            backlog.popleft()
+        Bounded: one producer keeps at most ``ack_backlog`` acks, all together at most
+        ``_MAX_BACKLOG_TOTAL`` acks of ``_MAX_BACKLOG_PRODUCERS`` producers. Past a bound
+        an oldest ack is dropped. That is safe: an ack only tells the producer it may
+        forget a message. A producer resends what it has no ack for (spec: it "should
+        maintain a list of messages sent ... and mark off acknowledged IDs"), and the
+        store's duplicate window (ids of the last ``dedup_window`` messages, see
+        :meth:`MessageStore.put`) turns the resend into a duplicate that is acked and not
+        stored again; a resend later than the window is stored twice (at least once, as
+        for any lost ack). A producer this far behind reads no acks anyway.
+        """
+        backlogs = self._backlogs
+        backlog = backlogs.get(ident)
+        if backlog is None:
+            if len(backlogs) >= _MAX_BACKLOG_PRODUCERS:  # the one stuck longest loses all
+                self._drop_backlog(next(iter(backlogs)))
+            backlog = backlogs[ident] = _AckBacklog()
+        elif len(backlog.acks) >= self._ack_backlog:
+            backlog.acks.popleft()  # its oldest, to make room (it stays non-empty)
+            self._backlogged -= 1
+            self._count_dropped(ident, 1)
+        backlog.acks.append(ack)
+        self._backlogged += 1
+        if self._backlogged > self._backlog_total:
+            self._drop_oldest_ack()
+
+    def _drop_oldest_ack(self) -> None:
+        """Drop the oldest ack of the producer whose backlog is the oldest, counted and
+        logged once per producer."""
+        backlogs = self._backlogs
+        ident = next(iter(backlogs))
+        acks = backlogs[ident].acks
+        acks.popleft()
+        self._backlogged -= 1
+        if not acks:
+            del backlogs[ident]
+        self._count_dropped(ident, 1)
+
+    def _drop_backlog(self, ident: bytes) -> None:
+        backlog = self._backlogs.pop(ident)
+        self._backlogged -= len(backlog.acks)
+        self._count_dropped(ident, len(backlog.acks))
+
+    def _count_dropped(self, ident: bytes, n: int) -> None:
+        self.counters["acks_dropped"] += n
+        warned = self._warned
+        if ident not in warned:
+            if len(warned) >= _MAX_WARNED:
+                warned.clear()
+            warned.add(ident)
+            log.warning(
+                "queue: producer %r reads no acks (its pipe is full and its ack backlog "
+                "too): dropping its oldest acks; it gets them by resending (acked as "
+                "duplicates). Logged once per producer; see acks_dropped",
+                ident,
+            )
+
+    def _flush_backlogs(self) -> None:
+        """Send what each producer's backlog holds, oldest first, until its pipe is full
+        again: a refusal for one producer does not stop the others (``ROUTER_MANDATORY``
+        refuses per peer)."""
+        self._next_flush = time.monotonic() + _BACKLOG_RETRY_S
+        backlogs = self._backlogs
+        rx = self._rx
+        sent = 0
+        for ident, backlog in list(backlogs.items()):
+            acks = backlog.acks
+            while acks:
+                ack = acks[0]
+                try:
+                    if isinstance(ack, bytes):
+                        _send_frames(rx, (ident, ack, *_SUCCESS_TAIL))
+                    else:
+                        _send_frames(rx, (ident, *ack))
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # EHOSTUNREACH: gone, so are the rest of its acks
+                    self.counters["acks_undeliverable"] += len(acks)
+                    sent += len(acks)
+                    acks.clear()
+                    break
+                acks.popleft()
+                sent += 1
+            if not acks:
+                del backlogs[ident]
+        self._backlogged -= sent
 
     # ------------------------------------------------------------------ consumers
 
@@ -996,9 +1105,9 @@ class QueueBroker:
             self.counters["expired_messages"] += len(expired)
             for consumer in self._consumers.values():
                 self._make_ready(consumer)
-        if self._backlog:
-            self._flush_backlog()
         now = time.monotonic()
+        if self._backlogs and now >= self._next_flush:
+            self._flush_backlogs()
         if now >= self._next_prune:
             self._next_prune = now + _PRODUCER_WINDOW_S
             floor = now - _PRODUCER_WINDOW_S
@@ -1111,6 +1220,7 @@ class QueueBroker:
             "bad_frames": c["bad_frames"],
             "unknown_acks": c["unknown_acks"],
             "acks_undeliverable": c["acks_undeliverable"],
+            "acks_dropped": c["acks_dropped"],
             "commits": s.commits,
             "segments": s.segments,
             "errors": c["errors"],
@@ -1144,6 +1254,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hwm", type=int, default=10_000, metavar="N", help="socket high-water mark")
     p.add_argument("--inflight", type=int, default=1000, metavar="N", help="per-consumer limit")
+    p.add_argument(
+        "--ack-backlog", type=int, default=DEFAULT_ACK_BACKLOG, metavar="N",
+        help="most acks kept for a producer that reads none (older ones are dropped)",
+    )  # fmt: skip
     p.add_argument(
         "--curve-secret",
         metavar="KEY",
@@ -1205,6 +1319,7 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             monitor=None if args.monitor.lower() == "none" else args.monitor,
             ack_timeout=args.ack_timeout,
             hwm=args.hwm,
+            ack_backlog=args.ack_backlog,
             inflight=args.inflight,
             curve_secret_key=secret,
             queue_id=args.queue_id.encode() if args.queue_id else None,
