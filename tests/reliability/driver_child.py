@@ -1,0 +1,124 @@
+"""A Spark driver for the reliability suite, run as a child so it can be SIGKILLed.
+
+Usage::
+
+    python driver_child.py source ENDPOINT CKPT OUT SPOOL PER_TRIGGER BACKLOG CREDIT
+    python driver_child.py sink ENDPOINT CKPT ROWS_PER_BATCH SEED FAIL_PROB
+
+``source``: ``readStream.format("zio")`` from one producer -> parquet files in ``OUT``.
+``sink``: ``rate-micro-batch`` -> a UDF that fails some tasks (seeded, first attempt only,
+after part of the partition went out) -> ``writeStream.format("zio")``, on
+``local[2,4]`` so failed tasks are retried.
+
+Prints ``STARTED <query id>`` once the query runs, then runs until killed (SIGKILL) or
+stopped (SIGTERM); prints ``QUERY_EXCEPTION`` and exits 1 if the query fails.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from pyspark.sql import SparkSession
+from pyspark.sql.functions import udf
+
+# As tests/spark/conftest.py: loopback only, no UI, few shuffle partitions.
+CONF = {
+    "spark.ui.enabled": "false",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.session.timeZone": "UTC",
+}
+FAIL_AT = 900  # a doomed task attempt fails at this row (earlier rows went out)
+PAD = 200  # bytes per sink value
+ARROW_CONF, ARROW_ROWS = "spark.sql.execution.arrow.maxRecordsPerBatch", 100
+
+
+def session(master: str, name: str, extra: dict[str, str] | None = None) -> SparkSession:
+    builder = SparkSession.builder.master(master).appName(name)
+    for key, value in {**CONF, **(extra or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def source_query(argv: list[str]):
+    endpoint, ckpt, out, spool, per_trigger, backlog, credit = argv
+    spark = session("local[2]", "zio-chaos-source")
+    df = (
+        spark.readStream.format("zio")
+        .option("endpoints", endpoint)
+        .option("spoolPath", spool)
+        .option("maxRecordsPerTrigger", per_trigger)
+        .option("maxBacklog", backlog)
+        .option("credit", credit)
+        .option("connectTimeout", "60s")
+        .load()
+        .select("producer", "seq", "value")
+    )
+    return (
+        df.writeStream.format("parquet")
+        .option("path", out)
+        .option("checkpointLocation", ckpt)
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+
+
+def sink_query(argv: list[str]):
+    endpoint, ckpt, rows, seed, prob = argv
+    seed_i, prob_f = int(seed), float(prob)
+    # Arrow batches of ARROW_ROWS rows towards the writer: a failing attempt has sent some.
+    spark = session("local[2,4]", "zio-chaos-sink", {ARROW_CONF: str(ARROW_ROWS)})
+    seen: dict[int, int] = {}  # rows per task attempt, in each Python worker
+
+    @udf("string")
+    def flaky(v: int) -> str:
+        import random
+
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        n = seen[tc.taskAttemptId()] = seen.get(tc.taskAttemptId(), 0) + 1
+        if n == FAIL_AT and tc.attemptNumber() == 0:
+            batch = tc.getLocalProperty("streaming.sql.batchId")
+            if random.Random(f"{seed_i}/{batch}/{tc.partitionId()}").random() < prob_f:
+                raise RuntimeError(
+                    f"injected task failure: batch {batch} partition {tc.partitionId()}"
+                )
+        # Padded (int() ignores the spaces) so that rows before a failure fill Spark's
+        # 64 KiB buffer towards the writer and reach the consumer's staging.
+        return str(v).rjust(PAD)
+
+    df = (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", int(rows))
+        .option("numPartitions", 2)
+        .load()
+        .select(flaky("value").alias("value"))
+    )
+    return (
+        df.writeStream.format("zio")
+        .option("endpoint", endpoint)
+        .option("stream", "chaos")
+        .option("connectTimeout", "30s")
+        .option("checkpointLocation", ckpt)
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+
+
+def main() -> int:
+    mode, *argv = sys.argv[1:]
+    query = {"source": source_query, "sink": sink_query}[mode](argv)
+    print("STARTED", query.id, flush=True)
+    try:
+        query.awaitTermination()  # returns or raises only when the query ends by itself
+    except Exception as e:
+        print("QUERY_EXCEPTION", e, flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""A replayable producer for the reliability suite, run as a child so it can be SIGKILLed.
+
+Usage: ``python producer_child.py BIND PRODUCER_ID COUNT RATE`` (records/s, 0: no limit).
+
+Record ``s`` (1-based) is always ``b"r<s>"``, as from an instrument that can re-read
+its data. The :class:`~zio_spark.transport.producer.Producer` keeps unacknowledged records
+in memory only, so a killed producer loses what it held; on restart (same id, same
+endpoint) it waits for the taker's BOT, whose ``resume`` moves its numbering on to the
+last record the source holds, and produces from there: so the source decides where a
+restarted producer resumes, and any gap or overlap would show in the output.
+
+Prints ``ENDPOINT <ep>``, ``RESUME <seq>`` once a taker is attached, ``SENT <count>``
+when everything is queued, then waits to be killed or terminated.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import zmq
+
+from zio_spark.errors import TransportError
+from zio_spark.transport.producer import Producer
+
+CHUNK = 1000
+BIND_RETRY_S = 15.0
+TAKER_WAIT_S = 600.0
+
+
+def bind(endpoint: str, producer_id: str) -> Producer:
+    """The previous incarnation's listener may still be going away: retry briefly."""
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            return Producer(endpoint, producer_id=producer_id, linger_ms=0, max_unacked=200_000)
+        except (TransportError, zmq.ZMQError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def main() -> int:
+    endpoint, producer_id = sys.argv[1:3]
+    count, rate = int(sys.argv[3]), float(sys.argv[4])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    prod = bind(endpoint, producer_id)
+    print("ENDPOINT", prod.endpoint, flush=True)
+    deadline = time.monotonic() + TAKER_WAIT_S
+    while not prod.connected:
+        if time.monotonic() > deadline:
+            print("NO_TAKER", flush=True)
+            return 1
+        time.sleep(0.02)
+    resume = prod.last_seq  # the taker's resume, or 0 on a fresh source
+    print("RESUME", resume, flush=True)
+    seq = resume + 1
+    started = time.monotonic()
+    while seq <= count:
+        n = min(CHUNK, count - seq + 1)
+        if rate > 0:  # paced, so that the stream spans the kills
+            ahead = started + (seq - resume - 1 + n) / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        last = prod.send_many([b"r%d" % s for s in range(seq, seq + n)], timeout=None)
+        if last != seq + n - 1:
+            print(f"NUMBERING queued {seq}..{seq + n - 1} got last {last}", flush=True)
+            return 1
+        seq += n
+    print("SENT", count, flush=True)
+    while True:
+        time.sleep(1.0)  # serve resends until killed or terminated
+
+
+if __name__ == "__main__":
+    sys.exit(main())
