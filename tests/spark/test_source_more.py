@@ -274,3 +274,31 @@ def test_user_schema_wrong_type_is_a_clear_error(spark, producers, tmp_path):
     assert "option 'schema'" in text
     assert "column value of type binary" in text
     assert prod.stats["takers"] == 0  # failed before connecting to anything
+
+
+def test_a_full_backlog_already_read_by_spark_does_not_stall_the_query(spark, producers, tmp_path):
+    """Spark calls commit() for a batch only when it plans the next one, and never for the
+    last batch of an availableNow run. A later run starts after that batch, so the
+    records it covered are done: they must not count as backlog. (Found by the chaos
+    suite: with the backlog at maxBacklog, no credit, no data, no batch, no commit().)"""
+    prod = producers("stall")
+    prod.send_many([b"r%d" % i for i in range(1, 3001)])
+    seqs: list[int] = []
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(**trigger):
+        df = _stream(spark, prod.endpoint, tmp_path, maxBacklog=1000, credit=10).load()
+        w = df.writeStream.foreachBatch(
+            lambda b, _i: seqs.extend(r.seq for r in b.select("seq").collect())
+        )
+        return w.option("checkpointLocation", ckpt).trigger(**trigger).start()
+
+    first = run(availableNow=True)
+    assert first.awaitTermination(120)
+    assert 0 < len(seqs) <= 1000
+    second = run(processingTime="200 milliseconds")
+    try:
+        _wait(lambda: len(seqs) >= 3000, 90, "the rest of the records after a full backlog")
+    finally:
+        second.stop()
+    assert sorted(seqs) == list(range(1, 3001))
