@@ -928,3 +928,14 @@ def test_multipart_messages_keep_their_frames(make_server, make_client, tcp_any)
         client.send(m)
     got = [server_recv(server)[1] for _ in sent]
     assert got == sent
+
+
+def test_a_bad_part_leaves_nothing_half_sent(make_server, make_client, tcp_any):
+    server, client = make_server(), make_client()
+    client.connect(server.bind(tcp_any))
+    with pytest.raises(TypeError):
+        client.send(flow({"flow": "DAT"}, seqno=1, payload=[b"ok", "not bytes"]))
+    good = flow({"flow": "DAT"}, seqno=2, payload=[b"second"])
+    client.send(good)
+    assert server_recv(server)[1] == good  # whole, and alone
+    assert server.recv(50) is None

@@ -585,3 +585,27 @@ def test_stop_is_prompt(ctx, spool, closing):
         assert took < 1.0, f"stop took {took:.2f} s"
     finally:
         silent.close(0)
+
+
+def test_a_spool_append_error_fails_that_flow_not_the_receiver(ctx, spool, closing, monkeypatch):
+    """Records a spool refuses (e.g. a batch too big for one WAL record) end that
+    producer's flow, which reconnects and resends; the receiver thread keeps going."""
+    prod = _producer(ctx, closing, "p1")
+    n = 5000
+    prod.send_many([b"r%d" % i for i in range(n)])
+    real = spool.append_batch
+    refused = []
+
+    def refuse_once(producer, batch):
+        if not refused:
+            refused.append(batch.num_rows)
+            raise ValueError("append batch too large for one WAL record: (test)")
+        return real(producer, batch)
+
+    monkeypatch.setattr(spool, "append_batch", refuse_once)
+    r = _receiver(closing, spool, [prod.endpoint], ctx)
+    _wait(lambda: _held(spool, "p1") == n, what="all records after the refused append")
+    assert refused and r.error is None
+    (st,) = r.status()
+    assert st.failures >= 1 and "cannot store records" in (st.last_error or "")
+    assert [s for s, _ in _contents(spool, "p1")] == list(range(1, n + 1))

@@ -577,6 +577,27 @@ def test_a_full_table_refuses_new_nodes_until_a_place_frees_up() -> None:
     ]
 
 
+def test_forged_beacons_repeated_cannot_hold_the_last_places() -> None:
+    # Three greeted peers and one forged UUID re-sent forever fill a table of 4: a real
+    # newcomer still gets in, by its beacon or its HELLO, evicting the forged entry.
+    table = PeerTable(ME, max_peers=4, max_unconfirmed=2)
+    greeted = _uuids(3, base=5)
+    for u in greeted:
+        table.on_beacon(Beacon(u, 50000), "10.0.0.2", 0.0)
+        table.on_message(u, hello(), 0.0)
+    forged = UUID(int=77)
+    for t in range(5):
+        table.on_beacon(Beacon(forged, 9), "127.0.0.1", float(t))
+    real = UUID(int=88)
+    events = table.on_message(real, hello(endpoint="tcp://10.0.0.9:1"), 6.0)
+    assert DropAction(forged, DropReason.CROWDED, "newer unconfirmed peers") in events
+    assert any(isinstance(e, EnterEvent) for e in events)
+    assert real in table and table.refused == 0
+    # Now every place holds a greeted peer: the forged node is refused, not let in.
+    assert table.on_beacon(Beacon(forged, 9), "127.0.0.1", 7.0) == []
+    assert forged not in table and table.refused == 1
+
+
 def test_beacon_new_peer_connects_once() -> None:
     table = PeerTable(ME)
     assert table.on_beacon(Beacon(A, 49152), "192.168.1.7", 0.0) == [

@@ -947,8 +947,9 @@ class PeerTable:
     - Bounds (the spec has none; each peer costs the transport a socket): at most
       ``max_unconfirmed`` peers known only from a beacon wait for their HELLO; a newer
       one evicts the oldest (DROP with :attr:`DropReason.CROWDED`), so a flood of forged
-      beacons cannot lock real peers out. At most ``max_peers`` in all: beyond that a
-      new node is ignored (counted in :attr:`refused`) until a place frees up.
+      beacons cannot lock real peers out. At most ``max_peers`` in all: a newcomer
+      then evicts the oldest peer not yet greeted, and only when every place holds a
+      greeted peer is it ignored (counted in :attr:`refused`) until a place frees up.
 
     Parameters
     ----------
@@ -1080,10 +1081,7 @@ class PeerTable:
             return self._remove(record, DropReason.LEAVING, "port-0 beacon")
         if record is None:
             endpoint = tcp_endpoint(addr_host, beacon.port)
-            events: list[Event] = []
-            if len(self._unconfirmed) >= self.max_unconfirmed:
-                oldest = self._peers[next(iter(self._unconfirmed))]
-                events += self._remove(oldest, DropReason.CROWDED, "newer unconfirmed peers")
+            events = self._make_room(len(self._unconfirmed) >= self.max_unconfirmed)
             if len(self._peers) >= self.max_peers:
                 self.refused += 1
                 return events
@@ -1259,6 +1257,7 @@ class PeerTable:
         if record is None:
             if not cmd.endpoint:
                 return events  # nowhere to connect back to; the spec says discard
+            events += self._make_room(False)
             if len(self._peers) >= self.max_peers:
                 self.refused += 1
                 return events
@@ -1286,6 +1285,16 @@ class PeerTable:
     def _refresh(self, record: _PeerRecord, now: float) -> None:
         record.last_seen = max(record.last_seen, now)
         record.evasive = False
+
+    def _make_room(self, crowded: bool) -> list[Event]:
+        """Evict the oldest peer known only from a beacon if ``crowded`` or the table is
+        full: a peer that said HELLO (or is saying it now) always wins over one that has
+        not, so refusals only ever fall on newcomers when every place holds a greeted peer.
+        """
+        if self._unconfirmed and (crowded or len(self._peers) >= self.max_peers):
+            oldest = self._peers[next(iter(self._unconfirmed))]
+            return self._remove(oldest, DropReason.CROWDED, "newer unconfirmed peers")
+        return []
 
     def _remove(self, record: _PeerRecord, reason: DropReason, detail: str) -> list[Event]:
         del self._peers[record.uuid]

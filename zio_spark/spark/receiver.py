@@ -105,6 +105,7 @@ class _Peer:
     pending_batches: list[pa.RecordBatch] = field(default_factory=list)
     pending_records: list[Record] = field(default_factory=list)
     pending_last: int = 0
+    pending_bytes: int = 0
 
 
 class Receiver:
@@ -373,6 +374,7 @@ class Receiver:
 
     def _drain(self, peer: _Peer, now: float) -> bool:
         assert peer.port is not None
+        appended = False
         for _ in range(10_000):
             if peer.port is None or peer.flow is None:
                 break
@@ -393,21 +395,24 @@ class Receiver:
                 self.stats["dropped"] += 1
                 self._fail(peer, f"{type(e).__name__}: {e}", now)
                 break
+            if peer.pending_bytes >= _PENDING_BYTES_MAX:
+                appended |= self._append_pending(peer, now)
         # What arrived before a failure was valid and in order: it is kept.
-        return self._append_pending(peer)
+        return self._append_pending(peer, now) or appended
 
-    def _append_pending(self, peer: _Peer) -> bool:
+    def _append_pending(self, peer: _Peer, now: float) -> bool:
         """Append what the drain took in; True if anything new reached the spool."""
         batches, records = peer.pending_batches, peer.pending_records
         if not batches and not records:
             return False
         peer.pending_batches, peer.pending_records, peer.pending_last = [], [], 0
+        peer.pending_bytes = 0
         producer = peer.producer
         assert producer is not None
         total = sum(b.num_rows for b in batches) + len(records)
         try:
             if batches:
-                one = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+                one = batches[0] if len(batches) == 1 else _concat(batches)
                 new = self.spool.append_batch(producer, one)
             else:
                 new = self.spool.append(producer, records)
@@ -421,6 +426,12 @@ class Receiver:
             if peer.flow is not None:
                 self._end_flow(peer, eot=True)
             peer.retry_at = float("inf")
+            return False
+        except (ValueError, pa.ArrowException) as e:
+            # Records the spool cannot take (e.g. too large for one WAL record): this
+            # peer's flow fails, as it would have on the DAT; the others go on.
+            self.stats["dropped"] += 1
+            self._fail(peer, f"cannot store records: {type(e).__name__}: {e}", now)
             return False
         peer.status.records += new
         peer.status.duplicates += total - new
@@ -496,6 +507,7 @@ class Receiver:
                 self.stats["duplicate_dats"] += 1
                 return
             peer.pending_batches.append(wal)
+            peer.pending_bytes += wal.nbytes
             peer.pending_last = max(held, first + batch.num_rows - 1)
             return
         else:
@@ -511,6 +523,7 @@ class Receiver:
                 Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
             ]
         peer.pending_records.extend(records)
+        peer.pending_bytes += len(value)
         peer.pending_last = held + 1
 
     def _start_at(self, producer: str, first: int) -> int:
@@ -559,6 +572,17 @@ class Receiver:
 
 
 _U64 = 1 << 64
+# A drain appends early past this many bytes: one append stays well inside Arrow's 2 GiB
+# binary offsets and a WAL record's 4 GiB, and memory stays bounded.
+_PENDING_BYTES_MAX = 64 << 20
+
+
+def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One batch from many of the same schema (``pa.concat_batches`` needs pyarrow 19)."""
+    concat = getattr(pa, "concat_batches", None)
+    if concat is not None:
+        return concat(batches)  # type: ignore[no-any-return]
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
 
 
 def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:

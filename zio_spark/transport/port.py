@@ -149,6 +149,12 @@ def _send_parts(sock: zmq.Socket[bytes], parts: Sequence[bytes]) -> None:
     ``zmq.Again`` can only come from the first frame (nothing queued then): libzmq takes
     a message's further frames once it has taken the first.
     """
+    for p in parts:
+        if type(p) is not bytes:
+            # pyzmq checks every part before sending any: a part of the wrong type must
+            # not leave half a message queued, to be glued onto the next one.
+            sock.send_multipart(parts, _NB)
+            return
     send = sock.send
     last = len(parts) - 1
     for i in range(last):

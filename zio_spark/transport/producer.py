@@ -56,6 +56,8 @@ __all__ = ["Producer"]
 
 log = logging.getLogger("zio_spark.transport")
 
+_SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
+
 
 class _Taker(FlowHandler):
     def __init__(self, producer: Producer) -> None:
@@ -166,8 +168,14 @@ class Producer:
         if max_unacked < 1:
             raise ValueError(f"max_unacked must be >= 1, got {max_unacked}")
         self.ctx = ctx or zmq.Context.instance()
+        # The send queue bounds the credit a taker gets (FlowServer lowers larger offers
+        # to it); DATs go out only within credit, so this is a bound, not a buffer.
         port = ServerPort(
-            self.ctx, mode=mode, linger_ms=linger_ms, curve_secret_key=curve_secret_key
+            self.ctx,
+            mode=mode,
+            linger_ms=linger_ms,
+            curve_secret_key=curve_secret_key,
+            sndhwm=_SEND_QUEUE,
         )
         try:
             self.endpoint = port.bind(bind)
