@@ -269,6 +269,12 @@ def run_driver(args: argparse.Namespace) -> int:
             .config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.sql.shuffle.partitions", "2")
             .config("spark.driver.memory", args.driver_memory)
+            .config(
+                "spark.driver.extraJavaOptions",
+                # The heap committed and touched up front: RSS growth is then what is
+                # allocated beyond it (a leak), not the JVM sizing its heap up lazily.
+                f"-Xms{args.driver_memory} -XX:+AlwaysPreTouch" if args.fixed_heap else "",
+            )
             .getOrCreate()
         )
         spark.sparkContext.setLogLevel("ERROR")
@@ -412,6 +418,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--driver-memory",
         default="1g",
         help="spark.driver.memory (the JVM heap bound; unbounded default heaps grow lazily)",
+    )
+    p.add_argument(
+        "--fixed-heap",
+        action="store_true",
+        help="start the JVM with its whole heap committed and touched (-Xms = driver "
+        "memory, AlwaysPreTouch), so heap sizing does not show as RSS growth",
     )
     p.add_argument("--out", default="bench/results/soak")
     p.add_argument("--verbose", action="store_true", help="print every sample")
