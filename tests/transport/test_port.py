@@ -468,8 +468,15 @@ def test_bad_options_are_config_errors(ctx, kwargs, option):
 
 
 def test_bad_timeout_is_a_config_error(make_client):
+    client = make_client()
     with pytest.raises(ConfigError):
-        make_client().recv(-5)
+        client.recv(-5)
+    # A good timeout, checked once and remembered, must not let a bad one through.
+    assert client.recv(1) is None
+    for bad in (True, float("nan"), "1", -1):
+        with pytest.raises(ConfigError):
+            client.recv(bad)  # type: ignore[arg-type]
+    assert client.recv(1.0) is None
 
 
 # ------------------------------------------------------------------------------- bad input

@@ -212,11 +212,12 @@ class FlowEndpoint:
         """
         if self._pending_eot is not None:
             return False
-        deadline = _deadline(timeout)
-        while self.flow.credit <= 0:
-            event = self._next(deadline, "credit (PAY)", timeout)
-            if not self._handle_giver_event(event):
-                return False
+        if self.flow.credit <= 0:
+            deadline = _deadline(timeout)
+            while self.flow.credit <= 0:
+                event = self._next(deadline, "credit (PAY)", timeout)
+                if not self._handle_giver_event(event):
+                    return False
         if attrs:
             self.channel.send(self.flow.send_dat(payload, attrs))
         else:  # the fast lane: no Message for a plain DAT

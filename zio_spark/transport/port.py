@@ -74,6 +74,7 @@ server's public key is accepted.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -456,6 +457,11 @@ class _Port:
             sock.close(linger=0)
             raise
         self._rcvtimeo = -1  # libzmq's default; _recv_with sets it per call
+        self._timeout_arg: object = None  # the last timeout_ms checked (and its type)
+        self._timeout_type: type = type(None)
+        # The receive operations, bound once (not a closure made per message).
+        self._op_parts: Callable[[int], list[bytes]] = functools.partial(_recv_parts, sock)
+        self._op_frame: Callable[[int], zmq.Frame] = functools.partial(sock.recv, copy=False)
         self._pollout = zmq.Poller()
         self._pollout.register(sock, zmq.POLLOUT)
 
@@ -551,11 +557,13 @@ class _Port:
         NOBLOCK attempt and a poll: when the peer is slower than us, that costs a raised
         ``zmq.Again`` and a poll call per message, which is most of a hot loop's time.
         """
-        ms = min(math.ceil(_check_timeout(timeout_ms)), _MAX_TIMEOUT_MS)
         try:
-            if ms != self._rcvtimeo:
-                self._sock.setsockopt(zmq.RCVTIMEO, ms)
-                self._rcvtimeo = ms
+            if timeout_ms != self._timeout_arg or type(timeout_ms) is not self._timeout_type:
+                ms = min(math.ceil(_check_timeout(timeout_ms)), _MAX_TIMEOUT_MS)
+                if ms != self._rcvtimeo:
+                    self._sock.setsockopt(zmq.RCVTIMEO, ms)
+                    self._rcvtimeo = ms
+                self._timeout_arg, self._timeout_type = timeout_ms, type(timeout_ms)
             return op(0)
         except zmq.Again:
             return None
@@ -563,12 +571,10 @@ class _Port:
             raise self._transport_error("recv failed", e) from e
 
     def _recv_multipart(self, timeout_ms: float) -> list[bytes] | None:
-        sock = self._sock
-        return self._recv_with(lambda flags: _recv_parts(sock, flags), timeout_ms)
+        return self._recv_with(self._op_parts, timeout_ms)
 
     def _recv_frame(self, timeout_ms: float) -> zmq.Frame | None:
-        sock = self._sock
-        return self._recv_with(lambda flags: sock.recv(flags, copy=False), timeout_ms)
+        return self._recv_with(self._op_frame, timeout_ms)
 
     def _send(
         self, attempt: Callable[[], object], timeout_ms: float | None, peer: PeerId | None
@@ -1099,6 +1105,15 @@ class ClientPort(_Port):
         sock = self._sock
         if self._cs:
             data = codec.single(seqno, payload)
+            try:  # the common case, without a closure
+                sock.send(data, _NB)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                raise self._send_error(e, None) from e
+            else:
+                self.stats["sent"] += 1
+                return
 
             def attempt() -> object:
                 return sock.send(data, _NB)
