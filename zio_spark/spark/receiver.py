@@ -106,6 +106,7 @@ class _Peer:
     pending_records: list[Record] = field(default_factory=list)
     pending_last: int = 0
     pending_bytes: int = 0
+    pending_dats: int = 0
 
 
 class Receiver:
@@ -395,7 +396,7 @@ class Receiver:
                 self.stats["dropped"] += 1
                 self._fail(peer, f"{type(e).__name__}: {e}", now)
                 break
-            if peer.pending_bytes >= _PENDING_BYTES_MAX:
+            if peer.pending_bytes >= _PENDING_BYTES_MAX or peer.pending_dats >= _PENDING_DATS_MAX:
                 appended |= self._append_pending(peer, now)
         # What arrived before a failure was valid and in order: it is kept.
         return self._append_pending(peer, now) or appended
@@ -406,14 +407,15 @@ class Receiver:
         if not batches and not records:
             return False
         peer.pending_batches, peer.pending_records, peer.pending_last = [], [], 0
-        peer.pending_bytes = 0
+        peer.pending_bytes = peer.pending_dats = 0
         producer = peer.producer
         assert producer is not None
         total = sum(b.num_rows for b in batches) + len(records)
         try:
             if batches:
-                one = batches[0] if len(batches) == 1 else _concat(batches)
-                new = self.spool.append_batch(producer, one)
+                # One WAL record each: concatenating first costs a copy, and sealing
+                # regroups rows into large segment batches anyway.
+                new = sum(self.spool.append_batch(producer, b) for b in batches)
             else:
                 new = self.spool.append(producer, records)
         except DataLossError as e:
@@ -449,7 +451,11 @@ class Receiver:
         elif isinstance(event, Rejected):
             self._fail(peer, f"producer rejected the flow: {dict(event.attrs)}", now)
         elif isinstance(event, EotReceived):
-            if peer.flow.state is FlowState.EOT_RECEIVED and peer.port is not None:
+            # Everything before the EOT is in the spool before the flow reads as ended.
+            self._append_pending(peer, now)
+            if peer.port is None:  # the append failed this flow
+                return
+            if peer.flow.state is FlowState.EOT_RECEIVED:
                 peer.port.send(peer.flow.send_eot())
             peer.status.state = "ended"
             self._end_flow(peer, eot=False)
@@ -508,6 +514,7 @@ class Receiver:
                 return
             peer.pending_batches.append(wal)
             peer.pending_bytes += wal.nbytes
+            peer.pending_dats += 1
             peer.pending_last = max(held, first + batch.num_rows - 1)
             return
         else:
@@ -524,6 +531,7 @@ class Receiver:
             ]
         peer.pending_records.extend(records)
         peer.pending_bytes += len(value)
+        peer.pending_dats += 1
         peer.pending_last = held + 1
 
     def _start_at(self, producer: str, first: int) -> int:
@@ -572,17 +580,11 @@ class Receiver:
 
 
 _U64 = 1 << 64
-# A drain appends early past this many bytes: one append stays well inside Arrow's 2 GiB
-# binary offsets and a WAL record's 4 GiB, and memory stays bounded.
-_PENDING_BYTES_MAX = 64 << 20
-
-
-def _concat(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
-    """One batch from many of the same schema (``pa.concat_batches`` needs pyarrow 19)."""
-    concat = getattr(pa, "concat_batches", None)
-    if concat is not None:
-        return concat(batches)  # type: ignore[no-any-return]
-    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+# A drain appends every so many DATs or bytes: enough to spread an append's fixed cost
+# over many one-record DATs, small enough that records reach the spool (and the status
+# the availableNow trigger watches) steadily.
+_PENDING_BYTES_MAX = 8 << 20
+_PENDING_DATS_MAX = 256
 
 
 def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:
