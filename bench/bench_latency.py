@@ -22,9 +22,6 @@ run). Run: ``.venv/bin/python bench/bench_latency.py [--quick] [--out DIR]``.
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,10 +34,12 @@ from common import (
     fmt_spread,
     machine,
     md_table,
+    quick_args,
     ratio_spread,
-    spark_session,
+    spark_run,
     spread,
     write_json,
+    zio_stream,
 )
 
 TARGETS = {"p50": 0.5, "p99": 1.5}
@@ -121,15 +120,7 @@ def run_zio(spark: Any, work: Path, rate: float, seconds: float, warmup: float) 
     sink = _Collector("value")
     q = None
     try:
-        df = (
-            spark.readStream.format("zio")
-            .option("endpoints", prod.endpoint)
-            .option("spoolPath", str(work / f"spool-{time.time_ns()}"))
-            .option("spoolAccess", "local")
-            .option("connectTimeout", "60s")
-            .load()
-        )
-        q = _query(df, sink, work)
+        q = _query(zio_stream(spark, prod, work), sink, work)
         _wait(q, lambda: prod.connected, 120, "the source to connect")
         sender = SteadySender(prod, rate).start()
         try:
@@ -170,22 +161,19 @@ def run_rate(spark: Any, work: Path, rate: float, seconds: float, warmup: float)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rate", type=float, default=20_000, help="records/s")
-    ap.add_argument("--seconds", type=float, default=None, help="per run (30, quick 5)")
-    ap.add_argument("--warmup", type=float, default=None, help="left out (5, quick 1)")
-    ap.add_argument("--runs", type=int, default=None, help="runs (3, quick 1)")
-    ap.add_argument("--out", default="bench/results")
-    a = ap.parse_args()
-    seconds = a.seconds or (5.0 if a.quick else 30.0)
-    warmup = a.warmup if a.warmup is not None else (1.0 if a.quick else 5.0)
-    runs = a.runs or (1 if a.quick else 3)
+    a = quick_args(
+        __doc__,
+        {
+            "seconds": (30.0, 5.0, "seconds per run"),
+            "warmup": (5.0, 1.0, "seconds left out"),
+            "runs": (3, 1, "runs"),
+        },
+        lambda ap: ap.add_argument("--rate", type=float, default=20_000, help="records/s"),
+    )
+    seconds, warmup, runs = a.seconds, a.warmup, a.runs
 
-    spark = spark_session("bench-latency")
-    work = Path(tempfile.mkdtemp(prefix="zio-bench-latency-"))
     per: dict[str, list[dict[str, Any]]] = {"rate": [], "zio": []}
-    try:
+    with spark_run("bench-latency") as (spark, work):
         for i in range(runs):
             per["rate"].append(run_rate(spark, work, a.rate, seconds, warmup))
             per["zio"].append(run_zio(spark, work, a.rate, seconds, warmup))
@@ -196,9 +184,6 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
     labels = {"rate": "rate source -> foreachBatch (anchor)", "zio": "zio producer -> foreachBatch"}
     figures: dict[str, Any] = {}

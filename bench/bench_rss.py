@@ -20,10 +20,7 @@ Run: ``.venv/bin/python bench/bench_rss.py [--quick] [--out DIR]``.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +32,11 @@ from common import (
     jvm_pid,
     machine,
     md_table,
-    spark_session,
+    quick_args,
+    spark_run,
     spread,
     write_json,
+    zio_stream,
 )
 
 GROUPS = ("python driver", "driver JVM", "source runner", "python workers")
@@ -60,14 +59,7 @@ def _run(
     prod = sender = None
     if case == "zio":
         prod = Producer(producer_id=f"rss-{time.time_ns()}", linger_ms=0, max_unacked=1_000_000)
-        df = (
-            spark.readStream.format("zio")
-            .option("endpoints", prod.endpoint)
-            .option("spoolPath", str(work / f"spool-{time.time_ns()}"))
-            .option("spoolAccess", "local")
-            .option("connectTimeout", "60s")
-            .load()
-        )
+        df = zio_stream(spark, prod, work)
     else:
         df = (
             spark.readStream.format("rate")
@@ -130,24 +122,20 @@ def _growth(samples: list[dict[str, float]], warmup: float) -> dict[str, dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rate", type=float, default=50_000, help="records/s")
-    ap.add_argument("--seconds", type=float, default=None, help="per run (120, quick 6)")
-    ap.add_argument("--warmup", type=float, default=None, help="left out (20, quick 1)")
-    ap.add_argument("--interval", type=float, default=None, help="sampling (1, quick 0.5)")
-    ap.add_argument("--runs", type=int, default=None, help="runs per case (2, quick 1)")
-    ap.add_argument("--out", default="bench/results")
-    a = ap.parse_args()
-    seconds = a.seconds or (6.0 if a.quick else 120.0)
-    warmup = a.warmup if a.warmup is not None else (1.0 if a.quick else 20.0)
-    interval = a.interval or (0.5 if a.quick else 1.0)
-    runs = a.runs or (1 if a.quick else 2)
+    a = quick_args(
+        __doc__,
+        {
+            "seconds": (120.0, 6.0, "seconds per run"),
+            "warmup": (20.0, 1.0, "seconds left out"),
+            "interval": (1.0, 0.5, "seconds between samples"),
+            "runs": (2, 1, "runs per case"),
+        },
+        lambda ap: ap.add_argument("--rate", type=float, default=50_000, help="records/s"),
+    )
+    seconds, warmup, interval, runs = a.seconds, a.warmup, a.interval, a.runs
 
-    spark = spark_session("bench-rss")
-    work = Path(tempfile.mkdtemp(prefix="zio-bench-rss-"))
     per: dict[str, list[dict[str, Any]]] = {"rate": [], "zio": []}
-    try:
+    with spark_run("bench-rss") as (spark, work):
         for i in range(runs):
             for case in per:
                 r = _run(spark, work, case, a.rate, seconds, interval)
@@ -161,9 +149,6 @@ def main() -> None:
                     ),
                     flush=True,
                 )
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
     labels = {"rate": "rate source (anchor)", "zio": "zio source"}
     figures: dict[str, Any] = {}

@@ -19,11 +19,8 @@ Markdown table.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +31,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json
+from common import fmt_spread, machine, md_table, ratio_spread, spark_run, spread, write_json
 
 from zio_spark.queue.consumer import Consumer
 
@@ -112,27 +109,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    root = Path(__file__).resolve().parents[1]
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    from pyspark.sql import SparkSession
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("bench-sink")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    spark.dataSource.register(NoopArrowSink)
-    work = Path(tempfile.mkdtemp(prefix="bench-sink-"))
     results: dict[str, list[float]] = {"noop": [], "zio": []}
-    try:
+    with spark_run("bench-sink") as (spark, work):
+        spark.dataSource.register(NoopArrowSink)
         for r in range(args.rounds):
             noop = run(spark, "noop_arrow", {}, args, work / f"ckpt-noop-{r}")
             results["noop"].append(noop)
@@ -158,9 +137,6 @@ def main() -> None:
                 f"({zio / noop:.2f}x), {published} batches published",
                 flush=True,
             )
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
     noop_m = statistics.median(results["noop"])
     zio_m = statistics.median(results["zio"])
     ratio = ratio_spread(results["zio"], results["noop"])

@@ -23,15 +23,24 @@ Run: ``.venv/bin/python bench/bench_source.py [--quick] [--out DIR]``; writes
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
-import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from common import fmt_spread, machine, md_table, plain_producer, ratio_spread, spread, write_json
+from common import (
+    fmt_spread,
+    machine,
+    md_table,
+    plain_producer,
+    quick_args,
+    ratio_spread,
+    spark_run,
+    spread,
+    write_json,
+    zio_stream,
+)
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 
 ROWS_PER_BATCH = 10_000
@@ -75,7 +84,7 @@ class _SyntheticReader(DataSourceStreamReader):  # type: ignore[misc]
             )
 
 
-def _run(df: Any, work: str, expect: int) -> dict[str, float]:
+def _run(df: Any, work: Path, expect: int) -> dict[str, float]:
     t0 = time.perf_counter()
     q = (
         df.writeStream.format("noop")
@@ -95,7 +104,7 @@ def _run(df: Any, work: str, expect: int) -> dict[str, float]:
     return {"wall": rows / wall, "batches": rows / (busy or wall), "seconds": wall}
 
 
-def _zio(spark: Any, work: str, n: int, kind: str) -> dict[str, float]:
+def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
     from zio_spark.transport.producer import Producer
 
     common = {"producer_id": f"bench-{kind}", "linger_ms": 0, "max_unacked": n + 1}
@@ -106,15 +115,7 @@ def _zio(spark: Any, work: str, n: int, kind: str) -> dict[str, float]:
     try:
         for lo in range(0, n, 100_000):
             prod.send_many([VALUE] * min(100_000, n - lo))
-        df = (
-            spark.readStream.format("zio")
-            .option("endpoints", prod.endpoint)
-            .option("spoolPath", os.path.join(work, f"spool-{time.time_ns()}"))
-            .option("spoolAccess", "local")
-            .option("maxBacklog", str(max(n, 1_000_000)))
-            .option("connectTimeout", "60s")
-            .load()
-        )
+        df = zio_stream(spark, prod, work, maxBacklog=str(max(n, 1_000_000)))
         return _run(df, work, n)
     finally:
         # The availableNow query has ended: no taker is left to echo our EOT.
@@ -131,29 +132,24 @@ CASES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--rows", type=int, default=None, help="N (default 3M, quick 200k)")
-    ap.add_argument("--single", type=int, default=None, help="M (default 60k, quick 10k)")
-    ap.add_argument("--runs", type=int, default=None, help="rounds (default 3, quick 1)")
-    ap.add_argument("--out", default="bench/results")
-    a = ap.parse_args()
-    n = a.rows or (200_000 if a.quick else 3_000_000)
-    m = a.single or (10_000 if a.quick else 60_000)
-    runs = a.runs or (1 if a.quick else 3)
+    a = quick_args(
+        __doc__,
+        {
+            "rows": (3_000_000, 200_000, "N"),
+            "single": (60_000, 10_000, "M"),
+            "runs": (3, 1, "rounds"),
+        },
+    )
+    n, m, runs = a.rows, a.single, a.runs
 
-    from common import spark_session
-
-    spark = spark_session("bench-source")
-    spark.dataSource.register(_Synthetic)
-    work = tempfile.mkdtemp(prefix="zio-bench-source-")
     res: dict[str, dict[str, list[float]]] = {k: {"wall": [], "batches": []} for k in CASES}
 
     def record(case: str, r: dict[str, float]) -> None:
         res[case]["wall"].append(r["wall"])
         res[case]["batches"].append(r["batches"])
 
-    try:
+    with spark_run("bench-source") as (spark, work):
+        spark.dataSource.register(_Synthetic)
         # Warm-up (not counted): first use of the Python data source machinery.
         _run(
             spark.readStream.format("zio_bench_synthetic").option("rows", "1000").load(), work, 1000
@@ -170,9 +166,6 @@ def main() -> None:
                 f"round {i}: " + ", ".join(f"{k} {v['wall'][-1]:,.0f}/s" for k, v in res.items()),
                 flush=True,
             )
-    finally:
-        spark.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
     figures = {
         k: {

@@ -1,6 +1,10 @@
 """Shared helpers of the benchmark scripts (not a test, not part of the library).
 
-- :func:`spark_session`: the local[2] session every Spark benchmark uses, loopback only.
+- :func:`spark_session`: the local[2] session every Spark benchmark uses, loopback only;
+  :func:`spark_run`: that session and a scratch folder, both gone afterwards;
+  :func:`zio_stream`: the zio source reading a Producer of the run.
+- :func:`quick_args`: the command line of a benchmark with ``--quick`` (a short run: the
+  defaults of some options change) and ``--out``.
 - :func:`spread` / :func:`write_json` / :func:`md_table`: every figure is kept as its
   runs, reported as median with min-max, written as JSON for machines and printed as a
   Markdown table for the README.
@@ -16,13 +20,17 @@ first on ``sys.path``).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +42,8 @@ if str(ROOT) not in sys.path:
 # ----------------------------------------------------------------------------- Spark
 
 
-def spark_session(app: str) -> Any:
-    """local[2], bound to 127.0.0.1, no UI, errors only in the log."""
+def spark_session(app: str, conf: Mapping[str, str] | None = None) -> Any:
+    """local[2], bound to 127.0.0.1, no UI, errors only in the log; ``conf`` on top."""
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -45,7 +53,7 @@ def spark_session(app: str) -> Any:
     )
     from pyspark.sql import SparkSession
 
-    spark = (
+    builder = (
         SparkSession.builder.master("local[2]")
         .appName(app)
         .config("spark.ui.enabled", "false")
@@ -54,10 +62,39 @@ def spark_session(app: str) -> Any:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
     )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+@contextlib.contextmanager
+def spark_run(app: str, conf: Mapping[str, str] | None = None) -> Iterator[tuple[Any, Path]]:
+    """:func:`spark_session` and a scratch folder (``zio-<app>-*``); both gone afterwards."""
+    spark = spark_session(app, conf)
+    work = Path(tempfile.mkdtemp(prefix=f"zio-{app}-"))
+    try:
+        yield spark, work
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def zio_stream(spark: Any, producer: Any, work: Path, **options: str) -> Any:
+    """``readStream.format("zio")`` from ``producer``, spooled in a new folder under
+    ``work`` (local access, 60 s to connect), with ``options`` on top."""
+    reader = (
+        spark.readStream.format("zio")
+        .option("endpoints", producer.endpoint)
+        .option("spoolPath", str(work / f"spool-{time.time_ns()}"))
+        .option("spoolAccess", "local")
+        .option("connectTimeout", "60s")
+    )
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
 
 
 def jvm_pid(spark: Any) -> int | None:
@@ -66,6 +103,43 @@ def jvm_pid(spark: Any) -> int | None:
         if _comm(pid) == "java":
             return pid
     return None
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _num(v: float) -> str:
+    return f"{int(v):,}" if v == int(v) else f"{v:g}"
+
+
+def quick_args(
+    doc: str,
+    scaled: Mapping[str, tuple[float, float, str]],
+    add: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> argparse.Namespace:
+    """Parse ``--quick``, the options ``add`` adds, ``scaled`` and ``--out``.
+
+    ``scaled`` maps an option's name (``"seconds"`` for ``--seconds``) to its default in a
+    full run, its default with ``--quick`` and what it is; its type is the defaults' (int
+    or float). Once parsed, an option that was not given holds the default that applies.
+    """
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short run (smaller defaults)")
+    if add is not None:
+        add(ap)
+    for name, (full, quick, what) in scaled.items():
+        ap.add_argument(
+            f"--{name}",
+            type=type(full),
+            default=None,
+            help=f"{what} (default {_num(full)}, quick {_num(quick)})",
+        )
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args()
+    for name, (full, quick, _) in scaled.items():
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    return a
 
 
 # ----------------------------------------------------------------------------- figures

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,29 @@ def _save(fig: Any, out: Path, name: str, made: list[Path]) -> None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     made.append(path)
+
+
+Plot = Callable[[Path, list[Path]], None]
+"""A plot: reads the benches' JSON in ``out``, appends the PNGs it made to ``made``."""
+
+
+def _plot(name: str, png: str) -> Callable[[Callable[[dict[str, Any]], Any]], Plot]:
+    """A plot of ``DIR/name`` (a JSON object) by ``draw(data) -> figure`` into ``DIR/png``.
+
+    Nothing is drawn when the JSON is missing or not an object, nor when ``draw`` returns
+    None (not the data it expects).
+    """
+
+    def wrap(draw: Callable[[dict[str, Any]], Any]) -> Plot:
+        def plot(out: Path, made: list[Path]) -> None:
+            data = _load(out / name)
+            fig = draw(data) if isinstance(data, dict) else None
+            if fig is not None:
+                _save(fig, out, png, made)
+
+        return plot
+
+    return wrap
 
 
 def throughput_vs_window(out: Path, made: list[Path]) -> None:
@@ -105,10 +129,8 @@ def throughput_vs_window(out: Path, made: list[Path]) -> None:
     _save(fig, out, "throughput_vs_window.png", made)
 
 
-def latency_cdf(out: Path, made: list[Path]) -> None:
-    data = _load(out / "latency.json")
-    if not isinstance(data, dict):
-        return
+@_plot("latency.json", "latency_cdf.png")
+def latency_cdf(data: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, f in data["figures"].items():
         qs = f["cdf_quantiles_s"]
@@ -132,13 +154,11 @@ def latency_cdf(out: Path, made: list[Path]) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    _save(fig, out, "latency_cdf.png", made)
+    return fig
 
 
-def rss_over_time(out: Path, made: list[Path]) -> None:
-    data = _load(out / "rss.json")
-    if not isinstance(data, dict):
-        return
+@_plot("rss.json", "rss_over_time.png")
+def rss_over_time(data: dict[str, Any]) -> Any:
     cases = list(data["figures"].items())
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 4.5), sharey=True)
     if len(cases) == 1:
@@ -164,82 +184,82 @@ def rss_over_time(out: Path, made: list[Path]) -> None:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("RSS (MB)")
     fig.suptitle(f"RSS over a streaming run at {data['rate']:,.0f} rec/s")
-    _save(fig, out, "rss_over_time.png", made)
+    return fig
 
 
-def source(out: Path, made: list[Path]) -> None:
-    data = _load(out / "source.json")
-    if not isinstance(data, dict) or "figures" not in data:
-        return
-    figs = list(data["figures"].items())
-    fig, ax = plt.subplots(figsize=(9, 4))
-    _bars(
-        ax,
-        [f["label"] for _, f in figs],
-        [f["rows_per_s_wall"] for _, f in figs],
-        {i for i, (k, _) in enumerate(figs) if k in ("rate", "synthetic")},
-        "rows/s, wall clock",
-    )
-    ax.set_xscale("log")
-    ax.set_title(f"Source throughput, {data['runs']} round(s)")
-    _save(fig, out, "source.png", made)
+def _bar_chart(
+    name: str,
+    size: tuple[float, float],
+    value: str,
+    unit: str,
+    is_anchor: Callable[[str], bool],
+    title: Callable[[dict[str, Any]], str],
+    *,
+    log: bool = True,
+    label: Callable[[str, dict[str, Any]], str] = lambda key, f: f["label"],
+    keep: Callable[[dict[str, Any]], bool] = lambda f: True,
+) -> Plot:
+    """``NAME.json``'s figures (``value`` of each, a spread) as bars beside their anchors
+    (``is_anchor(key)``) -> ``NAME.png``."""
+
+    @_plot(f"{name}.json", f"{name}.png")
+    def draw(data: dict[str, Any]) -> Any:
+        if "figures" not in data:
+            return None
+        figs = [(k, f) for k, f in data["figures"].items() if keep(f)]
+        fig, ax = plt.subplots(figsize=size)
+        _bars(
+            ax,
+            [label(k, f) for k, f in figs],
+            [f[value] for _, f in figs],
+            {i for i, (k, _) in enumerate(figs) if is_anchor(k)},
+            unit,
+        )
+        if log:
+            ax.set_xscale("log")
+        ax.set_title(title(data))
+        return fig
+
+    return draw
 
 
-def sink(out: Path, made: list[Path]) -> None:
-    data = _load(out / "sink.json")
-    if not isinstance(data, dict):
-        return
-    figs = list(data["figures"].items())
-    fig, ax = plt.subplots(figsize=(8, 2.8))
-    _bars(
-        ax,
-        [f["label"] for _, f in figs],
-        [f["rows_per_s"] for _, f in figs],
-        {0},
-        "rows/s",
-    )
+def _sink_title(data: dict[str, Any]) -> str:
     r = data["ratios"]["zio_vs_noop"]
-    ax.set_title(
+    return (
         f"Sink throughput, {data['rounds']} round(s): {r['median']:.2f}x "
         f"({r['min']:.2f}-{r['max']:.2f}) of the anchor"
     )
-    _save(fig, out, "sink.png", made)
 
 
-def queue(out: Path, made: list[Path]) -> None:
-    data = _load(out / "queue.json")
-    if not isinstance(data, dict):
-        return
-    figs = list(data["figures"].items())
-    fig, ax = plt.subplots(figsize=(9, 4))
-    _bars(
-        ax,
-        [k for k, _ in figs],
-        [f["msgs_per_s"] for _, f in figs],
-        {i for i, (k, _) in enumerate(figs) if k.startswith("anchor")},
-        "msgs/s",
-    )
-    ax.set_xscale("log")
-    ax.set_title(f"Queue, durable acked, {data['size']} B messages, {data['runs']} run(s)")
-    _save(fig, out, "queue.png", made)
-
-
-def spool(out: Path, made: list[Path]) -> None:
-    data = _load(out / "spool.json")
-    if not isinstance(data, dict):
-        return
-    figs = [(k, f) for k, f in data["figures"].items() if f["unit"] == "rec/s"]
-    fig, ax = plt.subplots(figsize=(9, 3.5))
-    _bars(
-        ax,
-        [f["label"] for _, f in figs],
-        [f["value"] for _, f in figs],
-        {i for i, (k, _) in enumerate(figs) if k == "anchor_rps"},
-        "records/s",
-    )
-    ax.set_xscale("log")
-    ax.set_title(f"Spool, {data['size']} B records, {data['runs']} run(s)")
-    _save(fig, out, "spool.png", made)
+source = _bar_chart(
+    "source",
+    (9, 4),
+    "rows_per_s_wall",
+    "rows/s, wall clock",
+    lambda k: k in ("rate", "synthetic"),
+    lambda d: f"Source throughput, {d['runs']} round(s)",
+)
+sink = _bar_chart(
+    "sink", (8, 2.8), "rows_per_s", "rows/s", lambda k: k == "noop", _sink_title, log=False
+)
+queue = _bar_chart(
+    "queue",
+    (9, 4),
+    "msgs_per_s",
+    "msgs/s",
+    lambda k: k.startswith("anchor"),
+    lambda d: f"Queue, durable acked, {d['size']} B messages, {d['runs']} run(s)",
+    label=lambda k, f: k,
+)
+spool = _bar_chart(
+    "spool",
+    (9, 3.5),
+    "value",
+    "records/s",
+    lambda k: k == "anchor_rps",
+    lambda d: f"Spool, {d['size']} B records, {d['runs']} run(s)",
+    keep=lambda f: f["unit"] == "rec/s",
+)
 
 
 PLOTS = (throughput_vs_window, latency_cdf, rss_over_time, source, sink, queue, spool)

@@ -238,14 +238,9 @@ def _stop_producer(proc: subprocess.Popen[str]) -> None:
 
 
 def run_driver(args: argparse.Namespace) -> int:
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+    from common import spark_session
+
     os.environ.setdefault("ZIO_SPOOL_SERVER_HOST", "127.0.0.1")
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    root = str(Path(__file__).resolve().parent.parent)
-    os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    if root not in sys.path:
-        sys.path.insert(0, root)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="zio-soak-"))
@@ -259,26 +254,18 @@ def run_driver(args: argparse.Namespace) -> int:
     spark = None
     query = None
     try:
-        from pyspark.sql import SparkSession
-
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .appName("zio-soak")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.host", "127.0.0.1")
-            .config("spark.driver.bindAddress", "127.0.0.1")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.driver.memory", args.driver_memory)
-            .config(
-                "spark.driver.extraJavaOptions",
+        spark = spark_session(
+            "zio-soak",
+            {
+                "spark.driver.memory": args.driver_memory,
                 # The heap committed and touched up front: RSS growth is then what is
                 # allocated beyond it (a leak), not the JVM sizing its heap up lazily.
-                f"-Xms{args.driver_memory} -XX:+AlwaysPreTouch" if args.fixed_heap else "",
-            )
-            .getOrCreate()
+                "spark.driver.extraJavaOptions": (
+                    f"-Xms{args.driver_memory} -XX:+AlwaysPreTouch" if args.fixed_heap else ""
+                ),
+            },
         )
-        spark.sparkContext.setLogLevel("ERROR")
-        jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())  # type: ignore[union-attr]
+        jvm_pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
         driver_pid = os.getpid()
 
         def slow(batch_df: Any, batch_id: int) -> None:

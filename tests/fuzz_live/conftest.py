@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from live_fuzz_support import REPORT
+
+from tests.fuzz_live.live_fuzz_support import REPORT
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

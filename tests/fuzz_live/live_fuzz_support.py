@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -30,8 +31,15 @@ def durations() -> list[object]:
     ]
 
 
-def mutate(data: bytes, rng: random.Random) -> bytes:
-    """A few random edits: bit flips, special bytes, insertions, deletions, truncation."""
+SPECIAL_BYTES = (0x00, 0x01, 0x22, 0x7B, 0x7F, 0x80, 0xC3, 0xFF)
+"""What :func:`mutate` writes over a byte: boundaries, ``"`` and ``{`` (JSON), UTF-8 lead."""
+
+
+def mutate(data: bytes, rng: random.Random, special: Sequence[int] = SPECIAL_BYTES) -> bytes:
+    """A few random edits: bit flips, special bytes, insertions, deletions, truncation.
+
+    Also the mutator of ``tests/unit/test_zre_fuzz.py`` (with its own ``special``).
+    """
     out = bytearray(data)
     for _ in range(rng.randint(1, 6)):
         op = rng.randrange(5)
@@ -39,7 +47,7 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
         if op == 0 and pos < len(out):
             out[pos] ^= 1 << rng.randrange(8)
         elif op == 1 and pos < len(out):
-            out[pos] = rng.choice([0x00, 0x01, 0x22, 0x7B, 0x7F, 0x80, 0xC3, 0xFF])
+            out[pos] = rng.choice(special)
         elif op == 2:
             out[pos:pos] = rng.randbytes(rng.randint(1, 8))
         elif op == 3:

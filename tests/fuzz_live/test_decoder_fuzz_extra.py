@@ -34,8 +34,8 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from live_fuzz_support import mutate, report
 
+from tests.fuzz_live.live_fuzz_support import mutate, report
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError
 from zio_spark.protocol.flow import Direction, Flow, Role, pay_ack, profile_bot
 from zio_spark.protocol.message import Message
@@ -58,6 +58,13 @@ def cases() -> list[object]:
 def _done(name: str, n: int, t0: float, **counts: int) -> None:
     extra = ", ".join(f"{k}={v}" for k, v in counts.items())
     report(f"decoder {name}: {n} cases in {time.monotonic() - t0:.1f} s ({extra})")
+
+
+def _garbage_or_mutant(rng: random.Random, valid: list[bytes], max_len: int) -> bytes:
+    """Up to ``max_len`` random bytes (30 % of the time) or a mutation of one of ``valid``."""
+    if rng.random() < 0.3:
+        return rng.randbytes(rng.randint(0, max_len))
+    return mutate(rng.choice(valid), rng)
 
 
 # ------------------------------------------------------------------ records.decode_batch
@@ -95,9 +102,7 @@ def test_fuzz_decode_batch(n: int) -> None:
     t0 = time.monotonic()
     decoded = 0
     for _ in range(n):
-        data = rng.randbytes(rng.randint(0, 300)) if rng.random() < 0.3 else None
-        if data is None:
-            data = mutate(rng.choice(valid), rng)
+        data = _garbage_or_mutant(rng, valid, 300)
         expected_first = rng.choice([None, 1, 7, 2**40])
         try:
             batch = decode_batch(data, expected_first)
@@ -356,9 +361,7 @@ def test_fuzz_store_message_payload(n: int) -> None:
     t0 = time.monotonic()
     decoded = 0
     for _ in range(n):
-        payload = rng.randbytes(rng.randint(0, 80)) if rng.random() < 0.3 else None
-        if payload is None:
-            payload = mutate(rng.choice(valid), rng)
+        payload = _garbage_or_mutant(rng, valid, 80)
         kind = payload[0] if payload and rng.random() < 0.8 else rng.choice([1, 2])
         try:
             _, _, message_id, parts = store_mod._parse_message(payload, kind)

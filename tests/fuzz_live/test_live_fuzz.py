@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 import zmq
-from live_fuzz_support import durations, mutate, report
 
+from tests.fuzz_live.live_fuzz_support import durations, mutate, report
 from zio_spark.errors import TransportError
 from zio_spark.protocol import message as zio_message
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, Role
@@ -179,7 +179,10 @@ def _pool(
     rng: random.Random,
     identity: Callable[[random.Random], bytes] | None = None,
 ) -> tuple[list[zmq.Socket[bytes]], Callable[[], zmq.Socket[bytes]], Callable[[], None], list[int]]:
-    """Attacker sockets: ``pick()`` one (sometimes replacing one: a fresh identity)."""
+    """Attacker sockets: ``pick()`` one (sometimes replacing one: a fresh identity).
+
+    ``made[0]``: how many sockets (identities) were made so far.
+    """
     socks: list[zmq.Socket[bytes]] = []
     made = [0]
 
@@ -208,6 +211,34 @@ def _pool(
             s.close(0)
 
     return socks, pick, close, made
+
+
+def dealer_attacker(
+    ctx: zmq.Context[Any],
+    endpoint: str,
+    identities: list[int],
+    hit: Callable[[random.Random, zmq.Socket[bytes]], None],
+    identity: Callable[[random.Random], bytes] | None = None,
+) -> Callable[[random.Random], tuple[Callable[[], int], Callable[[], None]]]:
+    """An :class:`Attack`'s ``make``: DEALERs from :func:`_pool`, each step one ``hit``.
+
+    At teardown the number of identities the thread used is appended to ``identities``.
+    """
+
+    def make(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
+        _, pick, close, made = _pool(ctx, zmq.DEALER, endpoint, rng, identity)
+
+        def step() -> int:
+            hit(rng, pick())
+            return 1
+
+        def teardown() -> None:
+            identities.append(made[0])
+            close()
+
+        return step, teardown
+
+    return make
 
 
 # ------------------------------------------------------------------------ ZIO frames
@@ -330,24 +361,13 @@ def zio_attack(rng: random.Random, *, inject_bots: bool = True) -> list[list[byt
 def zio_dealer_attacker(
     ctx: zmq.Context[Any], endpoint: str, identities: list[int], *, inject_bots: bool = True
 ) -> Callable[[random.Random], tuple[Callable[[], int], Callable[[], None]]]:
-    def make(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
-        _, pick, close, made = _pool(ctx, zmq.DEALER, endpoint, rng)
+    def hit(rng: random.Random, sock: zmq.Socket[bytes]) -> None:
+        for parts in zio_attack(rng, inject_bots=inject_bots):
+            envelope = [b""] if rng.random() > 0.1 else rng.choice([[], [b"junk"]])
+            _send(sock, [*envelope, *parts])
+        _drain(sock)
 
-        def step() -> int:
-            sock = pick()
-            for parts in zio_attack(rng, inject_bots=inject_bots):
-                envelope = [b""] if rng.random() > 0.1 else rng.choice([[], [b"junk"]])
-                _send(sock, [*envelope, *parts])
-            _drain(sock)
-            return 1
-
-        def teardown() -> None:
-            identities.append(made[0])
-            close()
-
-        return step, teardown
-
-    return make
+    return dealer_attacker(ctx, endpoint, identities, hit)
 
 
 def _check_caches_bounded() -> None:
@@ -642,30 +662,15 @@ def test_queue_broker_survives_garbage_and_serves_good_clients(
     rx, tx, mon = (broker.endpoints[k] for k in ("receive", "send", "monitor"))
     identities: list[int] = []
 
-    def producer_attacker(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
-        _, pick, close, made = _pool(ctx, zmq.DEALER, rx, rng)
-
-        def step() -> int:
-            sock = pick()
-            _send(sock, queue_producer_attack(rng))
-            _drain(sock)
-            return 1
-
-        def teardown() -> None:
-            identities.append(made[0])
-            close()
-
-        return step, teardown
+    def producer_hit(rng: random.Random, sock: zmq.Socket[bytes]) -> None:
+        _send(sock, queue_producer_attack(rng))
+        _drain(sock)
 
     def consumer_attacker(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
-        _, pick, close, made = _pool(ctx, zmq.DEALER, tx, rng)
         seen: list[bytes] = []
-        mon_sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
-        mon_sock.linger = 0
-        mon_sock.connect(mon)
+        mon_sock: zmq.Socket[bytes]
 
-        def step() -> int:
-            sock = pick()
+        def hit(rng: random.Random, sock: zmq.Socket[bytes]) -> None:
             _send(sock, queue_consumer_attack(rng, seen))
             for _ in range(100):  # deliveries to us: [id, sent, timeout, "", body]
                 try:
@@ -678,17 +683,20 @@ def test_queue_broker_survives_garbage_and_serves_good_clients(
                 request = rng.choice([[b"MONITOR", b"x"], [b"monitor"], [rng.randbytes(8)]])
                 _send(mon_sock, [b"", *request])
                 _drain(mon_sock)
-            return 1
+
+        step, pool_teardown = dealer_attacker(ctx, tx, identities, hit)(rng)
+        mon_sock = ctx.socket(zmq.DEALER)
+        mon_sock.linger = 0
+        mon_sock.connect(mon)
 
         def teardown() -> None:
-            identities.append(made[0])
-            close()
+            pool_teardown()
             mon_sock.close(0)
 
         return step, teardown
 
     attacks = [
-        Attack("queue-producer", producer_attacker),
+        Attack("queue-producer", dealer_attacker(ctx, rx, identities, producer_hit)),
         Attack("queue-consumer", consumer_attacker),
     ]
     sampler = Sampler(lambda: int(broker.stats().get("consumers", 0)))
@@ -800,6 +808,18 @@ def _closed_tcp_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _zre_node(name: str, beacon_port: int, **kw: Any) -> ZreNode:
+    """A ZreNode on loopback, beaconing every 0.2 s on ``beacon_port``."""
+    return ZreNode(
+        name,
+        beacon_port=beacon_port,
+        broadcast="127.255.255.255",
+        interface_addr="127.0.0.1",
+        interval=0.2,
+        **kw,
+    )
+
+
 def zre_mailbox_attack(rng: random.Random, dead_endpoint: str) -> list[bytes]:
     """Frames (after the identity) a hostile peer sends to a node's mailbox."""
     kind = rng.randrange(10)
@@ -870,16 +890,8 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
     ctx: zmq.Context[Any], duration: float
 ) -> None:
     beacon_port = _free_udp_port()
-    common = {
-        "beacon_port": beacon_port,
-        "broadcast": "127.255.255.255",
-        "interface_addr": "127.0.0.1",
-        "interval": 0.2,
-        "evasive_after": 1.0,
-        "expired_after": 3.0,
-    }
-    a = ZreNode("target", **common)  # type: ignore[arg-type]
-    b = ZreNode("good", **common)  # type: ignore[arg-type]
+    a = _zre_node("target", beacon_port, evasive_after=1.0, expired_after=3.0)
+    b = _zre_node("good", beacon_port, evasive_after=1.0, expired_after=3.0)
     a.join("g")
     b.join("g")
     a.start()
@@ -889,18 +901,8 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
     dead = f"tcp://127.0.0.1:{_closed_tcp_port()}"
     assert a.endpoint is not None
 
-    def mailbox_attacker(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
-        _, pick, close, made = _pool(ctx, zmq.DEALER, a.endpoint or "", rng, zre_identity)
-
-        def step() -> int:
-            _send(pick(), zre_mailbox_attack(rng, dead))
-            return 1
-
-        def teardown() -> None:
-            identities.append(made[0])
-            close()
-
-        return step, teardown
+    def mailbox_hit(rng: random.Random, sock: zmq.Socket[bytes]) -> None:
+        _send(sock, zre_mailbox_attack(rng, dead))
 
     def beacon_attacker(rng: random.Random) -> tuple[Callable[[], int], Callable[[], None]]:
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -915,7 +917,13 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
 
         return step, udp.close
 
-    attacks = [Attack("zre-mailbox", mailbox_attacker), Attack("zre-beacon", beacon_attacker)]
+    attacks = [
+        Attack(
+            "zre-mailbox",
+            dealer_attacker(ctx, a.endpoint or "", identities, mailbox_hit, zre_identity),
+        ),
+        Attack("zre-beacon", beacon_attacker),
+    ]
     sampler = Sampler(lambda: len(a.peers()))
     rounds = 0
     try:
@@ -979,13 +987,7 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
 @pytest.mark.timeout(120)
 def test_zre_node_beacon_flood_does_not_lock_out_a_good_peer() -> None:
     beacon_port = _free_udp_port()
-    common = {
-        "beacon_port": beacon_port,
-        "broadcast": "127.255.255.255",
-        "interface_addr": "127.0.0.1",
-        "interval": 0.2,
-    }
-    a = ZreNode("target", **common)  # type: ignore[arg-type]
+    a = _zre_node("target", beacon_port)
     a.join("g")
     a.start()
     b: ZreNode | None = None
@@ -997,7 +999,7 @@ def test_zre_node_beacon_flood_does_not_lock_out_a_good_peer() -> None:
                 udp.sendto(beacon, ("127.0.0.1", beacon_port))
                 if i % 100 == 99:  # let the node read them (its socket buffer is finite)
                     wait_for(lambda n=i: a.stats["beacons_received"] >= n * 0.9, 10, "beacons read")
-        b = ZreNode("good", **common)  # type: ignore[arg-type]
+        b = _zre_node("good", beacon_port)
         b.join("g")
         b.start()
         wait_for(

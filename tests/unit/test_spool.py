@@ -7,6 +7,7 @@ append/flush/seal/commit/read/reopen sequences against a list-per-producer model
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import select
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import threading
 import zlib
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,21 @@ def wal_files(path: Path) -> list[Path]:
 
 def segment_files(path: Path) -> list[Path]:
     return sorted((path / "producers").glob("*/*.arrow"))
+
+
+@contextlib.contextmanager
+def spool_of_p(path: Path, stop: int, *, seal: bool = False) -> Iterator[tuple[Spool, Path]]:
+    """A Spool at ``path`` with producer p's records 1..stop-1 flushed to its WAL (sealed,
+    with ``seal``), and the one WAL file (segment) that holds them; closed on exit."""
+    with Spool(path) as sp:
+        sp.append("p", recs(1, stop))
+        if seal:
+            sp.seal()
+            (held,) = segment_files(path)
+        else:
+            sp.flush()
+            (held,) = wal_files(path)
+        yield sp, held
 
 
 @pytest.fixture
@@ -455,10 +472,7 @@ def test_reopen_recovers_segments_and_wal_tail(tmp_path: Path) -> None:
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_torn_wal_tail_is_ignored_and_counted(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "s"
-    with Spool(path) as sp:
-        sp.append("p", recs(1, 6))
-        sp.flush()
-        (wal,) = wal_files(path)
+    with spool_of_p(path, 6) as (sp, wal):
         good = wal.stat().st_size
         sp.append("p", recs(6, 11))
         sp.flush()
@@ -526,11 +540,8 @@ def test_damage_inside_a_wal_file_resumes_at_the_next_valid_record(tmp_path: Pat
 
 def test_crc_valid_undecodable_wal_tail_is_torn(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with Spool(path) as sp:
-        sp.append("p", recs(1, 3))
-        sp.flush()
-        (wal,) = wal_files(path)
-    good = wal.read_bytes()
+    with spool_of_p(path, 3) as (_, wal):
+        good = wal.read_bytes()
     payload = bytes(40)  # covers_from 0, an empty id, then no Arrow message at all
     header = struct.pack("<4sIII", b"ZSW1", len(payload), zlib.crc32(payload), 0)
     wal.write_bytes(good + header + payload)
@@ -541,10 +552,7 @@ def test_crc_valid_undecodable_wal_tail_is_torn(tmp_path: Path) -> None:
 
 def test_corrupt_segment_is_reported_by_read_and_open(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with Spool(path) as sp:
-        sp.append("p", recs(1, 11))
-        sp.seal()
-        (segment,) = segment_files(path)
+    with spool_of_p(path, 11, seal=True) as (sp, segment):
         original = segment.read_bytes()
         segment.write_bytes(original[: len(original) // 2])  # the disk lost the rest
         with pytest.raises(CorruptSegmentError) as err:
@@ -561,10 +569,7 @@ def test_corrupt_segment_is_reported_by_read_and_open(tmp_path: Path) -> None:
 
 def test_wal_left_over_by_a_crash_during_seal_is_harmless(tmp_path: Path) -> None:
     path = tmp_path / "s"
-    with Spool(path) as sp:
-        sp.append("p", recs(1, 6))
-        sp.flush()
-        (wal,) = wal_files(path)
+    with spool_of_p(path, 6) as (sp, wal):
         saved = wal.read_bytes()
         sp.seal()
         assert not wal.exists()

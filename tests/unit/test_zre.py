@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.fuzz_live.live_fuzz_support import mutate
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from zio_spark.protocol import zre
 from zio_spark.protocol.zre import (
@@ -447,23 +448,6 @@ def test_random_bodies_after_a_valid_header_raise_only_remote_errors(
     command_id: int, version: int, body: bytes, extra: list[bytes]
 ) -> None:
     _decode_or_remote_error([b"\xaa\xa1" + bytes([command_id, version]) + body, *extra])
-
-
-def mutate(frame: bytes, rng: random.Random) -> bytes:
-    """Flip, insert, delete or cut a few bytes of ``frame``."""
-    out = bytearray(frame)
-    for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(4)
-        pos = rng.randint(0, len(out))
-        if op == 0 and pos < len(out):
-            out[pos] ^= rng.randint(1, 255)
-        elif op == 1:
-            out[pos:pos] = rng.randbytes(rng.randint(1, 4))
-        elif op == 2:
-            del out[pos : pos + rng.randint(1, 4)]
-        else:
-            del out[pos:]
-    return bytes(out)
 
 
 @given(commands, st.randoms(use_true_random=False))

@@ -14,6 +14,7 @@ from uuid import UUID
 
 import pytest
 
+from tests.fuzz_live.live_fuzz_support import mutate
 from zio_spark.errors import RemoteProtocolError
 from zio_spark.protocol.zre import (
     Beacon,
@@ -38,6 +39,8 @@ from zio_spark.protocol.zre import (
 pytestmark = pytest.mark.fuzz
 
 EXAMPLES = 100_000
+# What a mutation writes over a byte (the shared mutator's default adds JSON's '"' and '{').
+ZRE_SPECIAL_BYTES = (0x00, 0x01, 0x7F, 0x80, 0xC3, 0xFF)
 ME = UUID(int=0)
 PEER = UUID(int=1)
 
@@ -67,31 +70,13 @@ def _command(rng: random.Random) -> Command:
     return Ping(seq) if kind == 5 else PingOk(seq)
 
 
-def _mutate(data: bytes, rng: random.Random) -> bytes:
-    out = bytearray(data)
-    for _ in range(rng.randint(1, 6)):
-        op = rng.randrange(5)
-        pos = rng.randint(0, len(out))
-        if op == 0 and pos < len(out):
-            out[pos] ^= 1 << rng.randrange(8)
-        elif op == 1 and pos < len(out):
-            out[pos] = rng.choice([0x00, 0x01, 0x7F, 0x80, 0xC3, 0xFF])
-        elif op == 2:
-            out[pos:pos] = rng.randbytes(rng.randint(1, 8))
-        elif op == 3:
-            del out[pos : pos + rng.randint(1, 8)]
-        else:
-            del out[pos:]
-    return bytes(out)
-
-
 def _garbage_or_mutant(rng: random.Random, valid: Callable[[], bytes], prefix: bytes) -> bytes:
     choice = rng.randrange(4)
     if choice == 0:
         return rng.randbytes(rng.randint(0, 64))
     if choice == 1:
         return prefix + rng.randbytes(rng.randint(0, 64))
-    return _mutate(valid(), rng)
+    return mutate(valid(), rng, ZRE_SPECIAL_BYTES)
 
 
 def test_fuzz_decode_command() -> None:
