@@ -362,6 +362,32 @@ def test_a_restarted_producer_renumbers_unsent_records_after_resume(
     assert t3.take(1)[0]["seq"] == 41
 
 
+def test_a_second_taker_with_the_same_resume_does_not_renumber_again(make_producer, taker):
+    """A restarted producer moves its numbering on for a taker's ``resume``; when that
+    taker is replaced (the Spark driver restarted, or a reconnecting port delivered a
+    queued BOT) by one with the same ``resume`` before anything was sent, the numbering
+    must not move on a second time. (It did: 14001.. became 28001.. and the source stopped
+    on a sequence gap; found by the source chaos test, seed 582289361.)"""
+    producer = make_producer(producer_id="p-twice")
+    first = taker(producer)
+    first.open(credit=8, resume=40)
+    poll_until(lambda: producer.connected, what="the first taker attached")
+    second = taker(producer)
+    second.open(credit=8, resume=40)
+    poll_until(lambda: producer.stats["takers"] == 2, what="the second taker attached")
+    cols = columns(3)
+    assert send_columns(producer, cols) == 43
+    assert second.take(3) == expected_rows(cols, 41)
+    assert producer.stats["renumbered"] == 0
+    # Queued but unsent when a third taker (same resume) comes: same numbers again.
+    assert producer.send(b"queued") == 44
+    third = taker(producer)
+    third.open(credit=8, resume=43)
+    assert [r["seq"] for r in third.take(1)] == [44]
+    assert producer.stats["renumbered"] == 0
+    assert producer.send(b"next") == 45
+
+
 # -------------------------------------------------------------------------- plain taker
 
 

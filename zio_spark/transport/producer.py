@@ -190,7 +190,7 @@ class Producer:
         self.stats: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
         self._records = HeldRecords()
-        self._ever_sent = 0  # highest seq sent to any taker by this process
+        self._ever_sent = 0  # highest seq sent to, or held by, a taker of this process
         self._acked = 0
         self._taker: _Taker | None = None
         self._taker_conn: ServerFlow | None = None
@@ -422,6 +422,10 @@ class Producer:
                     records.release(resume)
                     records.renumber(max(0, resume + 1 - records.next_seq))
                 self._release(resume)
+                # Records up to ``resume`` are now accounted for: a later taker with the
+                # same ``resume`` (a replaced driver, a reconnecting port's queued BOT)
+                # must not move the numbering on a second time.
+                self._ever_sent = max(self._ever_sent, resume)
                 start = max(start, resume + 1)
             self._cond.notify_all()
         if replaced is not None:
