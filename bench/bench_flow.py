@@ -62,8 +62,14 @@ def _raw_sender(ep: str, n: int, frames: list[bytes], kind: int, cpu_q) -> None:
     ctx.term()
 
 
-def _run_receiver(sender, args: tuple, recv_one, is_end) -> tuple[float, float, float]:
-    """Start ``sender(*args, cpu_q)`` in a process; receive until ``is_end``."""
+def _run_receiver(
+    sender, args: tuple, recv_one, is_end, batched: bool = False
+) -> tuple[float, float, float]:
+    """Start ``sender(*args, cpu_q)`` in a process; receive until ``is_end``.
+
+    ``recv_one`` returns one item, or with ``batched`` a list of them (the end, if there,
+    last).
+    """
     spawn = mp.get_context("spawn")
     cpu_q = spawn.SimpleQueue()
     p = spawn.Process(target=sender, args=(*args, cpu_q))
@@ -75,6 +81,12 @@ def _run_receiver(sender, args: tuple, recv_one, is_end) -> tuple[float, float, 
             item = recv_one()
             if t0 is None:
                 t0, c0 = time.perf_counter(), time.thread_time()
+            if batched:
+                got += len(item)
+                if item and is_end(item[-1]):
+                    got -= 1
+                    break
+                continue
             if is_end(item):
                 break
             got += 1
@@ -164,7 +176,7 @@ def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, cpu_q) -> 
 
 
 def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdealer"):
-    """Our giver (``FlowEndpoint.put``) to a taker (``ServerPort.recv`` + ``Flow``)."""
+    """Our giver (``FlowEndpoint.put``) to a taker (``ServerPort.recv_many`` + ``Flow``)."""
     from zio_spark.protocol.flow import BotReceived, Data, EotReceived, Flow, Role
     from zio_spark.records import decode_batch
     from zio_spark.transport.port import ServerPort
@@ -175,36 +187,46 @@ def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdea
     f = Flow(Role.SERVER)
     state = {"unpaid": 0, "checked": batch == 1}
 
-    def recv_one():
+    def recv_some() -> list:
         # The handshake happens before the first DAT, so it is not timed.
         while True:
-            got = port.recv(30_000)
-            assert got is not None and not hasattr(got, "error"), got
-            peer, msg = got
-            ev = f.receive(msg)
-            if isinstance(ev, BotReceived):
-                port.send(f.accept(), peer)
-                port.send(f.pay(), peer)
+            got = port.recv_many(
+                max(1, window // 4), 30_000
+            )  # PAYs go back while the giver still has credit
+            assert got, "nothing for 30 s"
+            events = []
+            for item in got:
+                assert type(item) is tuple, item  # not a BadMessage
+                peer, msg = item
+                ev = f.receive(msg)
+                if type(ev) is Data:
+                    events.append(ev)
+                elif isinstance(ev, BotReceived):
+                    port.send(f.accept(), peer)
+                    port.send(f.pay(), peer)
+                else:
+                    assert isinstance(ev, EotReceived), ev
+                    port.send(f.send_eot(), peer)
+                    events.append(ev)
+                    return events
+            if not events:
                 continue
-            if isinstance(ev, Data):
-                if not state["checked"]:  # the payload is what was sent (checked once)
-                    assert decode_batch(msg.payload[0]).num_rows == batch
-                    state["checked"] = True
-                state["unpaid"] += 1
-                if state["unpaid"] * 2 >= window:  # credit back in chunks, as the receiver
-                    port.send(f.pay(state["unpaid"]), peer)
-                    state["unpaid"] = 0
-                return ev
-            assert isinstance(ev, EotReceived), ev
-            port.send(f.send_eot(), peer)
-            return ev
+            if not state["checked"]:  # the payload is what was sent (checked once)
+                assert decode_batch(events[0].message.payload[0]).num_rows == batch
+                state["checked"] = True
+            state["unpaid"] += len(events)
+            if state["unpaid"] * 2 >= window:  # credit back in chunks, as the receiver
+                port.send(f.pay(state["unpaid"]), peer)
+                state["unpaid"] = 0
+            return events
 
     try:
         rate, cpu_s, cpu_r = _run_receiver(
             _flow_sender,
             (ep, n, window, batch, mode),
-            recv_one,
+            recv_some,
             lambda ev: isinstance(ev, EotReceived),
+            batched=True,
         )
     finally:
         port.close()

@@ -58,6 +58,19 @@ class OneClient:
         assert peer == self.peer, f"a second client {peer!r} on a one-client channel"
         return msg
 
+    def recv_many(self, max_n: int, timeout_ms: int) -> list[Message | BadMessage]:
+        out: list[Message | BadMessage] = []
+        for got in self.port.recv_many(max_n, timeout_ms):
+            if isinstance(got, BadMessage):
+                out.append(got)
+                continue
+            peer, msg = got
+            if self.peer is None:
+                self.peer = peer
+            assert peer == self.peer, f"a second client {peer!r} on a one-client channel"
+            out.append(msg)
+        return out
+
 
 class Ends:
     """A connected (not yet handshaken) client endpoint and server endpoint."""
@@ -502,3 +515,76 @@ def test_a_bad_message_from_the_port_raises(make_client, raw_socket, tcp_any, wi
     else:
         raw.send_multipart([identity, b"", *encode_frames(good)])
     assert client.recv_bot(WAIT).credit == 2
+
+
+# ----------------------------------------------------------------------------- get_many
+
+
+@pytest.mark.parametrize("taker_side", ["client", "server"])
+def test_get_many_takes_queued_dats_a_batch_at_a_time(
+    make_ends, wire_mode, inproc_endpoint, background, taker_side
+):
+    # inproc: a sent message is in the receiver's queue when send returns, so what
+    # "already queued" means is exact here.
+    ends = make_ends(wire_mode, inproc_endpoint)
+    ends.handshake(Direction.INJECT if taker_side == "client" else Direction.EXTRACT, 16)
+    taker, giver = ends.taker, ends.giver
+    assert taker is (ends.client if taker_side == "client" else ends.server)
+    sent = payloads(10)
+    with pytest.raises(TransportError, match="a DAT"):
+        taker.get_many(4, SHORT)  # hands the 16 credits over, then times out
+    for p in sent:
+        assert giver.put(p, timeout=WAIT)
+    sizes = []
+    got: list[Data] = []
+    while len(got) < len(sent):
+        batch = taker.get_many(4, WAIT, auto_pay=False)
+        sizes.append(len(batch))
+        got.extend(batch)
+    assert sizes == [4, 4, 2]
+    assert [d.message.payload for d in got] == sent
+    assert [d.message.seqno for d in got] == list(range(1, 11))  # the BOT was 0
+    assert taker.flow.credit == 10 and taker.flow.dats_received == 10
+    ending = background(lambda: giver.send_eot(timeout=WAIT), "giver")
+    assert taker.get_many(4, WAIT) == []  # the peer's EOT
+    assert taker.peer_eot is not None
+    assert taker.get_many(4, WAIT) == []  # and stays ended
+    taker.send_eot(timeout=WAIT)
+    assert ending.result().echo
+    assert taker.state is giver.state is FlowState.CLOSED
+
+
+def test_get_many_times_out_and_checks_its_caller(make_ends, wire_mode):
+    ends = make_ends(wire_mode)
+    ends.handshake(Direction.INJECT, 3)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="a DAT") as err:
+        ends.client.get_many(10, SHORT)
+    assert SHORT <= time.monotonic() - t0 < SHORT + 1.0
+    assert err.value.endpoint == ends.client_port.endpoint
+    assert ends.client.flow.credit == 0  # auto_pay handed the 3 over first
+    with pytest.raises(LocalProtocolError, match="giver"):
+        ends.server.get_many(10, SHORT)
+    with pytest.raises(ValueError, match="max_n"):
+        ends.client.get_many(0, SHORT)
+
+
+def test_get_many_returns_the_good_dats_before_a_violation_then_raises(
+    make_ends, wire_mode, inproc_endpoint
+):
+    ends = make_ends(wire_mode, inproc_endpoint)
+    ends.handshake(Direction.INJECT, 8)
+    with pytest.raises(TransportError):
+        ends.client.get_many(8, 0.05)  # hands the 8 credits over
+    for i in range(3):
+        assert ends.server.put((bytes([i]),), timeout=WAIT)
+    # Then a PAY: a giver must never send one (and two more DATs behind it).
+    peer = ends.server.channel.peer
+    ends.server_port.send(Message("FLOW", '{"flow": "PAY", "credit": 1}'), peer)
+    for i in range(2):
+        ends.server_port.send(Message("FLOW", '{"flow": "DAT"}', seqno=3 + i), peer)
+    got = ends.client.get_many(100, WAIT, auto_pay=False)
+    assert [d.message.payload for d in got] == [(b"\0",), (b"\1",), (b"\2",)]
+    with pytest.raises(RemoteProtocolError, match="PAY"):
+        ends.client.get_many(100, WAIT, auto_pay=False)
+    assert ends.client.state is FlowState.ERROR

@@ -589,6 +589,136 @@ def test_fast_path_callers_report_their_own_decoding_errors(
     assert server.stats["bad_messages"] == 1
 
 
+# -------------------------------------------------------------------------------- recv_many
+
+
+def _garbage(raw_socket: RawSocket, mode: str, endpoint: str) -> Callable[[], None]:
+    """A raw peer of the right kind; the returned call sends it one broken message."""
+    if mode == "clientserver":
+        bad = raw_socket(zmq.CLIENT)
+        bad.connect(endpoint)
+        return lambda: bad.send(b"\x07garbage!")  # a prefix length past the frame's end
+    bad = raw_socket(zmq.DEALER)
+    bad.connect(endpoint)
+    return lambda: bad.send_multipart([b"", b"garbage", b"x"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_server_recv_many_takes_what_is_queued_in_order(
+    make_server, make_client, inproc_endpoint, mode
+):
+    server = make_server(mode=mode)
+    server.bind(inproc_endpoint)
+    client = make_client(mode=mode)
+    client.connect(inproc_endpoint)
+    sent = [flow({"flow": "DAT"}, seqno=i, payload=(b"r%d" % i,)) for i in range(10)]
+    for msg in sent:
+        client.send(msg)  # inproc: queued at the server when send returns
+    batches = [server.recv_many(4, WAIT_MS) for _ in range(3)]
+    assert [len(b) for b in batches] == [4, 4, 2]
+    got = [item for b in batches for item in b]
+    assert [msg for _, msg in got] == sent
+    assert len({peer for peer, _ in got}) == 1 and server.last_peer == got[0][0]
+    assert server.stats["received"] == 10
+    t0 = time.monotonic()
+    assert server.recv_many(4, QUIET_MS) == []  # nothing more: waits, then empty
+    assert time.monotonic() - t0 >= QUIET_MS / 1000 * 0.9
+    for bad in (0, -1, 2.0, True, None):
+        with pytest.raises(ConfigError, match="max_n"):
+            server.recv_many(bad, 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_recv_many_takes_what_is_queued_in_order(
+    make_server, make_client, inproc_endpoint, mode
+):
+    server = make_server(mode=mode)
+    server.bind(inproc_endpoint)
+    client = make_client(mode=mode)
+    client.connect(inproc_endpoint)
+    client.send(flow(BOT))
+    peer, _ = server_recv(server)
+    sent = [flow({"flow": "DAT"}, seqno=i, payload=(b"r%d" % i,)) for i in range(5)]
+    for msg in sent:
+        server.send(msg, peer)
+    assert client.recv_many(100, WAIT_MS) == sent
+    assert client.stats["received"] == 5
+    assert client.recv_many(100, 0) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recv_many_puts_a_bad_message_in_its_place_in_return_mode(
+    make_server, make_client, raw_socket, inproc_endpoint, mode
+):
+    server = make_server(mode=mode)
+    server.bind(inproc_endpoint)
+    send_garbage = _garbage(raw_socket, mode, inproc_endpoint)
+    good = make_client(mode=mode)
+    good.connect(inproc_endpoint)
+    good.send(flow(BOT, seqno=0))
+    poll_server = server.recv_many(10, WAIT_MS)  # the good peer's first message
+    assert [m for _, m in poll_server] == [flow(BOT, seqno=0)]
+    send_garbage()
+    good.send(flow(BOT, seqno=1))
+    got = []
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while len(got) < 2 and time.monotonic() < deadline:
+        got.extend(server.recv_many(10, 100))
+    assert isinstance(got[0], BadMessage) and got[0].error.field
+    assert got[1] == (poll_server[0][0], flow(BOT, seqno=1))
+    assert server.stats["bad_messages"] == 1 and server.stats["received"] == 2
+    assert server.last_peer == poll_server[0][0]  # garbage never becomes the reply target
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recv_many_in_raise_mode_returns_the_good_ones_then_raises(
+    make_server, make_client, raw_socket, inproc_endpoint, mode
+):
+    server = make_server(mode=mode, on_bad_message="raise")
+    server.bind(inproc_endpoint)
+    good = make_client(mode=mode)
+    good.connect(inproc_endpoint)
+    good.send(flow(BOT, seqno=0))
+    assert server_recv(server)[1] == flow(BOT, seqno=0)
+    send_garbage = _garbage(raw_socket, mode, inproc_endpoint)
+    good.send(flow(BOT, seqno=1))
+    send_garbage()
+    good.send(flow(BOT, seqno=2))
+    # Messages from two peers interleave in an order libzmq picks; collect them all.
+    got: list[Message] = []
+    raised = []
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while len(got) < 2 or not raised:
+        assert time.monotonic() < deadline, (got, raised)
+        try:
+            got.extend(m for _, m in server.recv_many(10, 100))
+        except RemoteProtocolError as e:
+            raised.append(e)
+    assert got == [flow(BOT, seqno=1), flow(BOT, seqno=2)]
+    assert len(raised) == 1 and raised[0].peer is not None
+    assert server.stats["bad_messages"] == 1 and server.stats["received"] == 3
+    assert server.recv_many(10, 0) == []  # raised once, then the port goes on
+
+
+def test_recv_many_holds_a_bad_message_behind_good_ones_for_the_next_call(
+    make_server, make_client, inproc_endpoint
+):
+    """One peer, so the order is fixed: good, bad, good -> [good], raise, [good]."""
+    server = make_server(on_bad_message="raise")
+    server.bind(inproc_endpoint)
+    client = make_client()
+    client.connect(inproc_endpoint)
+    client.send(flow(BOT, seqno=0))
+    client.send_frames([b"garbage", bytes(24)])  # through the real envelope: a bad prefix
+    client.send(flow(BOT, seqno=1))
+    got = server.recv_many(10, WAIT_MS)
+    assert [m for _, m in got] == [flow(BOT, seqno=0)]
+    with pytest.raises(RemoteProtocolError) as e:
+        server.recv(0)  # the held error comes out of any receive call, once
+    assert e.value.field == "prefix"
+    assert [m for _, m in server.recv_many(10, WAIT_MS)] == [flow(BOT, seqno=1)]
+
+
 # ------------------------------------------------------------------------------------ CURVE
 
 

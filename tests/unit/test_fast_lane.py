@@ -92,6 +92,38 @@ def test_long_payload_frame_takes_the_fast_lane_with_one_copy() -> None:
     assert msg.payload == (big,) and type(msg.payload[0]) is bytes
 
 
+def _full_decode(data: bytes) -> Message | type[RemoteProtocolError]:
+    try:
+        return decode_frames(split_single(data))
+    except RemoteProtocolError:
+        return RemoteProtocolError
+
+
+@settings(max_examples=1000, deadline=None)
+@given(
+    payload=st.binary(max_size=300),
+    seqno=u64,
+    cut=st.integers(0, 400),
+    extra=st.binary(max_size=6),
+    flip=st.tuples(st.integers(0, 400), st.integers(0, 255)),
+)
+def test_the_last_head_lane_agrees_with_the_full_decoder(payload, seqno, cut, extra, flip):
+    """With the head cached (a DAT decoded just before), any mangled DAT decodes to what
+    the full decoder says, or fails as it does."""
+    _known_dat()
+    data = bytearray(DatCodec(1).single(seqno, (payload,)))
+    if flip[0] < len(data):
+        data[flip[0]] = flip[1]
+    mangled = bytes(data[:cut]) + extra
+    _known_dat()  # the head is cached again, whatever the mangling did
+    want = _full_decode(mangled)
+    if want is RemoteProtocolError:
+        with pytest.raises(RemoteProtocolError):
+            decode_single(mangled)
+    else:
+        assert decode_single(mangled) == want
+
+
 # -- flow accounting -------------------------------------------------------------------
 
 

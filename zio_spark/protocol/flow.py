@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from zio_spark.errors import (
     FlowControlError,
@@ -132,12 +132,18 @@ class BotReceived:
     attrs: Mapping[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Data:
-    """A DAT received by the taker."""
+class Data(NamedTuple):
+    """A DAT received by the taker.
+
+    A named tuple, not a frozen dataclass like the other events: one is made per DAT,
+    and building it with ``tuple.__new__`` costs a third as much (~0.1 µs).
+    """
 
     message: Message
     attrs: Mapping[str, Any]
+
+
+_new_data = tuple.__new__
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,7 +490,7 @@ class Flow:
         """
         # Fast lane: a DAT without attributes that the taker can take (most messages).
         if msg.label == DAT_LABEL and msg.form == FLOW_FORM and self.take_dat():
-            return Data(msg, _EMPTY)
+            return _new_data(Data, (msg, _EMPTY))
         state = self.state
         if state is FlowState.ERROR:
             raise LocalProtocolError("flow is in ERROR state", field="state", value="ERROR")

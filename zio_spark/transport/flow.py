@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from zio_spark.errors import LocalProtocolError, TransportError
+from zio_spark.errors import LocalProtocolError, ProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
@@ -47,6 +47,9 @@ class Channel(Protocol):
         """Send a plain DAT: what ``send`` does with the message ``codec`` describes."""
 
     def recv(self, timeout_ms: int) -> Message | BadMessage | None: ...
+
+    def recv_many(self, max_n: int, timeout_ms: int) -> list[Message | BadMessage]:
+        """Up to ``max_n`` messages: the first within ``timeout_ms``, then those queued."""
 
 
 class FlowRejected(TransportError):
@@ -95,6 +98,7 @@ class FlowEndpoint:
         self.on_credit = on_credit
         self.bot: BotReceived | None = None
         self._pending_eot: EotReceived | None = None
+        self._deferred: ProtocolError | None = None  # see get_many
         self._dat_codec = DatCodec(origin)
 
     # -- small helpers -------------------------------------------------------------
@@ -253,6 +257,58 @@ class FlowEndpoint:
         assert isinstance(event, EotReceived)
         self._pending_eot = event
         return None
+
+    def get_many(
+        self, max_n: int = 1000, timeout: float | None = 30.0, *, auto_pay: bool = True
+    ) -> list[Data]:
+        """Taker: up to ``max_n`` DATs, the first within ``timeout``, then those already
+        queued (no waiting for more); ``[]`` once the peer sent EOT (answer with
+        :meth:`send_eot`). What :meth:`get` does, a batch at a time: for takers that
+        drain a busy flow, one call per batch instead of per DAT.
+
+        With ``auto_pay`` every credit held is handed back first, as in :meth:`get`.
+
+        Raises
+        ------
+        TransportError
+            If no DAT came within ``timeout``.
+        RemoteProtocolError, FlowControlError
+            If the peer broke the protocol. When that happens after good DATs of the
+            same batch, those are returned first and the next call raises.
+        """
+        if self._pending_eot is not None:
+            return []
+        if self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
+        if self.flow.is_giver:
+            raise LocalProtocolError("get_many() on a giver; use put()", field="direction")
+        if auto_pay and self.flow.credit > 0:
+            self.pay()
+        deadline = _deadline(timeout)
+        while not (msgs := self.channel.recv_many(max_n, _remaining_ms(deadline))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise self._timeout("a DAT", timeout)
+        out: list[Data] = []
+        receive = self.flow.receive
+        for msg in msgs:
+            try:
+                if isinstance(msg, BadMessage):
+                    raise msg.error
+                event = receive(msg)
+            except ProtocolError as e:
+                if not out:
+                    raise
+                self._deferred = e
+                break
+            if type(event) is Data:
+                out.append(event)
+                continue
+            # A taker's flow lets nothing else through: PAY or BOT here raise above.
+            assert isinstance(event, EotReceived)
+            self._pending_eot = event
+            break  # a giver sends nothing after its EOT until our echo
+        return out
 
     # -- end of transmission ------------------------------------------------------
 
