@@ -154,7 +154,7 @@ def raw_cs(transport: str, n: int, frame: bytes):
 # -- our flows ------------------------------------------------------------------------------
 
 
-def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, cpu_q) -> None:
+def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, many: bool, cpu_q) -> None:
     from zio_spark.protocol.flow import Direction, Role
     from zio_spark.records import encode_records
     from zio_spark.transport.flow import FlowEndpoint
@@ -166,17 +166,26 @@ def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, cpu_q) -> 
     fe = FlowEndpoint(port, Role.CLIENT)
     fe.connect(Direction.EXTRACT, window, timeout=30)
     payload = (encode_records(1, [RECORD] * batch),) if batch > 1 else (RECORD,)
+    dats = n // batch
     t0 = time.thread_time()
-    for _ in range(n // batch):
-        fe.put(payload, timeout=30)
-    _report_cpu(cpu_q, t0, n // batch)
+    if many:  # put_many: credit spent and DATs queued a run at a time
+        run = [payload] * 1000
+        for start in range(0, dats, len(run)):
+            fe.put_many(run[: dats - start], timeout=30)
+    else:
+        for _ in range(dats):
+            fe.put(payload, timeout=30)
+    _report_cpu(cpu_q, t0, dats)
     fe.send_eot(timeout=30)
     port.close()
     ctx.term()
 
 
-def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdealer"):
-    """Our giver (``FlowEndpoint.put``) to a taker (``ServerPort.recv_many`` + ``Flow``)."""
+def flow(
+    transport: str, n: int, window: int, batch: int, mode: str = "routerdealer", many: bool = True
+):
+    """Our giver (``FlowEndpoint.put_many``, or ``put`` per DAT) to a taker
+    (``ServerPort.recv_many``, or ``recv`` per message, + ``Flow``)."""
     from zio_spark.protocol.flow import BotReceived, Data, EotReceived, Flow, Role
     from zio_spark.records import decode_batch
     from zio_spark.transport.port import ServerPort
@@ -186,13 +195,17 @@ def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdea
     ep = port.bind(_endpoint(transport))
     f = Flow(Role.SERVER)
     state = {"unpaid": 0, "checked": batch == 1}
+    # Batches of a quarter window: PAYs go back while the giver still has credit.
+    most = max(1, window // 4) if many else 1
 
     def recv_some() -> list:
         # The handshake happens before the first DAT, so it is not timed.
         while True:
-            got = port.recv_many(
-                max(1, window // 4), 30_000
-            )  # PAYs go back while the giver still has credit
+            if many:
+                got = port.recv_many(most, 30_000)
+            else:
+                one = port.recv(30_000)
+                got = [] if one is None else [one]
             assert got, "nothing for 30 s"
             events = []
             for item in got:
@@ -223,7 +236,7 @@ def flow(transport: str, n: int, window: int, batch: int, mode: str = "routerdea
     try:
         rate, cpu_s, cpu_r = _run_receiver(
             _flow_sender,
-            (ep, n, window, batch, mode),
+            (ep, n, window, batch, mode, many),
             recv_some,
             lambda ev: isinstance(ev, EotReceived),
             batched=True,
@@ -289,6 +302,17 @@ def main() -> None:
                     "vs_anchor": r["rate"][0] / anchor["rate"][0],
                 }
             )
+        # The same at window 1000 through the one-message calls (put, recv).
+        r = median_of(runs, flow, transport, n1, 1000, 1, a.mode, many=False)
+        results.append(
+            {
+                "case": "flow, 1 record/DAT, put/recv per DAT",
+                "transport": transport,
+                "window": 1000,
+                **r,
+                "vs_anchor": r["rate"][0] / anchor["rate"][0],
+            }
+        )
         push = median_of(runs, raw, transport, nb // 1000, [block], push=True, scale=1000)
         results.append(
             {

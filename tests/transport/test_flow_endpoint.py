@@ -48,6 +48,10 @@ class OneClient:
     def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...]) -> None:
         self.port.send_dat(codec, seqno, payload, self.peer)
 
+    def send_dats(self, codec: DatCodec, first: int, payloads: Any) -> None:
+        for i, payload in enumerate(payloads):
+            self.port.send_dat(codec, first + i, payload, self.peer)
+
     def recv(self, timeout_ms: int) -> Message | BadMessage | None:
         got = self.port.recv(timeout_ms)
         if got is None or isinstance(got, BadMessage):
@@ -588,3 +592,50 @@ def test_get_many_returns_the_good_dats_before_a_violation_then_raises(
     with pytest.raises(RemoteProtocolError, match="PAY"):
         ends.client.get_many(100, WAIT, auto_pay=False)
     assert ends.client.state is FlowState.ERROR
+
+
+# ----------------------------------------------------------------------------- put_many
+
+
+@pytest.mark.parametrize("giver_side", ["client", "server"])
+def test_put_many_sends_every_payload_in_order_within_the_credit(
+    make_ends, wire_mode, background, giver_side
+):
+    ends = make_ends(wire_mode)
+    ends.handshake(Direction.EXTRACT if giver_side == "client" else Direction.INJECT, 4)
+    giver, taker = ends.giver, ends.taker
+    sent = payloads(23)
+    giving = background(lambda: giver.put_many(sent, timeout=WAIT), "giver")
+    got: list[Data] = []
+    while len(got) < len(sent):
+        got.extend(taker.get_many(4, WAIT))  # pays back what it took, 4 credits at most
+    assert giving.result() == len(sent)
+    assert [d.message.payload for d in got] == sent
+    assert [d.message.seqno for d in got] == list(range(1, 24))
+    assert giver.flow.dats_sent == 23
+    assert giver.put_many([], timeout=SHORT) == 0
+
+
+def test_put_many_stops_at_the_peers_eot(make_ends, wire_mode, background):
+    ends = make_ends(wire_mode)
+    ends.handshake(Direction.EXTRACT, 3)
+    ends.server.pay(3)
+    ending = background(lambda: ends.server.send_eot(timeout=WAIT, on_data=lambda d: None))
+    assert ends.client.put_many(payloads(10), timeout=WAIT) == 3  # then the EOT came
+    assert ends.client.peer_eot is not None
+    ends.client.send_eot(timeout=WAIT)
+    assert ending.result().echo
+
+
+def test_put_many_times_out_without_credit(make_ends, wire_mode):
+    ends = make_ends(wire_mode)
+    ends.handshake(Direction.EXTRACT, 2)
+    ends.server.pay(2)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="credit") as err:
+        ends.client.put_many(payloads(5), timeout=SHORT)
+    assert SHORT <= time.monotonic() - t0 < SHORT + 1.0
+    assert err.value.endpoint == ends.client_port.endpoint
+    assert ends.client.flow.dats_sent == 2  # the two it had credit for went out
+    got = ends.server.get_many(10, WAIT, auto_pay=False)
+    assert [d.message.payload for d in got] == payloads(2)

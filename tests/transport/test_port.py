@@ -719,6 +719,35 @@ def test_recv_many_holds_a_bad_message_behind_good_ones_for_the_next_call(
     assert [m for _, m in server.recv_many(10, WAIT_MS)] == [flow(BOT, seqno=1)]
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_client_send_dats_queues_in_order_and_stops_when_the_queue_stays_full(
+    make_server, make_client, inproc_endpoint, mode
+):
+    server = make_server(mode=mode, rcvhwm=2)
+    server.bind(inproc_endpoint)
+    client = make_client(mode=mode, sndhwm=2)
+    client.connect(inproc_endpoint)
+    codec = DatCodec(5)
+    client.send_dats(codec, 1, [(b"a",), (b"b",)])
+    assert [m for _, m in server.recv_many(10, WAIT_MS)] == [
+        Message("FLOW", DAT_LABEL, 0, 5, 0, 1, (b"a",)),
+        Message("FLOW", DAT_LABEL, 0, 5, 0, 2, (b"b",)),
+    ]
+    # Nobody reads now: a few fit in the queues, then the rest cannot be queued.
+    with pytest.raises(TransportError, match="could not queue"):
+        client.send_dats(codec, 3, [(b"%d" % i,) for i in range(3, 1003)], timeout_ms=50)
+    queued = client.stats["sent"] - 2
+    assert 0 < queued < 1000
+    got = []
+    while len(got) < queued:
+        batch = server.recv_many(1000, WAIT_MS)
+        assert batch, f"{len(got)} of {queued} queued DATs arrived"
+        got.extend(m for _, m in batch)
+    assert [m.seqno for m in got] == list(range(3, 3 + queued))
+    assert [m.payload for m in got] == [(b"%d" % i,) for i in range(3, 3 + queued)]
+    assert server.recv_many(10, QUIET_MS) == []
+
+
 # ------------------------------------------------------------------------------------ CURVE
 
 

@@ -13,7 +13,7 @@ An endpoint is used from one thread at a time (pyzmq sockets are not thread-safe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from zio_spark.errors import LocalProtocolError, ProtocolError, TransportError
@@ -45,6 +45,9 @@ class Channel(Protocol):
 
     def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...]) -> None:
         """Send a plain DAT: what ``send`` does with the message ``codec`` describes."""
+
+    def send_dats(self, codec: DatCodec, first: int, payloads: Sequence[tuple[bytes, ...]]) -> None:
+        """Send plain DATs ``first``, ``first + 1``, ...: ``send_dat`` for each."""
 
     def recv(self, timeout_ms: int) -> Message | BadMessage | None: ...
 
@@ -227,6 +230,35 @@ class FlowEndpoint:
         else:  # the fast lane: no Message for a plain DAT
             self.channel.send_dat(self._dat_codec, self.flow.send_dats(1), payload)
         return True
+
+    def put_many(self, payloads: Sequence[tuple[bytes, ...]], timeout: float | None = 30.0) -> int:
+        """Giver: send one plain DAT per payload, in order, waiting for credit as needed
+        (each wait up to ``timeout``). What :meth:`put` does for each, with the credit
+        spent and the DATs queued a run at a time.
+
+        Returns how many were sent: all of them, or fewer if the peer sent EOT.
+
+        Raises
+        ------
+        TransportError
+            If no credit came within ``timeout``; the DATs before were sent.
+        """
+        n = len(payloads)
+        sent = 0
+        while sent < n:
+            if self._pending_eot is not None:
+                return sent
+            flow = self.flow
+            if flow.credit <= 0:
+                deadline = _deadline(timeout)
+                while flow.credit <= 0:
+                    if not self._handle_giver_event(self._next(deadline, "credit (PAY)", timeout)):
+                        return sent
+            k = min(flow.credit, n - sent)
+            run = payloads[sent : sent + k]
+            self.channel.send_dats(self._dat_codec, flow.send_dats(k), run)
+            sent += k
+        return sent
 
     # -- taker ---------------------------------------------------------------------
 

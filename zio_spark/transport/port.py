@@ -1224,6 +1224,39 @@ class ClientPort(_Port):
 
         self._send(attempt, timeout_ms, None)
 
+    def send_dats(
+        self,
+        codec: DatCodec,
+        first: int,
+        payloads: Sequence[tuple[bytes, ...]],
+        *,
+        timeout_ms: float | None = None,
+    ) -> None:
+        """Send plain DATs numbered ``first``, ``first + 1``, ... (one per payload): what
+        :meth:`send_dat` does for each, in one call.
+
+        Raises
+        ------
+        LocalProtocolError, TransportError
+            As :meth:`send_dat`; the DATs before the failing one were queued.
+        """
+        n = len(payloads)
+        done = 0
+        if self._cs:
+            sock, single = self._sock, codec.single
+            try:
+                for payload in payloads:
+                    sock.send(single(first + done, payload), _NB)
+                    done += 1
+            except zmq.Again:
+                pass  # the queue is full: the rest wait for room, one by one
+            except zmq.ZMQError as e:
+                self.stats["sent"] += done
+                raise self._send_error(e, None) from e
+            self.stats["sent"] += done
+        for i in range(done, n):
+            self.send_dat(codec, first + i, payloads[i], timeout_ms=timeout_ms)
+
     def send(self, msg: Message, *, timeout_ms: float | None = None) -> None:
         """Encode and send a ZIO message; see :meth:`send_frames`.
 
