@@ -284,8 +284,19 @@ def test_bad_frames_are_answered_or_counted_and_serving_goes_on(
     assert not ack.ok and "255" in ack.reason
     producer.send_multipart([b"", b"", b"empty id"])  # no id to answer: dropped
     producer.send(b"")
-    # Consumers: unknown ids, bad ack values, missing parts.
-    consumer.send_multipart([b.queue_id, b"nobody", b"1"])
+    # Consumers: unknown ids, bad ack values, missing parts. A ROUTER drops a message
+    # for a peer it has not met yet: wait until the queue is routable (the sends below
+    # then are, too).
+    consumer.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            consumer.send_multipart([b.queue_id, b"nobody", b"1"])
+            break
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
     consumer.send_multipart([b.queue_id, b"x", b"maybe"])
     consumer.send_multipart([b.queue_id, b"x", b"", b"", b""])
     consumer.send_multipart([b.queue_id, b"", b"1"])
