@@ -626,6 +626,24 @@ def test_server_recv_many_takes_what_is_queued_in_order(
     for bad in (0, -1, 2.0, True, None):
         with pytest.raises(ConfigError, match="max_n"):
             server.recv_many(bad, 0)
+        with pytest.raises(ConfigError, match="max_bytes"):
+            server.recv_many(10, 0, max_bytes=bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recv_many_ends_a_batch_at_max_bytes(make_server, make_client, inproc_endpoint, mode):
+    server = make_server(mode=mode)
+    server.bind(inproc_endpoint)
+    client = make_client(mode=mode)
+    client.connect(inproc_endpoint)
+    sent = [flow({"flow": "DAT"}, seqno=i, payload=(bytes(1000),)) for i in range(10)]
+    for msg in sent:
+        client.send(msg)
+    # ~1,050 bytes each on the wire: the third takes the batch past 2,500.
+    got = server.recv_many(100, WAIT_MS, max_bytes=2500)
+    assert [m for _, m in got] == sent[:3]
+    assert [m for _, m in server.recv_many(100, WAIT_MS, max_bytes=1)] == sent[3:4]
+    assert [m for _, m in server.recv_many(100, WAIT_MS)] == sent[4:]
 
 
 @pytest.mark.parametrize("mode", MODES)
