@@ -252,10 +252,8 @@ class FlowServer:
                         except zmq.Again:
                             break
                 if self.port.socket in events:
-                    for _ in range(1000):  # bounded, so ticks and calls still run
-                        got = self.port.recv(0)
-                        if got is None:
-                            break
+                    # Bounded, so ticks and calls still run; one call for what is queued.
+                    for got in self.port.recv_many(1000, 0):
                         self._dispatch(got)
                 while self._calls:
                     self._run_call(self._calls.popleft())
