@@ -533,6 +533,25 @@ def test_plain_zio_giver(ctx, spool, closing):
     assert dict(batch.column("headers")[0].as_py()) == {"unit": "mV"}
 
 
+def test_a_plain_giver_fills_the_backlog_exactly(ctx, spool, closing):
+    """One record per plain DAT: credit is sized for 1 record a DAT, not ``batch``.
+
+    (It was sized as if each plain DAT could hold ``maxBacklog // credit`` records, so
+    a backlog of 50 with credit 10 stalled at 46 records, and a plain giver was throttled
+    as its backlog filled: a bench run with maxBacklog of the record count stalled.)"""
+    values = [b"p%d" % i for i in range(100)]
+    giver = PlainGiver(ctx, values, credit=10)
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False, credit=10, max_backlog=50)
+    producer = giver.endpoint
+    held = _wait_quiet(lambda: r.status()[0].records, what="the backlog filled")
+    assert held == 50 and spool.backlog()[producer] == 50
+    r.commit(spool.seal())
+    _wait(lambda: r.status()[0].state == "ended", what="the rest and the EOT")
+    assert r.status()[0].records == 100
+    assert [v for _, v in _contents(spool, producer)] == values[50:]
+
+
 def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     class Garbage(RawGiver):
         """Breaks the protocol differently on each BOT."""

@@ -559,7 +559,9 @@ class Receiver:
         n = 0
         if held > 0:
             backlog = self.spool.backlog().get(peer.producer, 0)
-            per_dat = max(self.batch, peer.dat_rows)
+            # Records a DAT may carry: up to ``batch`` (or what the producer was seen to
+            # send) in Arrow, exactly one in a plain DAT.
+            per_dat = max(self.batch, peer.dat_rows) if peer.arrow else 1
             room = (self.max_backlog - backlog) // per_dat - flow.outstanding
             if peer.arrow and peer.dat_rows == 0:
                 room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
