@@ -7,8 +7,9 @@ Cases, run back to back in every round (so a ratio compares neighbours in time):
   of 100 B values, 10k rows each: the ceiling of any Python source (target >= 0.9x).
 - ``zio, Arrow DATs``: an in-process Producer pre-loaded with N records of 100 B (Arrow,
   1000 records per DAT: the producer's default), read with ``readStream.format("zio")``.
-- ``zio, 1 record/DAT (plain)``: the same producer sending one plain record per DAT (the
-  wire shape of a plain ZIO giver), M records (target >= 250k records/s).
+- ``zio, 1 record/DAT (plain)``: a plain ZIO giver with the reference implementation's
+  wire shape (``common.PlainGiver``: one record per DAT, label ``{"flow": "DAT"}``, no
+  acknowledgements), P records (target >= 250k records/s).
 - ``zio, 1 record/DAT (Arrow)``: ``Producer(batch=1)``: one Arrow-encoded record per DAT.
 
 Every query runs under ``Trigger.AvailableNow`` into the ``noop`` sink. Figures: rows/s
@@ -30,10 +31,10 @@ from typing import Any
 
 import pyarrow as pa
 from common import (
+    PlainGiver,
     fmt_spread,
     machine,
     md_table,
-    plain_producer,
     quick_args,
     ratio_spread,
     spark_run,
@@ -107,11 +108,14 @@ def _run(df: Any, work: Path, expect: int) -> dict[str, float]:
 def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
     from zio_spark.transport.producer import Producer
 
-    common = {"producer_id": f"bench-{kind}", "linger_ms": 0, "max_unacked": n + 1}
     if kind == "plain":
-        prod = plain_producer(**common)
-    else:
-        prod = Producer(batch=1000 if kind == "arrow" else 1, **common)
+        giver = PlainGiver(n, VALUE)
+        try:
+            return _run(zio_stream(spark, giver, work, maxBacklog=str(max(n, 1_000_000))), work, n)
+        finally:
+            giver.close()
+    common = {"producer_id": f"bench-{kind}", "linger_ms": 0, "max_unacked": n + 1}
+    prod = Producer(batch=1000 if kind == "arrow" else 1, **common)
     try:
         for lo in range(0, n, 100_000):
             prod.send_many([VALUE] * min(100_000, n - lo))
@@ -137,10 +141,11 @@ def main() -> None:
         {
             "rows": (3_000_000, 200_000, "N"),
             "single": (60_000, 10_000, "M"),
+            "plain": (600_000, 60_000, "P"),
             "runs": (3, 1, "rounds"),
         },
     )
-    n, m, runs = a.rows, a.single, a.runs
+    n, m, plain, runs = a.rows, a.single, a.plain, a.runs
 
     res: dict[str, dict[str, list[float]]] = {k: {"wall": [], "batches": []} for k in CASES}
 
@@ -160,7 +165,7 @@ def main() -> None:
             syn = spark.readStream.format("zio_bench_synthetic").option("rows", str(n)).load()
             record("synthetic", _run(syn, work, n))
             record("arrow", _zio(spark, work, n, "arrow"))
-            record("plain", _zio(spark, work, m, "plain"))
+            record("plain", _zio(spark, work, plain, "plain"))
             record("arrow1", _zio(spark, work, m, "arrow1"))
             print(
                 f"round {i}: " + ", ".join(f"{k} {v['wall'][-1]:,.0f}/s" for k, v in res.items()),
@@ -170,7 +175,7 @@ def main() -> None:
     figures = {
         k: {
             "label": CASES[k],
-            "rows": m if k in ("plain", "arrow1") else n,
+            "rows": {"plain": plain, "arrow1": m}.get(k, n),
             "rows_per_s_wall": spread(v["wall"]),
             "rows_per_s_batches": spread(v["batches"]),
         }

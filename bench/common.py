@@ -8,9 +8,9 @@
 - :func:`spread` / :func:`write_json` / :func:`md_table`: every figure is kept as its
   runs, reported as median with min-max, written as JSON for machines and printed as a
   Markdown table for the README.
-- :func:`plain_producer`: a :class:`~zio_spark.transport.producer.Producer` whose flows
-  carry one plain record per DAT (what it sends to a plain ZIO taker), for the
-  one-record-per-DAT figure of the source.
+- :class:`PlainGiver`: a plain ZIO giver with the reference implementation's wire shape
+  (one record per DAT, label ``{"flow": "DAT"}``), for the one-record-per-DAT figure
+  of the source.
 - :class:`RssSampler`: resident memory of the Python driver, the driver JVM and the JVM's
   Python children (source runner, workers), read from ``/proc`` by pid.
 
@@ -198,25 +198,64 @@ def machine() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- producers
 
 
-def plain_producer(**kw: Any) -> Any:
-    """A Producer that sends one plain record per DAT, whatever the taker accepts.
+class PlainGiver:
+    """The reference ZIO giver's wire shape, for the one-record-per-DAT figure of the
+    source: a server port that answers a taker's BOT and sends ``n`` copies of
+    ``value``, one per DAT labelled exactly ``{"flow": "DAT"}`` (no attributes, no
+    acknowledgements: at most once, as plain ZIO is), as the taker's credit allows.
 
-    The Producer packs records into Arrow DATs only when the taker lists ``arrow`` in
-    its BOT (the Spark receiver always does); hiding that from it gives the plain ZIO
-    giver's wire shape, one value per DAT, still numbered and acknowledged.
+    One serving thread; :meth:`close` stops it. ``sent`` counts the DATs sent.
     """
-    from zio_spark.protocol.flow import BotReceived
-    from zio_spark.transport import producer as producer_mod
 
-    class _PlainTaker(producer_mod._Taker):
-        def on_bot(self, conn: Any, bot: BotReceived) -> None:
-            attrs = {k: v for k, v in bot.attrs.items() if k != "encoding"}
-            super().on_bot(conn, BotReceived(bot.direction, bot.credit, attrs))
+    def __init__(self, n: int, value: bytes, mode: str = "routerdealer") -> None:
+        import zmq
 
-    prod = producer_mod.Producer(**kw)
-    # No taker can have connected yet: the factory is called on a client's first BOT.
-    prod._server.handler_factory = lambda: _PlainTaker(prod)
-    return prod
+        from zio_spark.transport.port import ServerPort
+
+        self.n, self.value, self.sent = n, value, 0
+        self._ctx = zmq.Context()
+        self._port = ServerPort(self._ctx, mode=mode, linger_ms=0, sndhwm=100_000)
+        self.endpoint = self._port.bind("tcp://127.0.0.1:*")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="plain-giver", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        from zio_spark.errors import ProtocolError
+        from zio_spark.protocol.flow import BotReceived, EotReceived, Flow, FlowState, Role
+        from zio_spark.protocol.message import DatCodec
+
+        port, codec, payload = self._port, DatCodec(0), (self.value,)
+        flows: dict[Any, Flow] = {}
+        while not self._stop.is_set():
+            for item in port.recv_many(1000, 50):
+                if not isinstance(item, tuple):
+                    continue  # a bad message: nothing to answer
+                peer, msg = item
+                flow = flows.setdefault(peer, Flow(Role.SERVER))
+                try:
+                    event = flow.receive(msg)
+                except ProtocolError:
+                    del flows[peer]
+                    continue
+                if isinstance(event, BotReceived):
+                    port.send(flow.accept(), peer)
+                elif isinstance(event, EotReceived):
+                    port.send(flow.send_eot(), peer)
+                    del flows[peer]
+            for peer, flow in list(flows.items()):
+                k = min(flow.credit, self.n - self.sent)
+                if k > 0 and flow.state is FlowState.READY:
+                    first = flow.send_dats(k)
+                    for i in range(k):
+                        port.send_dat(codec, first + i, payload, peer)
+                    self.sent += k
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._port.close()
+        self._ctx.term()
 
 
 # ----------------------------------------------------------------------------- memory
