@@ -174,8 +174,11 @@ class RawGiver:
 class PlainGiver(RawGiver):
     """A plain ZIO giver: no ``ack``, no producer id, one record per DAT, then EOT."""
 
-    def __init__(self, ctx: zmq.Context, values: list[bytes], credit: int = 5) -> None:
+    def __init__(
+        self, ctx: zmq.Context, values: list[bytes], credit: int = 5, unit: str | None = "mV"
+    ) -> None:
         self.values = values
+        self.unit = unit  # an attribute on every DAT, or none (the reference's exact label)
         self.max_credit = credit
         self.credit: dict[bytes, int] = {}
         self.next: dict[bytes, int] = {}
@@ -194,7 +197,8 @@ class PlainGiver(RawGiver):
         self.credit[ident] += label["credit"]
         i = self.next[ident]
         while self.credit[ident] > 0 and i < len(self.values):
-            self.send(ident, {"flow": "DAT", "unit": "mV"}, (self.values[i],), granule=1000 + i)
+            label = {"flow": "DAT"} if self.unit is None else {"flow": "DAT", "unit": self.unit}
+            self.send(ident, label, (self.values[i],), granule=1000 + i)
             self.credit[ident] -= 1
             i += 1
         self.next[ident] = i
@@ -509,10 +513,18 @@ class _Killer:
             f.close()
 
 
-def test_plain_zio_giver(ctx, spool, closing):
-    """A reference-style giver (raw pyzmq): receiver-assigned seqs, reported at most once."""
+@pytest.mark.parametrize("unit", ["mV", None], ids=["with-attrs", "bare-label"])
+def test_plain_zio_giver(ctx, spool, closing, unit, monkeypatch):
+    """A reference-style giver (raw pyzmq): receiver-assigned seqs, reported at most once.
+    DATs labelled exactly ``{"flow": "DAT"}`` take the receiver's fast lane."""
+    if unit is None:
+
+        def slow_lane(*args: object) -> None:
+            raise AssertionError("a bare plain DAT went through _on_data")
+
+        monkeypatch.setattr(Receiver, "_on_data", slow_lane)
     values = [b"plain-%d" % i for i in range(40)]
-    giver = PlainGiver(ctx, values, credit=5)
+    giver = PlainGiver(ctx, values, credit=5, unit=unit)
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
     _wait(lambda: r.status()[0].state == "ended", what="EOT from the plain giver")
@@ -530,7 +542,13 @@ def test_plain_zio_giver(ctx, spool, closing):
     assert batch.column("value").to_pylist() == values
     assert batch.column("origin").to_pylist() == [7] * 40
     assert batch.column("granule").to_pylist() == list(range(1000, 1040))
-    assert dict(batch.column("headers")[0].as_py()) == {"unit": "mV"}
+    if unit is None:
+        assert batch.column("headers").to_pylist() == [None] * 40
+        assert batch.column("key").to_pylist() == [None] * 40
+    else:
+        assert dict(batch.column("headers")[0].as_py()) == {"unit": "mV"}
+    stamps = batch.column("timestamp").to_pylist()
+    assert None not in stamps and stamps == sorted(stamps)
 
 
 def test_a_plain_giver_fills_the_backlog_exactly(ctx, spool, closing):
