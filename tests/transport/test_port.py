@@ -603,14 +603,21 @@ def _garbage(raw_socket: RawSocket, mode: str, endpoint: str) -> Callable[[], No
     return lambda: bad.send_multipart([b"", b"garbage", b"x"])
 
 
+def _connected(
+    make_server: MakeServer, make_client: MakeClient, endpoint: str, mode: str, **server_kw: Any
+) -> tuple[ServerPort, ClientPort]:
+    server = make_server(mode=mode, **server_kw)
+    server.bind(endpoint)
+    client = make_client(mode=mode)
+    client.connect(endpoint)
+    return server, client
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_server_recv_many_takes_what_is_queued_in_order(
     make_server, make_client, inproc_endpoint, mode
 ):
-    server = make_server(mode=mode)
-    server.bind(inproc_endpoint)
-    client = make_client(mode=mode)
-    client.connect(inproc_endpoint)
+    server, client = _connected(make_server, make_client, inproc_endpoint, mode)
     sent = [flow({"flow": "DAT"}, seqno=i, payload=(b"r%d" % i,)) for i in range(10)]
     for msg in sent:
         client.send(msg)  # inproc: queued at the server when send returns
@@ -632,10 +639,7 @@ def test_server_recv_many_takes_what_is_queued_in_order(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_recv_many_ends_a_batch_at_max_bytes(make_server, make_client, inproc_endpoint, mode):
-    server = make_server(mode=mode)
-    server.bind(inproc_endpoint)
-    client = make_client(mode=mode)
-    client.connect(inproc_endpoint)
+    server, client = _connected(make_server, make_client, inproc_endpoint, mode)
     sent = [flow({"flow": "DAT"}, seqno=i, payload=(bytes(1000),)) for i in range(10)]
     for msg in sent:
         client.send(msg)
@@ -650,10 +654,7 @@ def test_recv_many_ends_a_batch_at_max_bytes(make_server, make_client, inproc_en
 def test_client_recv_many_takes_what_is_queued_in_order(
     make_server, make_client, inproc_endpoint, mode
 ):
-    server = make_server(mode=mode)
-    server.bind(inproc_endpoint)
-    client = make_client(mode=mode)
-    client.connect(inproc_endpoint)
+    server, client = _connected(make_server, make_client, inproc_endpoint, mode)
     client.send(flow(BOT))
     peer, _ = server_recv(server)
     sent = [flow({"flow": "DAT"}, seqno=i, payload=(b"r%d" % i,)) for i in range(5)]
