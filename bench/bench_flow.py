@@ -249,15 +249,41 @@ def flow(
     return rate * batch, cpu_s, cpu_r
 
 
-def median_of(runs: int, fn, *args, scale: float = 1.0, **kw):
-    """Median, min and max of the rate over ``runs``, plus median CPU µs/message."""
-    outs = [fn(*args, **kw) for _ in range(runs)]
+def _summary(outs: list, scale: float = 1.0) -> dict:
+    """Median, min and max of the rate, plus median CPU µs/message."""
     xs = [o[0] * scale for o in outs]
     return {
         "rate": (statistics.median(xs), min(xs), max(xs)),
         "cpu_send_us": statistics.median(o[1] for o in outs),
         "cpu_recv_us": statistics.median(o[2] for o in outs),
     }
+
+
+class Paired:
+    """An anchor run right before each run of a case, ``runs`` times; the ratio is the
+    median of the pairs' ratios (this machine's rates drift by 2-3x between minutes, an
+    anchor taken once would carry that drift into every ratio)."""
+
+    def __init__(self, runs: int, anchor, scale: float = 1.0) -> None:
+        self.runs, self.anchor, self.scale = runs, anchor, scale
+        self.outs: list = []
+
+    def case(self, fn) -> dict:
+        ratios, outs = [], []
+        for _ in range(self.runs):
+            a = self.anchor()
+            self.outs.append(a)
+            out = fn()
+            outs.append(out)
+            ratios.append(out[0] / (a[0] * self.scale))
+        r = _summary(outs)
+        r["vs_anchor"] = statistics.median(ratios)
+        r["vs_anchor_range"] = (min(ratios), max(ratios))
+        return r
+
+    def result(self) -> dict:
+        """The anchor over every run it made."""
+        return _summary(self.outs, self.scale)
 
 
 def main() -> None:
@@ -284,57 +310,65 @@ def main() -> None:
     for transport in ("tcp", "ipc"):
         if a.mode == "clientserver":
             single = encode_single(Message("FLOW", '{"flow": "DAT"}', payload=(RECORD,)))
-            anchor = median_of(runs, raw_cs, transport, n1, single)
+            anchor = Paired(runs, lambda t=transport, f=single: raw_cs(t, n1, f))
         else:
-            anchor = median_of(runs, raw, transport, n1, dat)
-        results.append(
-            {"case": f"raw {raw_name} (DAT)", "transport": transport, "window": None, **anchor}
-        )
+            anchor = Paired(runs, lambda t=transport: raw(t, n1, dat))
+        cases = []
         for window in (1, 10, 100, 1000) if not a.quick else (10, 1000):
             nn = n1 if window >= 100 else n1 // 10
-            r = median_of(runs, flow, transport, nn, window, 1, a.mode)
-            results.append(
-                {
-                    "case": "flow, 1 record/DAT",
-                    "transport": transport,
-                    "window": window,
-                    **r,
-                    "vs_anchor": r["rate"][0] / anchor["rate"][0],
-                }
+            cases.append(
+                (
+                    "flow, 1 record/DAT",
+                    window,
+                    lambda t=transport, w=window, k=nn: flow(t, k, w, 1, a.mode),
+                )
             )
         # The same at window 1000 through the one-message calls (put, recv).
-        r = median_of(runs, flow, transport, n1, 1000, 1, a.mode, many=False)
+        cases.append(
+            (
+                "flow, 1 record/DAT, put/recv per DAT",
+                1000,
+                lambda t=transport: flow(t, n1, 1000, 1, a.mode, many=False),
+            )
+        )
+        rows = [(case, window, anchor.case(fn)) for case, window, fn in cases]
         results.append(
             {
-                "case": "flow, 1 record/DAT, put/recv per DAT",
+                "case": f"raw {raw_name} (DAT)",
                 "transport": transport,
-                "window": 1000,
-                **r,
-                "vs_anchor": r["rate"][0] / anchor["rate"][0],
+                "window": None,
+                **anchor.result(),
             }
         )
-        push = median_of(runs, raw, transport, nb // 1000, [block], push=True, scale=1000)
+        results += [{"case": c, "transport": transport, "window": w, **r} for c, w, r in rows]
+
+        push = Paired(runs, lambda t=transport: raw(t, nb // 1000, [block], push=True), scale=1000)
+        # One call per DAT: with 100 KB DATs the batch calls save nothing measurable
+        # (their batches hold more memory than the caches do).
+        rows = [
+            (
+                window,
+                push.case(lambda t=transport, w=window: flow(t, nb, w, 1000, a.mode, many=False)),
+            )
+            for window in ((1, 10, 100) if not a.quick else (10, 100))
+        ]
         results.append(
             {
                 "case": "raw PUSH/PULL (same bytes)",
                 "transport": transport,
                 "window": None,
-                **push,
+                **push.result(),
             }
         )
-        for window in (1, 10, 100) if not a.quick else (10, 100):
-            # One call per DAT: with 100 KB DATs the batch calls save nothing measurable
-            # (their batches hold more memory than the caches do).
-            r = median_of(runs, flow, transport, nb, window, 1000, a.mode, many=False)
-            results.append(
-                {
-                    "case": "flow, 1000 records/DAT (Arrow), put/recv per DAT",
-                    "transport": transport,
-                    "window": window,
-                    **r,
-                    "vs_anchor": r["rate"][0] / push["rate"][0],
-                }
-            )
+        results += [
+            {
+                "case": "flow, 1000 records/DAT (Arrow), put/recv per DAT",
+                "transport": transport,
+                "window": w,
+                **r,
+            }
+            for w, r in rows
+        ]
     for r in results:  # the figure other tools plot (median, min, max)
         r["records_per_s"] = r.pop("rate")
         r["mode"] = a.mode
@@ -344,13 +378,17 @@ def main() -> None:
     print(f"flow benchmark, {a.mode}, {runs} run(s) each; CPU = Python thread µs per message")
     print()
     print(
-        "| case | transport | window | records/s (median, min-max) | vs anchor "
+        "| case | transport | window | records/s (median, min-max) | vs anchor (paired runs) "
         "| CPU send | CPU recv |"
     )
     print("|---|---|---|---|---|---|---|")
     for r in results:
         med, lo, hi = r["records_per_s"]
-        ratio = f"{r['vs_anchor']:.2f}x" if "vs_anchor" in r else "anchor"
+        if "vs_anchor" in r:
+            lo_r, hi_r = r["vs_anchor_range"]
+            ratio = f"{r['vs_anchor']:.2f}x ({lo_r:.2f}-{hi_r:.2f})"
+        else:
+            ratio = "anchor"
         print(
             f"| {r['case']} | {r['transport']} | {r['window'] or ''} | "
             f"{med:,.0f} ({lo:,.0f}-{hi:,.0f}) | {ratio} | "
