@@ -105,10 +105,13 @@ class TransportError(ZioSparkError):
     """Socket trouble: unreachable endpoint, timeout, refused handshake.
 
     ``endpoint`` names the address involved. Raise it ``from`` the underlying error.
+    ``sent``: set by calls that send many messages (``send_dats``, ``put_many``) to how
+    many of theirs went out before the failure; None elsewhere.
     """
 
     def __init__(self, message: str, *, endpoint: str | None = None) -> None:
         self.endpoint = endpoint
+        self.sent: int | None = None
         super().__init__(f"{message} (endpoint {endpoint})" if endpoint else message)
 
 

@@ -594,6 +594,39 @@ def test_get_many_returns_the_good_dats_before_a_violation_then_raises(
     assert ends.client.state is FlowState.ERROR
 
 
+def test_get_many_keeps_the_dats_behind_a_bad_message(make_ends, wire_mode, inproc_endpoint):
+    """As get() does: the DATs before it, then the error, then the DATs after it (found by
+    review: those were taken off the port and dropped, their credit never regained)."""
+    ends = make_ends(wire_mode, inproc_endpoint)
+    ends.handshake(Direction.INJECT, 10)
+    with pytest.raises(TransportError):
+        ends.client.get_many(10, 0.05)  # hands the 10 credits over
+    assert ends.server.put((b"r0",), timeout=WAIT)
+    ends.server_port.send_frames([b"garbage", b"x"], ends.server.channel.peer)
+    for i in (1, 2):
+        assert ends.server.put((b"r%d" % i,), timeout=WAIT)
+    first = ends.client.get_many(100, WAIT, auto_pay=False)
+    assert [d.message.payload for d in first] == [(b"r0",)]
+    with pytest.raises(RemoteProtocolError) as e:
+        ends.client.get_many(100, WAIT, auto_pay=False)
+    assert e.value.field == "prefix"
+    rest = ends.client.get_many(100, WAIT, auto_pay=False)
+    assert [d.message.payload for d in rest] == [(b"r1",), (b"r2",)]
+    assert ends.client.flow.credit == 3 and ends.client.state is FlowState.READY
+
+
+def test_an_error_get_many_deferred_is_raised_by_get_too(make_ends, wire_mode, inproc_endpoint):
+    ends = make_ends(wire_mode, inproc_endpoint)
+    ends.handshake(Direction.INJECT, 4)
+    with pytest.raises(TransportError):
+        ends.client.get_many(4, 0.05)
+    assert ends.server.put((b"ok",), timeout=WAIT)
+    ends.server_port.send(Message("FLOW", '{"flow": "PAY", "credit": 1}'), ends.server.channel.peer)
+    assert [d.message.payload for d in ends.client.get_many(10, WAIT)] == [(b"ok",)]
+    with pytest.raises(RemoteProtocolError, match="PAY"):
+        ends.client.get(WAIT, auto_pay=False)
+
+
 # ----------------------------------------------------------------------------- put_many
 
 
@@ -639,3 +672,24 @@ def test_put_many_times_out_without_credit(make_ends, wire_mode):
     assert ends.client.flow.dats_sent == 2  # the two it had credit for went out
     got = ends.server.get_many(10, WAIT, auto_pay=False)
     assert [d.message.payload for d in got] == payloads(2)
+
+
+def test_put_many_says_how_many_went_out_when_the_queue_stays_full(
+    make_server, make_client, inproc_endpoint, wire_mode
+):
+    server_port = make_server(mode=wire_mode, rcvhwm=5)
+    client_port = make_client(mode=wire_mode, sndhwm=5, send_timeout_ms=100)
+    client_port.connect(server_port.bind(inproc_endpoint))
+    ends = Ends(client_port, server_port)
+    ends.handshake(Direction.EXTRACT, 50)
+    ends.server.pay(50)
+    with pytest.raises(TransportError, match="could not queue") as err:
+        ends.client.put_many(payloads(50), timeout=WAIT)  # nobody reads: the queues fill
+    sent = err.value.sent
+    assert sent is not None and 0 < sent < 50
+    got: list[Data] = []
+    while len(got) < sent:
+        got.extend(ends.server.get_many(100, WAIT, auto_pay=False))
+    assert [d.message.payload for d in got] == payloads(sent)
+    with pytest.raises(TransportError):
+        ends.server.get_many(100, SHORT, auto_pay=False)  # and nothing more

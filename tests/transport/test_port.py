@@ -753,10 +753,10 @@ def test_client_send_dats_queues_in_order_and_stops_when_the_queue_stays_full(
         Message("FLOW", DAT_LABEL, 0, 5, 0, 2, (b"b",)),
     ]
     # Nobody reads now: a few fit in the queues, then the rest cannot be queued.
-    with pytest.raises(TransportError, match="could not queue"):
+    with pytest.raises(TransportError, match="could not queue") as err:
         client.send_dats(codec, 3, [(b"%d" % i,) for i in range(3, 1003)], timeout_ms=50)
     queued = client.stats["sent"] - 2
-    assert 0 < queued < 1000
+    assert 0 < queued < 1000 and err.value.sent == queued
     got = []
     while len(got) < queued:
         batch = server.recv_many(1000, WAIT_MS)

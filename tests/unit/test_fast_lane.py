@@ -124,6 +124,27 @@ def test_the_last_head_lane_agrees_with_the_full_decoder(payload, seqno, cut, ex
         assert decode_single(mangled) == want
 
 
+@pytest.mark.parametrize(
+    "payload_frame",
+    [
+        b"\xff" + b"B" * 255,  # 255 is the long-form marker, not a length: broken framing
+        b"\xff\x00\x00\x00\xfb" + b"C" * 251,  # the long form of a 251-byte frame
+    ],
+)
+def test_the_last_head_lane_reads_a_255_length_byte_as_the_long_form(payload_frame) -> None:
+    """Found by review: the cached-head lane took a 255 length byte for a 1-byte length
+    when exactly 255 bytes followed."""
+    _known_dat()
+    data = DatCodec(1).single(7, ()) + payload_frame
+    want = _full_decode(data)
+    if want is RemoteProtocolError:
+        with pytest.raises(RemoteProtocolError):
+            decode_single(data)
+    else:
+        assert decode_single(data) == want
+        assert want.payload == (b"C" * 251,)
+
+
 # -- flow accounting -------------------------------------------------------------------
 
 

@@ -432,7 +432,7 @@ def decode_single(data: bytes | memoryview) -> Message:
         payload: tuple[bytes, ...] | None = None
         if rest == 0:
             payload = ()
-        elif rest > 0 and data[at] == rest - 1:  # a 1-byte length covering the rest
+        elif 0 < rest < 256 and data[at] == rest - 1:  # a 1-byte length (not 255: long form)
             payload = (data[at + 1 :],)
         if payload is not None:
             origin, granule, seqno = _COORD.unpack_from(data, at - COORD_SIZE)

@@ -12,6 +12,7 @@ An endpoint is used from one thread at a time (pyzmq sockets are not thread-safe
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -101,7 +102,10 @@ class FlowEndpoint:
         self.on_credit = on_credit
         self.bot: BotReceived | None = None
         self._pending_eot: EotReceived | None = None
-        self._deferred: ProtocolError | None = None  # see get_many
+        # get_many: an error met behind good DATs (raised by the next call), and the
+        # messages after it, taken off the channel but not yet through the flow.
+        self._deferred: ProtocolError | None = None
+        self._backlog: collections.deque[Message | BadMessage] = collections.deque()
         self._dat_codec = DatCodec(origin)
 
     # -- small helpers -------------------------------------------------------------
@@ -124,9 +128,19 @@ class FlowEndpoint:
             f"timed out after {timeout} s waiting for {what}", endpoint=self.endpoint
         )
 
+    def _recv(self, timeout_ms: int) -> Message | BadMessage | None:
+        """The next message: one that ``get_many`` left over, else from the channel; an
+        error ``get_many`` deferred is raised first."""
+        if self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            raise error
+        if self._backlog:
+            return self._backlog.popleft()
+        return self.channel.recv(timeout_ms)
+
     def _next(self, deadline: float | None, what: str, timeout: float | None) -> Event:
         while True:
-            msg = self.channel.recv(_remaining_ms(deadline))
+            msg = self._recv(_remaining_ms(deadline))
             if isinstance(msg, BadMessage):
                 raise msg.error
             if msg is not None:
@@ -194,7 +208,7 @@ class FlowEndpoint:
         Returns False if the peer sent EOT (answer with :meth:`send_eot`).
         """
         while True:
-            msg = self.channel.recv(0)
+            msg = self._recv(0)
             if isinstance(msg, BadMessage):
                 raise msg.error
             if msg is None:
@@ -241,23 +255,31 @@ class FlowEndpoint:
         Raises
         ------
         TransportError
-            If no credit came within ``timeout``; the DATs before were sent.
+            If no credit came within ``timeout``, or a DAT could not be queued; its
+            ``sent`` says how many of ``payloads`` went out (the first ``sent``). After a
+            failure to queue, the flow is not usable: credit and sequence numbers were
+            spent on DATs that never left, as with :meth:`put`.
         """
         n = len(payloads)
         sent = 0
-        while sent < n:
-            if self._pending_eot is not None:
-                return sent
-            flow = self.flow
-            if flow.credit <= 0:
-                deadline = _deadline(timeout)
-                while flow.credit <= 0:
-                    if not self._handle_giver_event(self._next(deadline, "credit (PAY)", timeout)):
-                        return sent
-            k = min(flow.credit, n - sent)
-            run = payloads[sent : sent + k]
-            self.channel.send_dats(self._dat_codec, flow.send_dats(k), run)
-            sent += k
+        try:
+            while sent < n:
+                if self._pending_eot is not None:
+                    return sent
+                flow = self.flow
+                if flow.credit <= 0:
+                    deadline = _deadline(timeout)
+                    while flow.credit <= 0:
+                        event = self._next(deadline, "credit (PAY)", timeout)
+                        if not self._handle_giver_event(event):
+                            return sent
+                k = min(flow.credit, n - sent)
+                run = payloads[sent : sent + k]
+                self.channel.send_dats(self._dat_codec, flow.send_dats(k), run)
+                sent += k
+        except TransportError as e:
+            e.sent = sent + (e.sent or 0)  # a run that failed part-way counts its own
+            raise
         return sent
 
     # -- taker ---------------------------------------------------------------------
@@ -317,18 +339,29 @@ class FlowEndpoint:
             raise LocalProtocolError("get_many() on a giver; use put()", field="direction")
         if auto_pay and self.flow.credit > 0:
             self.pay()
-        deadline = _deadline(timeout)
-        while not (msgs := self.channel.recv_many(max_n, _remaining_ms(deadline))):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise self._timeout("a DAT", timeout)
+        msgs: list[Message | BadMessage]
+        if self._backlog:  # left over by the previous call
+            msgs = [self._backlog.popleft() for _ in range(min(max_n, len(self._backlog)))]
+        else:
+            deadline = _deadline(timeout)
+            while not (msgs := self.channel.recv_many(max_n, _remaining_ms(deadline))):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise self._timeout("a DAT", timeout)
         out: list[Data] = []
         receive = self.flow.receive
-        for msg in msgs:
-            try:
-                if isinstance(msg, BadMessage):
+        for i, msg in enumerate(msgs):
+            if isinstance(msg, BadMessage):
+                if not out:
+                    self._backlog.extendleft(reversed(msgs[i + 1 :]))
                     raise msg.error
+                # The good DATs first; this one raises at the next call, as with get().
+                self._backlog.extendleft(reversed(msgs[i:]))
+                break
+            try:
                 event = receive(msg)
             except ProtocolError as e:
+                # What follows stays queued (a flow in ERROR will refuse it, precisely).
+                self._backlog.extendleft(reversed(msgs[i + 1 :]))
                 if not out:
                     raise
                 self._deferred = e
@@ -339,7 +372,8 @@ class FlowEndpoint:
             # A taker's flow lets nothing else through: PAY or BOT here raise above.
             assert isinstance(event, EotReceived)
             self._pending_eot = event
-            break  # a giver sends nothing after its EOT until our echo
+            self._backlog.extendleft(reversed(msgs[i + 1 :]))
+            break
         return out
 
     # -- end of transmission ------------------------------------------------------
@@ -369,7 +403,7 @@ class FlowEndpoint:
         """
         if self._pending_eot is None and self.flow.state is FlowState.READY:
             # The peer's EOT may already be queued: take in what is waiting first.
-            while (msg := self.channel.recv(0)) is not None:
+            while (msg := self._recv(0)) is not None:
                 if isinstance(msg, BadMessage):
                     raise msg.error
                 event = self.flow.receive(msg)

@@ -1012,6 +1012,10 @@ class ServerPort(_Port):
 
         A batch also ends once its messages reach ``max_bytes`` on the wire: a batch of
         large DATs that outgrows the CPU caches costs more per byte than it saves.
+        :attr:`last_peer` becomes the peer of the batch's last good message: reply with
+        an explicit routing id when a batch may mix peers. A loop that waits with
+        ``poll`` before receiving would see a held error (below) only once another
+        message arrives: give such loops a "return" mode port.
 
         Returns
         -------
@@ -1254,7 +1258,8 @@ class ClientPort(_Port):
         Raises
         ------
         LocalProtocolError, TransportError
-            As :meth:`send_dat`; the DATs before the failing one were queued.
+            As :meth:`send_dat`; the DATs before the failing one were queued, and a
+            TransportError's ``sent`` says how many.
         """
         n = len(payloads)
         done = 0
@@ -1268,10 +1273,17 @@ class ClientPort(_Port):
                 pass  # the queue is full: the rest wait for room, one by one
             except zmq.ZMQError as e:
                 self.stats["sent"] += done
-                raise self._send_error(e, None) from e
+                error = self._send_error(e, None)
+                error.sent = done
+                raise error from e
             self.stats["sent"] += done
-        for i in range(done, n):
-            self.send_dat(codec, first + i, payloads[i], timeout_ms=timeout_ms)
+        try:
+            for i in range(done, n):
+                self.send_dat(codec, first + i, payloads[i], timeout_ms=timeout_ms)
+                done += 1
+        except TransportError as e:
+            e.sent = done
+            raise
 
     def send(self, msg: Message, *, timeout_ms: float | None = None) -> None:
         """Encode and send a ZIO message; see :meth:`send_frames`.
