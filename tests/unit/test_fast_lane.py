@@ -99,6 +99,19 @@ def _full_decode(data: bytes) -> Message | type[RemoteProtocolError]:
         return RemoteProtocolError
 
 
+def _decodes_as_the_full_decoder(data: bytes) -> Message | type[RemoteProtocolError]:
+    """With a DAT head just cached, ``decode_single(data)`` agrees with the full decoder
+    (same message, or both refuse); returns what they gave."""
+    _known_dat()
+    want = _full_decode(data)
+    if want is RemoteProtocolError:
+        with pytest.raises(RemoteProtocolError):
+            decode_single(data)
+    else:
+        assert decode_single(data) == want
+    return want
+
+
 @settings(max_examples=1000, deadline=None)
 @given(
     payload=st.binary(max_size=300),
@@ -114,14 +127,7 @@ def test_the_last_head_lane_agrees_with_the_full_decoder(payload, seqno, cut, ex
     data = bytearray(DatCodec(1).single(seqno, (payload,)))
     if flip[0] < len(data):
         data[flip[0]] = flip[1]
-    mangled = bytes(data[:cut]) + extra
-    _known_dat()  # the head is cached again, whatever the mangling did
-    want = _full_decode(mangled)
-    if want is RemoteProtocolError:
-        with pytest.raises(RemoteProtocolError):
-            decode_single(mangled)
-    else:
-        assert decode_single(mangled) == want
+    _decodes_as_the_full_decoder(bytes(data[:cut]) + extra)
 
 
 @pytest.mark.parametrize(
@@ -134,14 +140,8 @@ def test_the_last_head_lane_agrees_with_the_full_decoder(payload, seqno, cut, ex
 def test_the_last_head_lane_reads_a_255_length_byte_as_the_long_form(payload_frame) -> None:
     """Found by review: the cached-head lane took a 255 length byte for a 1-byte length
     when exactly 255 bytes followed."""
-    _known_dat()
-    data = DatCodec(1).single(7, ()) + payload_frame
-    want = _full_decode(data)
-    if want is RemoteProtocolError:
-        with pytest.raises(RemoteProtocolError):
-            decode_single(data)
-    else:
-        assert decode_single(data) == want
+    want = _decodes_as_the_full_decoder(DatCodec(1).single(7, ()) + payload_frame)
+    if want is not RemoteProtocolError:
         assert want.payload == (b"C" * 251,)
 
 
