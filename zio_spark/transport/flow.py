@@ -128,12 +128,16 @@ class FlowEndpoint:
             f"timed out after {timeout} s waiting for {what}", endpoint=self.endpoint
         )
 
-    def _recv(self, timeout_ms: int) -> Message | BadMessage | None:
-        """The next message: one that ``get_many`` left over, else from the channel; an
-        error ``get_many`` deferred is raised first."""
+    def _raise_deferred(self) -> None:
+        """Raise the error ``get_many`` met behind good DATs, once."""
         if self._deferred is not None:
             error, self._deferred = self._deferred, None
             raise error
+
+    def _recv(self, timeout_ms: int) -> Message | BadMessage | None:
+        """The next message: one that ``get_many`` left over, else from the channel; an
+        error ``get_many`` deferred is raised first."""
+        self._raise_deferred()
         if self._backlog:
             return self._backlog.popleft()
         return self.channel.recv(timeout_ms)
@@ -332,9 +336,7 @@ class FlowEndpoint:
         """
         if self._pending_eot is not None:
             return []
-        if self._deferred is not None:
-            error, self._deferred = self._deferred, None
-            raise error
+        self._raise_deferred()
         if self.flow.is_giver:
             raise LocalProtocolError("get_many() on a giver; use put()", field="direction")
         if auto_pay and self.flow.credit > 0:
