@@ -122,10 +122,8 @@ def client_terms(role: Role, sent: Mapping[str, Any], reply: Mapping[str, Any]) 
     """
     own = own_statements(sent, reply)
     prof = profile_bot(own)  # checks the types of what the server stated
-    if role == "taker":
-        profile = prof.producer is not None
-    else:
-        profile = prof.resume is not None
+    # The one attribute that role's peer states and a client of ours never sends.
+    profile = prof.producer is not None if role == "taker" else prof.resume is not None
     encoding: str | None = None
     picked = own.get("encoding")
     if isinstance(picked, str):
