@@ -3,8 +3,10 @@
 #   1. .venv with zio-spark and test extras (scripts/setup.sh)
 #   2. .venv-draft with a draft-API pyzmq (scripts/build-draft-pyzmq.sh), so the
 #      CLIENT/SERVER socket path is tested on every run, not only the stock wheel's
-#   3. ruff (check + format), mypy strict, pytest (stock pyzmq), pytest tests/transport
-#      again on the draft build with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never skip)
+#   3. ruff (check + format), mypy strict, pytest (stock pyzmq), then on the draft build
+#      with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never skip): tests/transport and
+#      tests/peers whole, and every Spark test marked requires_draft (source and sink
+#      over real CLIENT/SERVER sockets)
 # Extra arguments go to the main pytest run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,5 +23,8 @@ echo "== mypy"
 echo "== pytest (stock pyzmq $(.venv/bin/python -c 'import zmq; print(zmq.__version__)'))"
 ZIO_REQUIRE_PYRE=1 .venv/bin/python -m pytest --cov=zio_spark.protocol --cov-branch --cov-report=term \
   --cov-fail-under=95 "$@"
-echo "== pytest tests/transport (draft pyzmq)"
-ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest tests/transport -p no:cacheprovider
+echo "== pytest tests/transport tests/peers + Spark requires_draft (draft pyzmq)"
+ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest -p no:cacheprovider \
+  tests/transport $( [ -d tests/peers ] && echo tests/peers )
+ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest -p no:cacheprovider \
+  -m "requires_draft and not fuzz and not chaos" tests/spark

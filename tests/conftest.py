@@ -6,6 +6,11 @@ are pinned to loopback here, at import time, before any test module is imported:
 ``127.255.255.255`` reaches every socket bound to ``0.0.0.0`` on this host and nothing
 else. Child processes inherit these values.
 
+Draft sockets: a test marked ``@pytest.mark.requires_draft`` needs a pyzmq built with the
+draft API (CLIENT/SERVER). It is skipped without one, unless ``ZIO_REQUIRE_DRAFT=1``:
+then it fails, so the CI pass meant to cover CLIENT/SERVER (on ``.venv-draft``) cannot
+pass by silently skipping.
+
 ``netns``: a factory of private network namespaces (``ip netns``), deleted at teardown.
 Only ``lo`` is up inside, plus, on request, a veth pair whose *both* ends stay in the
 namespace (for peers that insist on a non-loopback interface with a broadcast address,
@@ -27,6 +32,22 @@ os.environ["ZIO_ZRE_BROADCAST"] = "127.255.255.255"
 os.environ["ZIO_ZRE_INTERFACE_ADDR"] = "127.0.0.1"
 # The source's segment server listens on loopback only in tests (default: all interfaces).
 os.environ["ZIO_SPOOL_SERVER_HOST"] = "127.0.0.1"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("requires_draft") is None:
+        return
+    import zmq
+
+    if zmq.has("draft") and zmq.DRAFT_API:
+        return
+    reason = (
+        f"needs a draft-enabled pyzmq (zmq.has('draft')={zmq.has('draft')}, "
+        f"zmq.DRAFT_API={zmq.DRAFT_API}); see scripts/build-draft-pyzmq.sh"
+    )
+    if os.environ.get("ZIO_REQUIRE_DRAFT") == "1":
+        pytest.fail(f"ZIO_REQUIRE_DRAFT=1 but this test {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def _unavailable(reason: str) -> None:

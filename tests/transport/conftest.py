@@ -10,15 +10,13 @@
   ``inproc://`` names, ``ipc://`` under ``tmp_path``.
 - ``recording_proxy``: a plain TCP relay on 127.0.0.1 that keeps every byte it forwards.
 
-Draft sockets: tests marked ``@pytest.mark.requires_draft`` are skipped when pyzmq has no
-draft API, unless ``ZIO_REQUIRE_DRAFT=1`` is set: then they fail, so a CI job meant to
-cover CLIENT/SERVER cannot pass by silently skipping it.
+Draft sockets: tests marked ``@pytest.mark.requires_draft`` are handled suite-wide in
+tests/conftest.py (skipped without the draft API, failed when ``ZIO_REQUIRE_DRAFT=1``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import selectors
 import socket
 import threading
@@ -32,28 +30,7 @@ import zmq
 
 from zio_spark.transport.port import ClientPort, CurveAuthenticator, ServerPort
 
-HAVE_DRAFT = bool(zmq.has("draft") and zmq.DRAFT_API)
 TERM_TIMEOUT_S = 5.0
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "requires_draft: needs pyzmq with the draft API (CLIENT/SERVER); skipped without "
-        "it, failed instead when ZIO_REQUIRE_DRAFT=1",
-    )
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("requires_draft") is None or HAVE_DRAFT:
-        return
-    reason = (
-        f"needs a draft-enabled pyzmq (zmq.has('draft')={zmq.has('draft')}, "
-        f"zmq.DRAFT_API={zmq.DRAFT_API}); see scripts/build-draft-pyzmq.sh"
-    )
-    if os.environ.get("ZIO_REQUIRE_DRAFT") == "1":
-        pytest.fail(f"ZIO_REQUIRE_DRAFT=1 but this test {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 class TrackingContext(zmq.Context):  # type: ignore[type-arg]
