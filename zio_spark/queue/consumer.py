@@ -5,15 +5,21 @@ Theory of operation (DESIGN.md, "The sink"; specs/zio-flow.txt):
 **Data flows.** Every Spark task of ``df.writeStream.format("zio")`` opens a ZIO flow
 towards the consumer as the *client giver*::
 
-    BOT{direction:"extract", credit, stream, batch, partition, attempt, format}
+    BOT{direction:"extract", credit, stream, batch, partition, attempt, encoding:[...]}
 
 ``batch`` is Spark's micro-batch id (an int) or, for ``df.write``, a string chosen on the
-driver; ``format`` is ``"arrow"`` (each DAT payload is one Arrow IPC stream holding one
-record batch of :data:`CONSUMER_SCHEMA`) or ``"record"`` (one record per DAT: the payload
+driver; ``encoding`` lists the payload formats the sink offers, in its order of
+preference: ``"arrow"`` (each DAT payload is one Arrow IPC stream holding one record
+batch of :data:`CONSUMER_SCHEMA`) and/or ``"record"`` (one record per DAT: the payload
 frame is the value, DAT attributes ``key`` (base64 text) and ``headers`` (an object of
-strings)). The consumer answers ``BOT{direction:"inject"}`` with a credit no larger than
-its own cap (``credit`` for arrow flows, ``record_credit`` for record flows) and hands
-the credit out. Each DAT is written to the staging file
+strings)). The consumer answers ``BOT{direction:"inject", encoding:<its pick>}`` (the
+client offers, the server states: :mod:`zio_spark.protocol.negotiate`; a reference
+server would echo the list instead, which is how a sink tells a plain ZIO taker) with a
+credit no larger than its own cap (``credit`` for arrow flows, ``record_credit`` for
+record flows) and hands the credit out. A BOT without ``encoding`` (a sink older than
+the negotiation) names its format in ``format``, and gets no ``encoding`` back.
+
+Each DAT is written to the staging file
 ``staging/<stream>/<batch>/<partition>-<attempt>.part`` (an Arrow IPC file) *before* its
 credit goes back (a PAY once a quarter of the window is back), so a slow disk slows the
 writer down and nothing queues without bound. A new BOT for the same
@@ -57,7 +63,7 @@ batch ids an older query already used. Such a batch would be dropped as a duplic
 commit fails with a reason instead.
 
 **Plain ZIO givers.** A data flow whose BOT has no ``batch`` (any ZIO peer that knows
-nothing of Spark; ``stream`` defaults to ``"zio"``, ``format`` to ``"record"``) is
+nothing of Spark; ``stream`` defaults to ``"zio"``, the format to ``"record"``) is
 published by the consumer itself, as batches with string ids ``flow-...``: whenever
 ``plain_batch_rows`` records or ``plain_batch_seconds`` have accumulated, and at EOT.
 That is at-least-once (a plain giver has no batch ids to deduplicate).
@@ -128,6 +134,7 @@ from zio_spark.errors import (
     ZioSparkError,
 )
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived, Role
+from zio_spark.protocol.negotiate import client_terms, server_terms
 from zio_spark.records import plain_value
 from zio_spark.transport.flow import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort, ServerPort
@@ -169,6 +176,8 @@ BatchId = int | str
 COMPACT_EVERY = 10_000
 STRING_IDS_KEPT = 10_000
 FORMATS = ("arrow", "record")
+"""Payload formats a consumer takes, in the order it prefers them."""
+WRITER_FORMATS = ("auto", *FORMATS)
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _STRING_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -509,6 +518,39 @@ class _Published:
 # -------------------------------------------------------------------------- handlers
 
 
+def _pick_format(attrs: Mapping[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """The payload format of a data flow from the client's BOT, and our reply's
+    attributes (None: nothing to state).
+
+    A client that offers ``encoding`` (a list, or one name) gets the first one it lists
+    that we take, named as a scalar in our reply (:func:`server_terms`). A client that
+    does not: the ``format`` attribute of sinks older than the negotiation, else
+    ``record`` for a plain ZIO giver (no ``batch``) and ``arrow`` for a sink.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the offer names no encoding we take, or ``format`` is not one we know.
+    """
+    if "encoding" in attrs:
+        # Only the offer: the sink's ``batch`` (a Spark batch id) is not the profile's.
+        picked = server_terms("taker", {"encoding": attrs["encoding"]}, FORMATS).encoding
+        if picked is None:
+            raise RemoteProtocolError(
+                f"BOT encoding {attrs['encoding']!r} offers nothing this consumer takes "
+                f"(it takes {list(FORMATS)})",
+                field="encoding",
+                value=attrs["encoding"],
+            )
+        return picked, {"encoding": picked}
+    fmt = attrs.get("format", "record" if "batch" not in attrs else "arrow")
+    if fmt not in FORMATS:
+        raise RemoteProtocolError(
+            f"format must be 'arrow' or 'record', got {fmt!r}", field="format", value=fmt
+        )
+    return fmt, None
+
+
 class _DataHandler(FlowHandler):
     """Serves one client flow: a data flow to stage, or a command to answer."""
 
@@ -537,30 +579,27 @@ class _DataHandler(FlowHandler):
             conn.reject(c._command(attrs))
             return
         try:
-            self._open(attrs)
+            reply = self._open(attrs)
         except RemoteProtocolError as e:
             c.stats["rejected"] += 1
             log.warning("consumer: rejecting flow from %s: %s", conn.name, e)
             conn.reject({"result": "error", "reason": str(e)})
             return
         cap = c.credit if self.format == "arrow" else c.record_credit
-        conn.accept(min(bot.credit, cap))
+        conn.accept(min(bot.credit, cap), reply)
         conn.pay()
 
-    def _open(self, attrs: Mapping[str, Any]) -> None:
+    def _open(self, attrs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Set up staging for the flow; returns the attributes of our BOT reply."""
         c = self.consumer
         self.stream = _check_stream(attrs.get("stream", "zio"))
-        fmt = attrs.get("format", "record" if "batch" not in attrs else "arrow")
-        if fmt not in FORMATS:
-            raise RemoteProtocolError(
-                f"format must be 'arrow' or 'record', got {fmt!r}", field="format", value=fmt
-            )
+        fmt, reply = _pick_format(attrs)
         self.format = fmt
         if "batch" not in attrs:
             self.plain = True
             self._new_plain_stage()
             c.stats["plain_flows"] += 1
-            return
+            return reply
         batch = _check_batch(attrs["batch"])
         partition = _check_index("partition", attrs.get("partition"))
         attempt = _check_index("attempt", attrs.get("attempt", 0))
@@ -574,6 +613,7 @@ class _DataHandler(FlowHandler):
             folder / f"{partition}-{attempt}.part", folder / f"{partition}-{attempt}.arrow", c.fsync
         )
         c.stats["data_flows"] += 1
+        return reply
 
     def _new_plain_stage(self) -> None:
         c = self.consumer
@@ -1425,6 +1465,17 @@ def send_command(
 class StagingWriter:
     """The giver side of one data flow (what a Spark task runs); blocking.
 
+    The payload format is negotiated (:mod:`zio_spark.protocol.negotiate`: the client
+    offers, the server states). The BOT offers ``encoding`` as a list: ``["arrow",
+    "record"]`` for ``format="auto"``, ``["arrow"]`` or ``["record"]`` when explicit. A
+    zio-spark :class:`Consumer` names its pick as a scalar ``encoding`` in its reply.
+    A reply that names none (a plain ZIO taker: the reference's servers echo the client's
+    BOT, so the offered list comes back unchanged) means one record per DAT: ``auto`` and
+    ``record`` then send records (:attr:`plain_peer` is set), an explicit ``arrow`` fails
+    before any data is sent. The BOT also carries the legacy ``format`` attribute
+    (``"arrow"`` for an explicit arrow, else ``"record"``) for consumers older than the
+    negotiation: they stage what ``format`` says and state nothing, so they get records.
+
     Parameters
     ----------
     endpoint
@@ -1432,16 +1483,23 @@ class StagingWriter:
     stream, batch, partition, attempt
         Where the data goes (see the module docstring).
     format
-        ``"arrow"`` (:meth:`write_batch`) or ``"record"`` (:meth:`write_record`).
+        ``"auto"`` (Arrow if the consumer states it takes Arrow, else records),
+        ``"arrow"`` (:meth:`write_batch`/:meth:`write_payload`) or ``"record"``
+        (:meth:`write_record`/:meth:`write_values`). :attr:`format` is the agreed one.
     credit
-        Credit offered (the consumer may lower it).
+        Credit offered. Only the credit the consumer actually pays is spent (a C++
+        reference server announces the offer whatever it pays).
     timeout
         Longest wait for the consumer: the BOT answer, each credit, the EOT echo.
 
     Raises
     ------
     TransportError
-        If the consumer does not answer the BOT within ``timeout``.
+        If the consumer does not answer the BOT within ``timeout``, or its reply is not
+        usable (it picked an encoding that was not offered).
+    ConfigError
+        ``format="arrow"`` towards a taker that did not state it takes Arrow (names the
+        endpoint and the option ``format``).
     CommandError
         If it rejects the flow.
     """
@@ -1454,7 +1512,7 @@ class StagingWriter:
         partition: int,
         attempt: int = 0,
         *,
-        format: str = "arrow",
+        format: str = "auto",
         credit: int = 1000,
         timeout: float = 30.0,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
@@ -1462,10 +1520,11 @@ class StagingWriter:
         curve: tuple[bytes, bytes, bytes] | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
-        if format not in FORMATS:
-            raise ConfigError("format", format, "arrow or record")
+        if format not in WRITER_FORMATS:
+            raise ConfigError("format", format, "auto, arrow or record")
         self.endpoint = endpoint
-        self.format = format
+        self.requested = format
+        self.format = "arrow" if format == "auto" else format
         self.timeout = timeout
         self.rows = 0
         self.plain_peer = False
@@ -1475,12 +1534,13 @@ class StagingWriter:
             "batch": batch,
             "partition": partition,
             "attempt": attempt,
-            "format": format,
+            "encoding": list(FORMATS) if format == "auto" else [format],
+            "format": "arrow" if format == "arrow" else "record",
             **(extra or {}),
         }
         self._ep = FlowEndpoint(self._port, Role.CLIENT)
         try:
-            self._ep.connect(Direction.EXTRACT, credit, attrs, timeout=timeout)
+            reply = self._ep.connect(Direction.EXTRACT, credit, attrs, timeout=timeout)
         except FlowRejected as e:
             self._port.close(linger_ms=0)
             raise CommandError(endpoint, "data flow", str(e.attrs.get("reason", e.attrs))) from e
@@ -1488,34 +1548,86 @@ class StagingWriter:
             self._port.close(linger_ms=0)
             raise TransportError(
                 f"consumer did not answer within {timeout:g} s (stream {stream!r}, batch "
-                f"{batch!r}, partition {partition})",
+                f"{batch!r}, partition {partition}). A plain ZIO taker (such as the "
+                "reference's server) serves one flow at a time: a BOT that comes during "
+                "another flow ends that flow and goes unanswered. If that is the peer, write "
+                "from one partition (df.coalesce(1)) or through a flow broker such as "
+                "`zio-spark consume`",
                 endpoint=endpoint,
             ) from e
         except BaseException:
             self._port.close(linger_ms=0)
             raise
+        try:
+            terms = client_terms("giver", attrs, reply.attrs)
+        except RemoteProtocolError as e:
+            self.fail(f"unusable BOT reply: {e}")
+            raise TransportError(
+                f"the consumer's BOT reply is not usable: {e}", endpoint=endpoint
+            ) from e
+        if terms.encoding is not None:
+            self.format = terms.encoding
+            return
+        if format == "arrow":
+            self.fail("format=arrow, and this taker did not state that it takes Arrow")
+            raise ConfigError(
+                "format",
+                format,
+                f"'auto' or 'record' towards {endpoint}: the taker there did not state "
+                "that it takes Arrow (its BOT reply names no encoding: a plain ZIO taker, "
+                "such as the reference's), so each Arrow payload would reach it as one "
+                "opaque record; nothing was sent",
+            )
+        self.format = "record"
+        self.plain_peer = True  # until its EOT echo says otherwise (see close)
+
+    def _stalled(self, what: str) -> str:
+        """``what`` went wrong; towards a plain taker, the likely cause and the fix."""
+        if not self.plain_peer:
+            return what
+        return (
+            f"{what}. The taker at {self.endpoint} is a plain ZIO taker (its BOT reply "
+            "stated no encoding), and a plain ZIO taker serves one flow at a time: a second "
+            "flow's BOT (e.g. another partition of this write) ends the flow in progress "
+            "without a word to its giver. Write from one partition (df.coalesce(1)), or "
+            "through a flow broker such as `zio-spark consume`"
+        )
 
     def _put(self, payload: tuple[bytes, ...], attrs: Mapping[str, Any] | None = None) -> None:
         try:
             ok = self._ep.put(payload, attrs, timeout=self.timeout)
         except TransportError as e:
             raise TransportError(
-                f"no credit from the consumer within {self.timeout:g} s", endpoint=self.endpoint
+                self._stalled(f"no credit from the consumer within {self.timeout:g} s"),
+                endpoint=self.endpoint,
             ) from e
         if not ok:
-            eot = self._ep.peer_eot
-            reason = eot.attrs.get("error") if eot is not None else None
-            raise TransportError(
-                f"the consumer ended the flow: {reason or 'EOT'}", endpoint=self.endpoint
+            self._ended()
+
+    def _ended(self) -> None:
+        eot = self._ep.peer_eot
+        reason = eot.attrs.get("error") if eot is not None else None
+        raise TransportError(
+            f"the consumer ended the flow: {reason or 'EOT'}", endpoint=self.endpoint
+        )
+
+    def _check_format(self, fmt: str) -> None:
+        if self.format != fmt:
+            raise LocalProtocolError(
+                f"this flow sends {self.format!r} DATs (agreed with {self.endpoint}), not {fmt!r}",
+                field="format",
+                value=fmt,
             )
 
     def write_batch(self, batch: pa.RecordBatch) -> None:
         """Send one record batch of :data:`CONSUMER_SCHEMA` as one DAT (``format=arrow``)."""
+        self._check_format("arrow")
         self._put((encode_payload(batch),))
         self.rows += batch.num_rows
 
     def write_payload(self, payload: bytes, rows: int) -> None:
         """Send an already encoded ``format=arrow`` payload holding ``rows`` rows."""
+        self._check_format("arrow")
         self._put((payload,))
         self.rows += rows
 
@@ -1525,7 +1637,9 @@ class StagingWriter:
         key: bytes | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        """Send one record as one DAT (``format=record``)."""
+        """Send one record as one DAT (``format=record``); without a key and headers its
+        label is the bare ``{"flow": "DAT"}`` a reference taker expects."""
+        self._check_format("record")
         attrs: dict[str, Any] = {}
         if key is not None:
             attrs["key"] = base64.b64encode(key).decode("ascii")
@@ -1533,6 +1647,22 @@ class StagingWriter:
             attrs["headers"] = dict(headers)
         self._put((value,), attrs or None)
         self.rows += 1
+
+    def write_values(self, values: Sequence[bytes]) -> None:
+        """Send records without key or headers, one bare DAT each (``format=record``),
+        a credit run at a time."""
+        self._check_format("record")
+        try:
+            sent = self._ep.put_many([(v,) for v in values], timeout=self.timeout)
+        except TransportError as e:
+            self.rows += e.sent or 0
+            raise TransportError(
+                self._stalled(f"no credit from the consumer within {self.timeout:g} s"),
+                endpoint=self.endpoint,
+            ) from e
+        self.rows += sent
+        if sent < len(values):
+            self._ended()
 
     def close(self) -> int:
         """Send EOT and wait for the echo (the partition is then durably staged).
@@ -1549,7 +1679,7 @@ class StagingWriter:
             eot = self._ep.send_eot(timeout=self.timeout)
         except TransportError as e:
             raise TransportError(
-                f"the consumer did not confirm staging within {self.timeout:g} s",
+                self._stalled(f"the consumer did not confirm staging within {self.timeout:g} s"),
                 endpoint=self.endpoint,
             ) from e
         finally:
@@ -1563,6 +1693,7 @@ class StagingWriter:
         if rows is None:
             self.plain_peer = True  # a plain ZIO taker: no staging, no commit
             return self.rows
+        self.plain_peer = False  # a consumer older than the encoding negotiation
         if rows != self.rows:
             raise TransportError(
                 f"the consumer staged {rows} rows, {self.rows} were sent", endpoint=self.endpoint
