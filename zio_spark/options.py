@@ -149,7 +149,7 @@ class SinkOptions:
     zre: ZreOptions | None = None
     stream: str = "zio"
     credit: int = 1000
-    format: str = "arrow"
+    format: str = "auto"
     connect_timeout: float = 30.0
     socket: str = "auto"
     curve: Curve | None = None
@@ -205,8 +205,10 @@ SINK_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
     "endpoint": (lambda n, v: _one_endpoint(n, v), "consumer endpoint"),
     **_COMMON,
     "format": (
-        lambda n, v: parse_choice(n, v, ("arrow", "record")),
-        "arrow (Arrow IPC per DAT) or record (one record per DAT)",
+        lambda n, v: parse_choice(n, v, ("auto", "arrow", "record")),
+        "auto (Arrow if the consumer states it takes Arrow, else one record per DAT), "
+        "arrow (Arrow IPC per DAT; fails towards a taker that does not take Arrow) or "
+        "record (one record per DAT)",
     ),
 }
 
@@ -339,7 +341,7 @@ def parse_sink_options(raw: Mapping[str, str]) -> SinkOptions:
         zre=_zre(opts),
         stream=opts.get("stream", "zio"),
         credit=opts.get("credit", 1000),
-        format=opts.get("format", "arrow"),
+        format=opts.get("format", "auto"),
         connect_timeout=opts.get("connectTimeout", 30.0),
         socket=opts.get("socket", "auto"),
         curve=_curve(opts),

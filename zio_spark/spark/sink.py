@@ -5,7 +5,8 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
 
 1. **Task** (executor, :meth:`write`): one ZIO flow per task, the task being the
    *client giver*: ``BOT{direction:"extract", credit, stream, batch, partition,
-   attempt, format}``, then DATs within credit, then EOT. The consumer echoes the EOT
+   attempt, encoding: [...]}``, then DATs within the credit actually paid, then EOT
+   (see "Message shapes" for the negotiated format). The consumer echoes the EOT
    only once the partition is durably staged (fsync'd), with ``{"rows": n}``; the task
    checks ``n`` and returns a :class:`ZioCommitMessage`. A task whose input fails
    midway sends ``EOT{error}`` (the consumer discards the partial file) and re-raises.
@@ -19,8 +20,16 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
    before it records the batch as done; on restart it re-runs the batch and the
    consumer, which remembers committed ids, answers ``ok`` without publishing twice.
    ``abort`` is best effort (logged, never raised): it may overlap running tasks and
-   its messages may be None, so it always goes to the configured endpoint (with a
-   ``group``: to every consumer the aborting writer knows of, too).
+   its messages may be None, so it goes to the configured endpoint too (with a
+   ``group``: to every consumer the aborting writer knows of).
+
+   A command BOT goes only to an endpoint known to be a zio-spark consumer: a plain ZIO
+   taker would take it for a new flow (and a reference server would end the flow in
+   progress for it). What an endpoint is, the tasks' messages tell (a flow's EOT echo
+   carries ``rows`` from a consumer only); this driver process remembers it across
+   batches. An endpoint that no flow of this process has reached yet (every partition
+   towards it was empty) gets no command: an all-empty batch is then not recorded
+   there, which loses nothing (it published nothing).
 
 Group targets (option ``group`` instead of ``endpoint``): the writer object, made on the
 driver, resolves the consumers advertised in the ZRE group (port ``flow``, see
@@ -44,15 +53,30 @@ for ``commit``, so all of them agree. The Spark query id (local property
 ``sql.streaming.queryId``, stable across restarts from one checkpoint) rides along so
 the consumer can refuse a *new* query reusing a stream whose batch ids are taken.
 
-Message shapes (option ``format``):
+Message shapes (option ``format``), negotiated as in
+:mod:`zio_spark.protocol.negotiate` (the client offers, the server states): the task's
+BOT offers ``encoding: ["arrow", "record"]`` (``auto``, the default), ``["arrow"]`` or
+``["record"]``; a zio-spark consumer names its pick as a scalar ``encoding`` in its BOT
+reply. A reply that names none is a plain ZIO taker (the reference's servers echo the
+client's BOT, offered list included): ``auto`` and ``record`` then send records, an
+explicit ``arrow`` fails the task before any data is sent, naming the endpoint and the
+option.
 
-- ``arrow`` (default): each DAT payload is one Arrow IPC stream holding one record
-  batch (at most :data:`MAX_ROWS_PER_DAT` rows, about :data:`MAX_BYTES_PER_DAT` bytes)
-  with columns ``value`` binary, ``key`` binary, ``headers`` map<string,string>.
+- ``arrow``: each DAT payload is one Arrow IPC stream holding one record batch (at most
+  :data:`MAX_ROWS_PER_DAT` rows, about :data:`MAX_BYTES_PER_DAT` bytes) with columns
+  ``value`` binary, ``key`` binary, ``headers`` map<string,string>.
 - ``record``: one record per DAT, payload = the value bytes, flow-object attributes
-  ``key`` (base64 text) and ``headers`` (an object) when present, so a plain ZIO taker
-  can read it. A taker whose EOT echo has no ``rows`` is taken for a plain ZIO peer:
-  nothing is staged there, and commit/abort skip it (at-least-once).
+  ``key`` (base64 text) and ``headers`` (an object) when present; a record with neither
+  has the bare ``{"flow": "DAT"}`` label of the reference. Nothing is staged at a plain
+  taker and commit/abort skip it: at-least-once.
+
+A plain ZIO taker (the reference's server) serves **one flow at a time**: a second
+flow's BOT ends the one in progress, telling its giver nothing. Tasks run on separate
+executors, so the sink cannot serialise them; a flow towards a plain taker that stops
+getting credit or its EOT echo within ``connectTimeout`` fails the task with an error
+saying the taker serves one flow at a time (fix: ``df.coalesce(1)``, or a flow broker
+such as ``zio-spark consume``). The query never reports success with rows missing, but
+the rows the killed flow did deliver are there, and a retried task sends them again.
 
 Input columns are normalised: ``value`` (required) binary or string (UTF-8), ``key``
 binary or string, ``headers`` map<string,string>; anything else is a
@@ -300,7 +324,8 @@ class ZioCommitMessage(WriterCommitMessage):  # type: ignore[misc]
     """What one task reports: where its partition is staged and how many rows.
 
     ``plain`` is true when the endpoint turned out to be a plain ZIO taker (its EOT
-    echo had no ``rows``): there is nothing staged to commit there. ``mode`` is the
+    echo had no ``rows``): there is nothing staged to commit there; with ``rows`` 0 (no
+    flow was opened) it says nothing of the endpoint. ``mode`` is the
     socket mode the task used (None: the ``socket`` option), for commit/abort.
     """
 
@@ -431,7 +456,7 @@ def write_partition(
         while current is not None:
             if current.num_rows:
                 norm = _normalise(current, cols)
-                if opts.format == "arrow":
+                if w.format == "arrow":  # agreed with the consumer
                     for chunk in _chunks(norm):
                         w.write_payload(encode_payload(chunk), chunk.num_rows)
                 else:
@@ -455,26 +480,48 @@ def write_partition(
 
 
 def _send_records(w: StagingWriter, batch: pa.RecordBatch) -> None:
-    values = batch.column(0).to_pylist()
+    """One DAT per record; runs of records without key and headers go out as bare DATs
+    (the reference's ``{"flow": "DAT"}`` label), a credit run at a time."""
+    values = [b"" if v is None else v for v in batch.column(0).to_pylist()]
+    if batch.column(1).null_count == len(values) and batch.column(2).null_count == len(values):
+        w.write_values(values)
+        return
     keys = batch.column(1).to_pylist()
     headers = batch.column(2).to_pylist()
+    run: list[bytes] = []
     for v, k, h in zip(values, keys, headers, strict=True):
-        w.write_record(b"" if v is None else v, k, None if h is None else dict(h))
+        if k is None and not h:
+            run.append(v)
+            continue
+        if run:
+            w.write_values(run)
+            run = []
+        w.write_record(v, k, None if h is None else dict(h))
+    if run:
+        w.write_values(run)
 
 
 # ----------------------------------------------------------------------- driver side
 
 
+# What this (driver) process has learned of each endpoint from task messages: True for
+# a plain ZIO taker, False for a zio-spark consumer. Only a partition with rows opens a
+# flow, so a batch whose partitions towards an endpoint are all empty says nothing.
+_KNOWN: dict[str, bool] = {}
+_KNOWN_LOCK = threading.Lock()
+
+
 @dataclass
 class _Endpoint:
-    plain: bool  # a plain ZIO taker
+    plain: bool | None  # a plain ZIO taker; None: not known (no flow told yet)
     query: str | None
     mode: str | None
     parts: list[tuple[int, int, int]]
 
 
 def _endpoints(messages: Sequence[Any], opts: SinkOptions) -> dict[str, _Endpoint]:
-    """What the messages say about each endpoint they name."""
+    """What the messages (and earlier batches' messages) say about each endpoint they
+    name."""
     seen: dict[str, list[ZioCommitMessage]] = {}
     for m in messages:
         if isinstance(m, ZioCommitMessage):
@@ -482,12 +529,35 @@ def _endpoints(messages: Sequence[Any], opts: SinkOptions) -> dict[str, _Endpoin
     out: dict[str, _Endpoint] = {}
     for ep, ms in seen.items():
         # Empty partitions opened no flow, so only a message with rows can tell.
-        plain = any(m.plain for m in ms) and not any(m.rows and not m.plain for m in ms)
+        plain: bool | None = None
+        if any(m.rows and not m.plain for m in ms):
+            plain = False
+        elif any(m.plain for m in ms):
+            plain = True
         query = next((m.query for m in ms if m.query is not None), None)
         mode = next((m.mode for m in ms if m.mode is not None), _mode(opts))
         parts = sorted((m.partition, m.attempt, m.rows) for m in ms)
-        out[ep] = _Endpoint(plain, query, mode, parts)
+        out[ep] = _Endpoint(_learn(ep, plain), query, mode, parts)
     return out
+
+
+def _learn(endpoint: str, plain: bool | None) -> bool | None:
+    """Record what a batch told of ``endpoint``; returns what is known of it."""
+    with _KNOWN_LOCK:
+        if plain is None:
+            return _KNOWN.get(endpoint)
+        _KNOWN[endpoint] = plain
+        return plain
+
+
+def _why_not(endpoint: str, plain: bool | None) -> str:
+    if plain:
+        return f"{endpoint} is a plain ZIO taker (nothing staged there)"
+    return (
+        f"no flow of this batch reached {endpoint} (its partitions were empty) and it is "
+        "not known to be a zio-spark consumer (a plain ZIO taker would take the "
+        "command's BOT for a new flow)"
+    )
 
 
 def commit_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> None:
@@ -506,12 +576,12 @@ def commit_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> 
     """
     found = _endpoints(messages, opts)
     if opts.endpoint is not None and opts.endpoint not in found:
-        found[opts.endpoint] = _Endpoint(False, None, _mode(opts), [])
+        found[opts.endpoint] = _Endpoint(_learn(opts.endpoint, None), None, _mode(opts), [])
     if not found:
         log.info("zio sink: batch %r has no partitions; nothing to commit", batch)
     for ep, t in sorted(found.items()):
-        if t.plain:
-            log.info("zio sink: %s is a plain ZIO taker; batch %r not committed there", ep, batch)
+        if t.plain is not False:
+            log.info("zio sink: batch %r not committed: %s", batch, _why_not(ep, t.plain))
             continue
         send_command(
             ep,
@@ -535,14 +605,22 @@ def abort_batch(
     """Tell each consumer to discard the staging of ``batch``; best effort, never raises.
 
     Goes to the endpoints the messages name, the ``endpoint`` option and ``targets``
-    (messages of failed tasks are None, so they cannot be relied on).
+    (messages of failed tasks are None, so they cannot be relied on), each only if it is
+    known to be a zio-spark consumer (from this batch's messages or an earlier batch's):
+    a plain ZIO taker would take the command's BOT for a new flow, and a reference
+    server would end the flow in progress for it.
     """
-    modes: dict[str, str | None] = {ep: t.mode for ep, t in _endpoints(messages, opts).items()}
+    found = _endpoints(messages, opts)
+    modes: dict[str, str | None] = {ep: t.mode for ep, t in found.items()}
     for ep, mode in targets:
         modes.setdefault(ep, mode)
     if opts.endpoint is not None:
         modes.setdefault(opts.endpoint, _mode(opts))
     for ep, mode in sorted(modes.items()):
+        plain = found[ep].plain if ep in found else _learn(ep, None)
+        if plain is not False:
+            log.info("zio sink: no abort of batch %r sent: %s", batch, _why_not(ep, plain))
+            continue
         try:
             send_command(
                 ep,
