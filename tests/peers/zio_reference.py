@@ -133,9 +133,32 @@ EOT
     accounting (FINACK accepts any non-EOT send), and its final ``eot()`` sends the EOT
     that completes the handshake, then waits in ``eotrecv`` for an echo that will not come.
 
-Differences from zio-wire.md found in the reference source are listed in the report that
-came with this file; in short: fact 13 also holds for the Python giver, fact 16 for a C++
-giver depends on whether it was blocked, and fact 20 is not in zio-wire.md.
+Where the reference source says more than (or other than) zio-wire.md:
+
+- zio-wire.md "Flow behaviour" says the server replies with a credit "no larger than the
+  offer"; the C++ server echoes the offer whatever it pays (fact 8, already in "What the
+  reference really does"); the Python server does lower it.
+- A zero-credit PAY also kills the *Python* giver when it is blocked for credit, and it
+  kills either giver only when it is the message the giver blocked for (fact 13).
+- "A second client's BOT kills the flow": always for the C++ taker and the Python giver;
+  a C++ giver that still has credit drops that BOT silently and carries on (fact 14, 16).
+  The killing BOT is never answered; the first client just stops hearing anything.
+- A C++ server giver that lowered its total drops a client's PAY above that total
+  (fact 15); with a client that trusts the echoed credit nothing is ever given.
+- The Python taker cannot echo the giver's EOT (AssertionError, fact 20); the Python
+  giver never notices an EOT in ``put()``.
+- The reference client offers its own constructor credit in its BOT (nothing special for
+  a giver); C++ puts ``credit`` in a client BOT's label, the Python client the same.
+
+Records every peer keeps (appended by its thread; poll them with ``wait_until``):
+``bots`` (BOT labels received), ``sent`` / ``received`` (DAT payload values),
+``received_labels``, ``pays_received`` / ``pays_sent`` (credits), ``zero_credit_pays``,
+``eot_echoes`` (echoes to an EOT it initiated), ``eots_received`` (EOTs the other side
+initiated), ``errors`` (texts: every way a flow died), ``ignored`` (messages dropped
+without killing the flow), ``trace`` (``("recv"|"send"|"dropped", WireMessage)``).
+Servers add ``replies``, ``flows_started``, ``flows_completed``, ``flows_died``,
+``flows_killed``, ``blocked_for_credit``; clients add ``reply``, ``total_credit``,
+``done``, ``finished``, ``wait()``.
 """
 
 from __future__ import annotations
