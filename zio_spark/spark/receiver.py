@@ -1,13 +1,23 @@
 """The source's receiver: takes records from ZIO producers into the spool, with credit.
 
 Runs in Spark's long-lived streaming runner process (never in a reader's ``__init__``:
-sockets do not pickle). One thread owns every socket. For each producer endpoint it runs
-a ZIO flow as the *client taker*:
+sockets do not pickle). One thread owns every socket. It takes records in two topologies,
+both at once if asked:
+
+- **connect** (``endpoints``/``group``): for each producer endpoint it runs a ZIO flow as
+  the *client taker*;
+- **bind** (``bind``): it is a flow server like the reference's flow broker; every giver
+  client that connects with ``BOT{direction: extract}`` is a producer partition.
+
+As the client taker:
 
 1. connect a client port and send ``BOT{direction: inject, credit: C, stream, ack: true,
-   resume: R, encoding: ["arrow"], batch: K}``. ``R`` is the last sequence number the
-   spool holds for that producer (durably): an ack-capable producer resends from ``R+1``.
-   ``K`` caps records per DAT so the backlog bound below is exact.
+   resume: R, encoding: ["arrow"], batch: K}`` -- an *offer*. ``R`` is the last sequence
+   number the spool holds for that producer (durably): an ack-capable producer resends
+   from ``R+1``. ``K`` caps records per DAT so the backlog bound below is exact. The
+   reply counts only for what the giver states as its own
+   (:func:`~zio_spark.protocol.negotiate.client_terms`): a reference server echoes our
+   BOT back, which must read as a plain giver (no acks, plain DATs), never as ours.
 2. every DAT goes into the spool: Arrow batches from our own producers, or one record per
    DAT from a plain ZIO giver (numbered here, ``seq = held + 1``). Records at or below what
    the spool holds are dropped (resends).
@@ -41,6 +51,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
@@ -53,12 +64,20 @@ from zio_spark.protocol.flow import (
     FlowState,
     Rejected,
     Role,
-    profile_bot,
 )
 from zio_spark.protocol.message import DAT_LABEL, FLOW_FORM, Message
+from zio_spark.protocol.negotiate import PLAIN, Terms, client_terms, pay_attrs, server_terms
 from zio_spark.queue.spool import WAL_SCHEMA, Record, Spool
 from zio_spark.records import ENCODING, decode_batch, plain_value
-from zio_spark.transport.port import BadMessage, ClientPort
+from zio_spark.transport.port import (
+    BadMessage,
+    ClientPort,
+    PeerId,
+    ServerPort,
+    SocketMode,
+    format_peer,
+    socket_type_name,
+)
 
 __all__ = ["PeerStatus", "Receiver"]
 
@@ -82,6 +101,34 @@ class PeerStatus:
 
 
 @dataclass
+class _Pending:
+    """What one drain took in for one producer, appended to the spool in one go when it
+    ends (a spool append per DAT costs more than the DAT itself when DATs are small): WAL
+    batches (Arrow givers) or records (plain givers), and the last seq among them. Kept
+    per producer, not per flow: plain clients of a bound source that share an id feed
+    one partition, numbered here in arrival order."""
+
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
+    last: int = 0
+    bytes: int = 0
+    dats: int = 0
+
+
+@dataclass
+class _Bound:
+    """The server port of ``bind``: giver clients connect to it, one flow each."""
+
+    endpoint: str  # as asked (``tcp://*:5555``)
+    port: ServerPort
+    actual: str  # as bound (``tcp://0.0.0.0:5555``)
+    flows: dict[PeerId, _Peer] = field(default_factory=dict)
+    origin: int = 0
+    monitor: zmq.Socket[bytes] | None = None
+    accepted: int = 0  # connections accepted and not yet handshaken
+
+
+@dataclass
 class _Peer:
     endpoint: str
     status: PeerStatus
@@ -95,18 +142,24 @@ class _Peer:
     retry_at: float = 0.0
     acked: int = 0  # last ack sent
     backoff: float = 0.2
+    # The BOT we sent (client flows): the reply's attributes count only where they are
+    # not an echo of it. ``terms``: what was agreed (acks, encoding, producer id).
+    sent: dict[str, Any] = field(default_factory=dict)
+    terms: Terms = PLAIN
+    # Bound flows: the server port the client came in on, and its routing id.
+    bound: _Bound | None = None
+    rid: PeerId | None = None
+    # Socket kinds may not match (the handshake failed, or nothing ever came back):
+    # reported when no BOT comes within connectTimeout.
+    handshake_failed: bool = False
+    handshake_error: str | None = None
+    handshaked: bool = False
+    connected: bool = False
     # Most records seen in one Arrow DAT (0: none yet). A giver that ignores the
     # ``batch`` we ask for in BOT sends bigger DATs: credit is then sized by what it
     # really sends, and one credit at a time until its first DAT shows the size.
     dat_rows: int = 0
-    # What one drain took in, appended to the spool in one go when it ends (a spool
-    # append per DAT costs more than the DAT itself when DATs are small): WAL batches
-    # (Arrow givers) or records (plain givers), and the last seq among them.
-    pending_batches: list[pa.RecordBatch] = field(default_factory=list)
-    pending_records: list[Record] = field(default_factory=list)
-    pending_last: int = 0
-    pending_bytes: int = 0
-    pending_dats: int = 0
+    pending: _Pending = field(default_factory=_Pending)
 
 
 class Receiver:
@@ -125,7 +178,19 @@ class Receiver:
     stream
         Stream name sent in BOT.
     connect_timeout
-        How long to wait for a producer's BOT before retrying.
+        How long to wait for a producer's BOT before retrying (and, when no BOT ever came
+        back, before reporting that the socket kinds may not match).
+    bind
+        Endpoints to bind a flow server on (``tcp://*:5555``): giver clients connect
+        there, each client flow a producer partition (see :meth:`_bound_producer`).
+    reconnect
+        Reopen a flow that ended or failed (streaming). False: a failed flow stays
+        ``failed`` and an ended one ``ended`` (batch reads).
+
+    Raises
+    ------
+    TransportError
+        If a ``bind`` endpoint cannot be bound (in use, malformed), naming it.
     """
 
     def __init__(
@@ -141,6 +206,7 @@ class Receiver:
         curve: tuple[bytes, bytes, bytes] | None = None,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         reconnect: bool = True,
+        bind: Iterable[str] = (),
         clock: Callable[[], float] = time.monotonic,
         wall_clock_us: Callable[[], int] = lambda: time.time_ns() // 1000,
     ) -> None:
@@ -168,8 +234,21 @@ class Receiver:
         self._known_ids: dict[str, str] = self._load_ids()
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
+        self._pending: dict[str, _Pending] = {}
+        self._bound: list[_Bound] = []
+        self._done: collections.deque[PeerStatus] = collections.deque(maxlen=_DONE_KEPT)
+        # A flow the receiver could never start (no BOT within connectTimeout on a fresh
+        # connection): what the query reports, naming the endpoint and the fix.
+        self.unreachable: dict[str, str] = {}
         for ep in endpoints:
             self._add(ep)
+        try:
+            for ep in bind:
+                self._bind(ep)
+        except BaseException:
+            for b in self._bound:
+                b.port.close(linger_ms=0)
+            raise
 
     # -- public (any thread) -----------------------------------------------------------
 
@@ -215,7 +294,7 @@ class Receiver:
             with self._lock:
                 pending = [
                     p
-                    for p in self._peers.values()
+                    for p in self._flows()
                     if p.producer is not None
                     and p.flow is not None
                     and p.flow.state is FlowState.READY
@@ -227,8 +306,24 @@ class Receiver:
         return False
 
     def status(self) -> list[PeerStatus]:
+        """One entry per producer endpoint we connect to, per live client flow of a bound
+        endpoint, and per client flow that ended or failed there (the latest
+        ``_DONE_KEPT``)."""
         with self._lock:
-            return [PeerStatus(**vars(p.status)) for p in self._peers.values()]
+            out = [PeerStatus(**vars(p.status)) for p in self._flows()]
+            out.extend(PeerStatus(**vars(st)) for st in self._done)
+            return out
+
+    def bound_endpoints(self) -> list[str]:
+        """The endpoints bound for giver clients, as bound (``tcp://0.0.0.0:5555``)."""
+        return [b.actual for b in self._bound]
+
+    def _flows(self) -> list[_Peer]:
+        """Every flow: one per endpoint we connect to, one per client of a bound port."""
+        out = list(self._peers.values())
+        for b in self._bound:
+            out.extend(b.flows.values())
+        return out
 
     def _call(self, fn: Callable[[], None]) -> None:
         self._calls.append(fn)
@@ -265,15 +360,32 @@ class Receiver:
         if peer is not None:
             self._end_flow(peer, eot=True)
 
+    def _bind(self, endpoint: str) -> None:
+        kwargs: dict[str, Any] = {}
+        if self.curve is not None:  # as the server: our own key pair
+            kwargs = {"curve_secret_key": self.curve[2], "curve_public_key": self.curve[1]}
+        port = ServerPort(
+            self.ctx, mode=self.mode, linger_ms=0, send_timeout_ms=1000, sndhwm=0, **kwargs
+        )
+        try:
+            actual = port.bind(endpoint)
+            monitor = port.socket.get_monitor_socket(_BOUND_EVENTS)
+        except BaseException:
+            port.close(linger_ms=0)
+            raise
+        self._bound.append(_Bound(endpoint, port, actual, monitor=monitor))
+        log.info("zio source: bound %s (%s) for giver clients", actual, port.socket_type)
+
     def _open(self, peer: _Peer, now: float) -> None:
         port = ClientPort(
             self.ctx, mode=peer.mode, linger_ms=0, send_timeout_ms=1000, **self._curve_kwargs()
         )
-        monitor = port.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = port.socket.get_monitor_socket(_CLIENT_EVENTS)
         port.connect(peer.endpoint)
         flow = Flow(Role.CLIENT)
         producer = peer.producer or self._known_ids.get(peer.endpoint)
         resume = self.spool.next_seq(producer) - 1 if producer else 0
+        # Our offer; the reply states what the giver does (see client_terms).
         attrs: dict[str, Any] = {
             "stream": self.stream,
             "ack": True,
@@ -282,8 +394,10 @@ class Receiver:
             "batch": self.batch,
         }
         port.send(flow.send_bot(Direction.INJECT, self.credit, attrs))
-        peer.port, peer.flow, peer.monitor = port, flow, monitor
+        peer.port, peer.flow, peer.monitor, peer.sent = port, flow, monitor, attrs
         peer.opened_at = now
+        peer.connected = peer.handshaked = peer.handshake_failed = False
+        peer.handshake_error = None
         peer.status.state = "connecting"
 
     def _curve_kwargs(self) -> dict[str, Any]:
@@ -296,7 +410,24 @@ class Receiver:
             "curve_secret_key": secret_key,
         }
 
+    def _send(self, peer: _Peer, msg: Message, timeout_ms: float = 1000) -> None:
+        if peer.bound is not None:
+            peer.bound.port.send(msg, peer.rid, timeout_ms=timeout_ms)
+        else:
+            assert peer.port is not None
+            peer.port.send(msg, timeout_ms=timeout_ms)
+
     def _end_flow(self, peer: _Peer, *, eot: bool) -> None:
+        if peer.bound is not None:
+            if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
+                with contextlib.suppress(ProtocolError, TransportError):
+                    self._send(peer, peer.flow.send_eot(), timeout_ms=100)
+            with self._lock:
+                if peer.bound.flows.get(peer.rid) is peer:  # type: ignore[arg-type]
+                    del peer.bound.flows[peer.rid]  # type: ignore[arg-type]
+                    self._done.append(peer.status)
+            peer.flow = None
+            return
         if peer.port is not None:
             if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
                 with contextlib.suppress(ProtocolError, TransportError):
@@ -312,11 +443,90 @@ class Receiver:
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
         peer.status.last_error = why
+        if peer.bound is not None:
+            # A client flow: the client opens a new one (a new BOT) if it wants to.
+            peer.status.state = "failed"
+            log.warning("zio source: giver client %s: %s; flow dropped", peer.endpoint, why)
+            self._end_flow(peer, eot=False)
+            return
+        if not self.reconnect:
+            peer.status.state = "failed"
+            log.warning("zio source: producer %s: %s", peer.endpoint, why)
+            self._end_flow(peer, eot=False)
+            peer.retry_at = float("inf")
+            return
         peer.status.state = "waiting"
-        log.warning("producer %s: %s; reconnecting in %.1f s", peer.endpoint, why, peer.backoff)
+        log.warning(
+            "zio source: producer %s: %s; reconnecting in %.1f s", peer.endpoint, why, peer.backoff
+        )
         self._end_flow(peer, eot=False)
         peer.retry_at = now + peer.backoff
         peer.backoff = min(peer.backoff * 2, 5.0)
+
+    def _unreachable(self, peer: _Peer, why: str) -> None:
+        """A producer we can never talk to as configured: the query fails, saying why."""
+        self.stats["flow_failures"] += 1
+        peer.status.failures += 1
+        peer.status.state = "failed"
+        peer.status.last_error = why
+        self.unreachable[peer.endpoint] = why
+        log.error("zio source: %s", why)
+        self._end_flow(peer, eot=False)
+        peer.retry_at = float("inf")
+        if self.error is None:
+            self.error = TransportError(why, endpoint=peer.endpoint)
+
+    def _no_bot(self, peer: _Peer, now: float) -> None:
+        """No BOT came back within connectTimeout: say what the socket monitor saw."""
+        ours = socket_type_name("client", peer.mode or SocketMode.ROUTERDEALER)
+        theirs = "SERVER" if ours == "DEALER" else "ROUTER"
+        fix = (
+            "set option socket=clientserver (it needs a draft-enabled pyzmq; see the README "
+            'section "Sockets")'
+            if ours == "DEALER"
+            else "set option socket=routerdealer"
+        )
+        t = self.connect_timeout
+        if peer.handshake_error is not None:
+            why = f"{peer.endpoint}: the security handshake failed ({peer.handshake_error})"
+            why += "; check the CURVE keys (curveServerKey is the producer's public key)"
+        elif peer.handshake_failed:
+            self._unreachable(
+                peer,
+                f"{peer.endpoint} did not answer our BOT within {t:g} s and every ZMTP "
+                f"handshake with it failed: our socket is a {ours}, so the producer's is "
+                f"probably a {theirs}, and the two never exchange a message; {fix}",
+            )
+            return
+        elif not peer.connected:
+            why = f"nothing accepted a connection at {peer.endpoint} within {t:g} s"
+        else:
+            why = (
+                f"{peer.endpoint} accepted our {ours} but sent no BOT within {t:g} s "
+                f"(is it a ZIO flow server giving stream {self.stream!r}?)"
+            )
+        if self.reconnect:
+            self._fail(peer, why, now)
+        else:
+            self._unreachable(peer, why)
+
+    def _on_monitor(self, peer: _Peer, now: float) -> None:
+        assert peer.monitor is not None
+        while peer.monitor is not None and peer.monitor.poll(0):
+            event = parse_monitor_message(peer.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                peer.connected = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer.handshaked = True
+            elif event in _HANDSHAKE_FAILED:
+                peer.handshake_error = _HANDSHAKE_FAILED[event]
+            elif event == zmq.EVENT_DISCONNECTED:
+                if peer.handshaked:
+                    self._fail(peer, "disconnected", now)
+                    return
+                # The ZMTP handshake failed (libzmq checks socket types there): wait for
+                # connectTimeout, then say so (_no_bot) instead of reconnecting in silence.
+                peer.handshake_failed = True
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -328,8 +538,14 @@ class Receiver:
             self.error = e
             log.exception("receiver failed")
         finally:
-            for peer in list(self._peers.values()):
+            for peer in self._flows():
                 self._end_flow(peer, eot=True)
+            for b in self._bound:
+                with contextlib.suppress(zmq.ZMQError):
+                    b.port.socket.disable_monitor()
+                if b.monitor is not None:
+                    b.monitor.close(0)
+                b.port.close(linger_ms=100)
 
     def _turn(self) -> None:
         while self._calls:
@@ -348,16 +564,26 @@ class Receiver:
                 poller.register(peer.port.socket, zmq.POLLIN)
                 if peer.monitor is not None:
                     poller.register(peer.monitor, zmq.POLLIN)
+        for b in self._bound:
+            poller.register(b.port.socket, zmq.POLLIN)
+            if b.monitor is not None:
+                poller.register(b.monitor, zmq.POLLIN)
         ready = dict(poller.poll(50)) if poller.sockets else {}
         if not poller.sockets:
             self._stop.wait(0.05)
         appended = False
+        for b in self._bound:
+            if b.monitor is not None and b.monitor in ready:
+                self._on_bound_monitor(b)
+            if b.port.socket in ready:
+                appended |= self._drain_bound(b, now)
         for peer in peers:
             if peer.port is None:
                 continue
             if peer.monitor is not None and peer.monitor in ready:
-                self._fail(peer, "disconnected", now)
-                continue
+                self._on_monitor(peer, now)
+                if peer.port is None:
+                    continue
             if peer.port.socket in ready:
                 appended |= self._drain(peer, now)
             if (
@@ -366,12 +592,41 @@ class Receiver:
                 and peer.flow.state is FlowState.BOT_SENT
                 and now - peer.opened_at > self.connect_timeout
             ):
-                self._fail(peer, f"no BOT within {self.connect_timeout} s", now)
+                self._no_bot(peer, now)
         if appended:
             self.spool.flush()
-        for peer in peers:
-            if peer.port is not None and peer.flow is not None:
+        for peer in self._flows():
+            if peer.flow is not None and (peer.port is not None or peer.bound is not None):
                 self._pay(peer, now)
+
+    def _take(self, peer: _Peer, msg: Message, now: float) -> bool:
+        """Take one message of ``peer``'s flow; False once that flow ended or failed."""
+        flow = peer.flow
+        assert flow is not None
+        # Fast lane: a plain DAT without attributes, the reference giver's kind.
+        if (
+            msg.label == DAT_LABEL
+            and not peer.arrow
+            and len(msg.payload) == 1
+            and msg.form == FLOW_FORM
+            and flow.take_dat()
+        ):
+            self._take_plain(peer, msg)
+        else:
+            try:
+                self._on_message(peer, msg, now)
+            except (ProtocolError, ValueError) as e:
+                self.stats["dropped"] += 1
+                self._fail(peer, f"{type(e).__name__}: {e}", now)
+                return False
+            if peer.flow is not flow:  # the flow ended (EOT) or failed
+                return False
+        pend = peer.pending
+        if pend.bytes >= _PENDING_BYTES_MAX or pend.dats >= _PENDING_DATS_MAX:
+            self._append_pending(peer, now)
+            if peer.flow is not flow:  # the append failed this flow
+                return False
+        return True
 
     def _drain(self, peer: _Peer, now: float) -> bool:
         assert peer.port is not None
@@ -390,63 +645,127 @@ class Receiver:
                 break
             budget -= len(got)
             for msg in got:
-                if type(msg) is BadMessage:
+                if isinstance(msg, BadMessage):
                     self.stats["dropped"] += 1
                     self._fail(peer, f"bad message: {msg.error}", now)
                     budget = 0
                     break
-                # Fast lane: a plain DAT without attributes, the reference giver's kind.
-                if (
-                    msg.label == DAT_LABEL
-                    and not peer.arrow
-                    and len(msg.payload) == 1
-                    and msg.form == FLOW_FORM
-                    and flow.take_dat()
-                ):
-                    self._take_plain(peer, msg)
-                else:
-                    try:
-                        self._on_message(peer, msg, now)
-                    except (ProtocolError, ValueError) as e:
-                        self.stats["dropped"] += 1
-                        self._fail(peer, f"{type(e).__name__}: {e}", now)
-                        budget = 0
-                        break
-                    if peer.flow is not flow:  # the flow ended (EOT) or failed
-                        budget = 0
-                        break
-                if (
-                    peer.pending_bytes >= _PENDING_BYTES_MAX
-                    or peer.pending_dats >= _PENDING_DATS_MAX
-                ):
-                    appended |= self._append_pending(peer, now)
-                    if peer.flow is not flow:  # the append failed this flow
-                        budget = 0
-                        break
+                if not self._take(peer, msg, now):
+                    budget = 0
+                    break
         # What arrived before a failure was valid and in order: it is kept.
         return self._append_pending(peer, now) or appended
+
+    def _drain_bound(self, b: _Bound, now: float) -> bool:
+        """Take what giver clients sent to a bound port; a client that breaks the protocol
+        loses its flow, the others go on."""
+        budget = 10_000
+        touched: dict[str, _Peer] = {}
+        while budget > 0:
+            got = b.port.recv_many(min(budget, _DRAIN_BATCH), 0)
+            if not got:
+                break
+            budget -= len(got)
+            for item in got:
+                if isinstance(item, BadMessage):
+                    self.stats["dropped"] += 1
+                    bad = b.flows.get(item.peer) if isinstance(item.peer, (bytes, int)) else None
+                    if bad is not None:
+                        self._fail(bad, f"bad message: {item.error}", now)
+                    continue
+                rid, msg = item
+                peer = b.flows.get(rid)
+                if peer is None:
+                    peer = self._new_client(b, rid, msg, now)
+                    if peer is None or peer.producer is None:
+                        continue
+                elif not self._take(peer, msg, now):
+                    continue
+                if peer.producer is not None and peer.flow is not None:
+                    touched[peer.producer] = peer
+        appended = False
+        for peer in touched.values():
+            appended |= self._append_pending(peer, now)
+        return appended
+
+    def _new_client(self, b: _Bound, rid: PeerId, msg: Message, now: float) -> _Peer | None:
+        """The first message of a client we have no flow with: it must be a BOT."""
+        flow = Flow(Role.SERVER, origin=b.origin)
+        name = f"{b.actual} <- {format_peer(rid)}"
+        try:
+            event = flow.receive(msg)
+        except ProtocolError as e:
+            self._stray(b, name, str(e))
+            return None
+        if not isinstance(event, BotReceived):
+            self._stray(b, name, f"{type(event).__name__} before any BOT")
+            return None
+        peer = _Peer(name, PeerStatus(name), bound=b, rid=rid, flow=flow)
+        with self._lock:
+            b.flows[rid] = peer
+        try:
+            self._on_client_bot(peer, event, msg, now)
+        except (ProtocolError, TransportError, ValueError) as e:
+            self.stats["dropped"] += 1
+            self._fail(peer, f"{type(e).__name__}: {e}", now)
+        return peer
+
+    def _stray(self, b: _Bound, name: str, why: str) -> None:
+        # A client without a flow (ours failed it, or it never sent a BOT): nothing to
+        # answer; counted, and logged while rare.
+        self.stats["stray_messages"] += 1
+        if self.stats["stray_messages"] <= _LOG_STRAY_FIRST:
+            log.warning("zio source: %s sent a message outside any flow (%s); dropped", name, why)
+
+    def _on_bound_monitor(self, b: _Bound) -> None:
+        assert b.monitor is not None
+        while b.monitor.poll(0):
+            event = parse_monitor_message(b.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_ACCEPTED:
+                b.accepted += 1
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                b.accepted = max(0, b.accepted - 1)
+            elif event == zmq.EVENT_DISCONNECTED and b.accepted > 0:
+                # Accepted, never handshaken, gone: libzmq refused the peer's socket type.
+                b.accepted -= 1
+                self.stats["handshake_failures"] += 1
+                ours = b.port.socket_type
+                fix = (
+                    "a CLIENT needs socket=clientserver here (a draft-enabled pyzmq)"
+                    if ours == "ROUTER"
+                    else "a DEALER needs socket=routerdealer here"
+                )
+                log.warning(
+                    "zio source: a client of %s failed the ZMTP handshake: our socket is a "
+                    '%s and it cannot talk to the client\'s (%s; README section "Sockets")',
+                    b.actual,
+                    ours,
+                    fix,
+                )
 
     def _take_plain(self, peer: _Peer, msg: Message) -> None:
         """A plain DAT without attributes: its one payload frame is the record's value;
         what :meth:`_on_data` makes of it, without looking for attributes."""
         producer = peer.producer
         assert producer is not None  # a flow takes DATs only after the BOT named it
-        seq = (peer.pending_last or self.spool.next_seq(producer) - 1) + 1
+        pend = peer.pending
+        seq = (pend.last or self.spool.next_seq(producer) - 1) + 1
         value = msg.payload[0]
-        peer.pending_records.append(
+        pend.records.append(
             Record(seq, value, None, msg.origin, msg.granule, self.wall_clock_us(), None)
         )
-        peer.pending_bytes += len(value)
-        peer.pending_dats += 1
-        peer.pending_last = seq
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = seq
 
     def _append_pending(self, peer: _Peer, now: float) -> bool:
         """Append what the drain took in; True if anything new reached the spool."""
-        batches, records = peer.pending_batches, peer.pending_records
+        pend = peer.pending
+        batches, records = pend.batches, pend.records
         if not batches and not records:
             return False
-        peer.pending_batches, peer.pending_records, peer.pending_last = [], [], 0
-        peer.pending_bytes = peer.pending_dats = 0
+        pend.batches, pend.records, pend.last = [], [], 0
+        pend.bytes = pend.dats = 0
         producer = peer.producer
         assert producer is not None
         total = sum(b.num_rows for b in batches) + len(records)
@@ -467,6 +786,8 @@ class Receiver:
             if peer.flow is not None:
                 self._end_flow(peer, eot=True)
             peer.retry_at = float("inf")
+            if peer.bound is not None:
+                peer.status.state = "failed"  # _end_flow filed it as done
             return False
         except (ValueError, pa.ArrowException) as e:
             # Records the spool cannot take (e.g. too large for one WAL record): this
@@ -486,42 +807,113 @@ class Receiver:
             self._on_data(peer, event)
             return
         if isinstance(event, BotReceived):
+            if peer.bound is not None:  # pragma: no cover - a client's BOT opens its flow
+                raise RemoteProtocolError("a second BOT on one flow", field="flow", value="BOT")
             self._on_bot(peer, event)
         elif isinstance(event, Rejected):
             self._fail(peer, f"producer rejected the flow: {dict(event.attrs)}", now)
         elif isinstance(event, EotReceived):
             # Everything before the EOT is in the spool before the flow reads as ended.
+            flow = peer.flow
             self._append_pending(peer, now)
-            if peer.port is None:  # the append failed this flow
+            if peer.flow is not flow:  # the append failed this flow
                 return
             if peer.flow.state is FlowState.EOT_RECEIVED:
-                peer.port.send(peer.flow.send_eot())
+                self._send(peer, peer.flow.send_eot())
             peer.status.state = "ended"
             self._end_flow(peer, eot=False)
-            peer.retry_at = now + peer.backoff if self.reconnect else float("inf")
+            # An acknowledging producer resumes after what we hold on a new flow; a plain
+            # giver starts over (a reference server gives its whole stream to each new
+            # flow): reopening would take the same records again, endlessly.
+            again = self.reconnect and peer.terms.ack and peer.bound is None
+            peer.retry_at = now + peer.backoff if again else float("inf")
+            if self.reconnect and not again and peer.bound is None:
+                log.info(
+                    "zio source: plain giver %s ended its flow (EOT); not reopening it, "
+                    "as a plain giver would start over",
+                    peer.endpoint,
+                )
         elif isinstance(event, Credit):  # pragma: no cover - a taker gets no PAY
             raise RemoteProtocolError("PAY sent to a taker")
 
     def _on_bot(self, peer: _Peer, bot: BotReceived) -> None:
-        prof = profile_bot(bot.attrs)
-        producer = prof.producer or peer.endpoint
+        """The server's reply to our BOT: only what it states as its own counts."""
+        terms = client_terms("taker", peer.sent, bot.attrs)
+        self._start_flow(peer, terms.producer or peer.endpoint, terms)
+        if self._known_ids.get(peer.endpoint) != peer.producer:
+            self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
+            self._save_ids()
+
+    def _start_flow(self, peer: _Peer, producer: str, terms: Terms) -> None:
         peer.producer = producer
-        peer.arrow = prof.encodings == (ENCODING,)
+        peer.terms = terms
+        peer.arrow = terms.encoding == ENCODING
         peer.backoff = 0.2
+        peer.pending = self._pending.setdefault(producer, _Pending())
         st = peer.status
         st.producer, st.state = producer, "receiving"
-        st.ack_capable, st.at_most_once = prof.ack, not prof.ack
+        st.ack_capable, st.at_most_once = terms.ack, not terms.ack
         st.encoding = "arrow" if peer.arrow else "plain"
         peer.acked = self._committed.get(producer, 1) - 1
-        if self._known_ids.get(peer.endpoint) != producer:
-            self._known_ids[peer.endpoint] = producer
-            self._save_ids()
+
+    def _on_client_bot(self, peer: _Peer, bot: BotReceived, msg: Message, now: float) -> None:
+        """A giver client opened a flow on a bound port: answer with our statements.
+
+        The producer id is the client's ``producer`` attribute, or for a plain client
+        ``origin:<n>`` from the BOT's coord ``origin`` (which names the sending node in
+        the reference): stable across the client's restarts. Plain clients that share an
+        origin feed one partition, their records numbered here in arrival order. A client
+        stating a producer id that another live flow holds replaces that flow (the
+        producer restarted; its old connection is gone or going).
+        """
+        assert peer.flow is not None and peer.bound is not None
+        flow = peer.flow
+        if bot.direction is not Direction.EXTRACT:
+            self._send(peer, flow.reject({"reason": "this is a source: give (direction extract)"}))
+            raise RemoteProtocolError(
+                f"client BOT direction {bot.direction.value!r}: a source takes only from "
+                "givers (direction 'extract')",
+                field="direction",
+                value=bot.direction.value,
+            )
+        terms = server_terms("taker", bot.attrs, (ENCODING,))
+        if terms.stream is not None and terms.stream != self.stream:
+            self._send(peer, flow.reject({"reason": f"no stream {terms.stream!r} here"}))
+            raise RemoteProtocolError(
+                f"client gives stream {terms.stream!r}; this source takes {self.stream!r}",
+                field="stream",
+                value=terms.stream,
+            )
+        producer = terms.producer or f"origin:{msg.origin}"
+        if terms.producer is not None:
+            for other in list(peer.bound.flows.values()):
+                if other is not peer and other.producer == producer:
+                    self._fail(other, "replaced by a new flow of the same producer", now)
+        self._start_flow(peer, producer, terms)
+        attrs: dict[str, Any] = {}
+        if terms.encoding is not None:
+            attrs["encoding"] = terms.encoding
+        if terms.profile:
+            attrs["stream"] = self.stream
+            attrs["resume"] = self.spool.next_seq(producer) - 1
+            attrs["batch"] = self.batch
+            if terms.ack:
+                attrs["ack"] = True
+        self._send(peer, flow.accept(min(self.credit, bot.credit), attrs))
+        log.info(
+            "zio source: giver client %s opened a flow as producer %r (%s, %s)",
+            peer.endpoint,
+            producer,
+            peer.status.encoding,
+            "acknowledged" if terms.ack else "at most once",
+        )
 
     def _on_data(self, peer: _Peer, data: Data) -> None:
         """Take one DAT's records into the drain's pending append."""
         producer = peer.producer
         assert producer is not None
-        held = peer.pending_last or self.spool.next_seq(producer) - 1
+        pend = peer.pending
+        held = pend.last or self.spool.next_seq(producer) - 1
         ts = self.wall_clock_us()
         origin = data.message.origin
         if peer.arrow:
@@ -551,10 +943,10 @@ class Receiver:
                 peer.status.duplicates += batch.num_rows
                 self.stats["duplicate_dats"] += 1
                 return
-            peer.pending_batches.append(wal)
-            peer.pending_bytes += wal.nbytes
-            peer.pending_dats += 1
-            peer.pending_last = max(held, first + batch.num_rows - 1)
+            pend.batches.append(wal)
+            pend.bytes += wal.nbytes
+            pend.dats += 1
+            pend.last = max(held, first + batch.num_rows - 1)
             return
         else:
             value, nframes = plain_value(data.message.payload)
@@ -568,10 +960,10 @@ class Receiver:
             records = [
                 Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
             ]
-        peer.pending_records.extend(records)
-        peer.pending_bytes += len(value)
-        peer.pending_dats += 1
-        peer.pending_last = held + 1
+        pend.records.extend(records)
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = held + 1
 
     def _start_at(self, producer: str, first: int) -> int:
         """First contact with a producer whose records start at ``first > 1``.
@@ -589,7 +981,7 @@ class Receiver:
 
     def _pay(self, peer: _Peer, now: float) -> None:
         flow = peer.flow
-        assert flow is not None and peer.port is not None
+        assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
             return
         committed = self._committed.get(peer.producer, 1)
@@ -605,13 +997,13 @@ class Receiver:
             if peer.arrow and peer.dat_rows == 0:
                 room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
             n = max(0, min(held, room))
-        attrs: dict[str, Any] | None = None
-        if ack > peer.acked:
-            attrs = {"ack": ack}
+        # ``ack`` only to a giver that stated it keeps records for acks; a PAY of 0 only
+        # with an ``ack`` (a C++ reference giver blocked in put() throws on one).
+        attrs = pay_attrs(peer.terms, ack, peer.acked)
         if n == 0 and attrs is None:
             return
         try:
-            peer.port.send(flow.pay(n, attrs), timeout_ms=1000)
+            self._send(peer, flow.pay(n, attrs))
         except TransportError as e:
             self._fail(peer, f"cannot send PAY: {e}", now)
             return
@@ -621,6 +1013,25 @@ class Receiver:
 
 
 _U64 = 1 << 64
+# Socket monitor events the receiver reads: a client port's handshake and connection,
+# and a bound port's accepted connections that never complete the ZMTP handshake.
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
+}
+_CLIENT_EVENTS = (
+    zmq.EVENT_CONNECTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_BOUND_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+# Client flows of a bound port that ended or failed, kept for status().
+_DONE_KEPT = 1000
+_LOG_STRAY_FIRST = 20
 # A drain appends every so many DATs or bytes: enough to spread an append's fixed cost
 # over many one-record DATs, small enough that records reach the spool (and the status
 # the availableNow trigger watches) steadily.
