@@ -1,13 +1,17 @@
 """A replayable producer for the reliability suite, run as a child so it can be SIGKILLed.
 
-Usage: ``python producer_child.py BIND PRODUCER_ID COUNT RATE`` (records/s, 0: no limit).
+Usage: ``python producer_child.py ENDPOINT PRODUCER_ID COUNT RATE [bind|connect]``
+(records/s, 0: no limit). ``bind`` (default): the producer binds ENDPOINT and the source
+connects to it; ``connect``: the producer is a flow client of a source that binds
+ENDPOINT (``Producer(connect=...)``), reconnecting after the source's driver dies.
 
 Record ``s`` (1-based) is always ``b"r<s>"``, as from an instrument that can re-read
 its data. The :class:`~zio_spark.transport.producer.Producer` keeps unacknowledged records
 in memory only, so a killed producer loses what it held; on restart (same id, same
-endpoint) it waits for the taker's BOT, whose ``resume`` moves its numbering on to the
-last record the source holds, and produces from there: so the source decides where a
-restarted producer resumes, and any gap or overlap would show in the output.
+endpoint) it waits for the taker's ``resume`` (in the taker's BOT, or in the server
+taker's reply to ours), which moves its numbering on to the last record the source
+holds, and produces from there: so the source decides where a restarted producer
+resumes, and any gap or overlap would show in the output.
 
 Prints ``ENDPOINT <ep>``, ``RESUME <seq>`` once a taker is attached, ``SENT <count>``
 when everything is queued, then waits to be killed or terminated.
@@ -29,8 +33,10 @@ BIND_RETRY_S = 15.0
 TAKER_WAIT_S = 600.0
 
 
-def bind(endpoint: str, producer_id: str) -> Producer:
+def bind(endpoint: str, producer_id: str, connect: bool = False) -> Producer:
     """The previous incarnation's listener may still be going away: retry briefly."""
+    if connect:
+        return Producer(connect=endpoint, producer_id=producer_id, linger_ms=0, max_unacked=200_000)
     deadline = time.monotonic() + BIND_RETRY_S
     while True:
         try:
@@ -44,8 +50,12 @@ def bind(endpoint: str, producer_id: str) -> Producer:
 def main() -> int:
     endpoint, producer_id = sys.argv[1:3]
     count, rate = int(sys.argv[3]), float(sys.argv[4])
+    topology = sys.argv[5] if len(sys.argv) > 5 else "bind"
+    if topology not in ("bind", "connect"):
+        print(f"topology must be 'bind' or 'connect', got {topology!r}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    prod = bind(endpoint, producer_id)
+    prod = bind(endpoint, producer_id, connect=topology == "connect")
     print("ENDPOINT", prod.endpoint, flush=True)
     deadline = time.monotonic() + TAKER_WAIT_S
     while not prod.connected:

@@ -531,7 +531,7 @@ def test_a_vanished_taker_ends_its_flow_not_the_producer(make_producer, taker, w
     gone = taker(producer, wire_mode)
     gone.open(credit=1000)
     gone.ep.pay()  # the producer may send 1000 DATs, and has nothing yet
-    conn = producer._taker_conn
+    conn = producer._taker.conn
     poll_until(lambda: conn.flow.credit == 1000, what="the PAY taken in")
     gone.port.close(linger_ms=0)
 
