@@ -1,8 +1,7 @@
 """Fixtures for the tests of the ZIO reference stand-in (``tests/peers``).
 
-Draft sockets: same rule as ``tests/transport/conftest.py``: tests marked
-``@pytest.mark.requires_draft`` are skipped when pyzmq has no draft API, unless
-``ZIO_REQUIRE_DRAFT=1`` is set: then they fail.
+Draft sockets: tests marked ``@pytest.mark.requires_draft`` follow the suite-wide rule in
+``tests/conftest.py`` (skipped without the draft API, failed when ``ZIO_REQUIRE_DRAFT=1``).
 
 - ``ctx``: a fresh ``zmq.Context`` per test that must terminate at teardown (a socket left
   open fails the test; it is closed first so the run does not hang).
@@ -12,7 +11,6 @@ Draft sockets: same rule as ``tests/transport/conftest.py``: tests marked
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -20,28 +18,7 @@ from typing import Any
 import pytest
 import zmq
 
-HAVE_DRAFT = bool(zmq.has("draft") and getattr(zmq, "DRAFT_API", False))
 TERM_TIMEOUT_S = 5.0
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "requires_draft: needs pyzmq with the draft API (CLIENT/SERVER); skipped without "
-        "it, failed instead when ZIO_REQUIRE_DRAFT=1",
-    )
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("requires_draft") is None or HAVE_DRAFT:
-        return
-    reason = (
-        f"needs a draft-enabled pyzmq (zmq.has('draft')={zmq.has('draft')}, "
-        f"zmq.DRAFT_API={getattr(zmq, 'DRAFT_API', None)}); see scripts/build-draft-pyzmq.sh"
-    )
-    if os.environ.get("ZIO_REQUIRE_DRAFT") == "1":
-        pytest.fail(f"ZIO_REQUIRE_DRAFT=1 but this test {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 class _TrackingContext(zmq.Context):  # type: ignore[type-arg]
