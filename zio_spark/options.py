@@ -58,15 +58,90 @@ def parse_int(name: str, value: str, *, minimum: int = 1, maximum: int | None = 
     return n
 
 
-def parse_duration(name: str, value: str) -> float:
-    """Parse a duration: a number of seconds, or with a unit (``500ms``, ``30s``, ``2m``)."""
-    m = _DURATION.match(value)
+_DURATION_SYNTAX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|µs|μs|ms|s|m|h)?\s*$")
+_DURATION_SECONDS = {
+    "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0
+}  # fmt: skip
+_DURATION_WORDS = {"us": "microseconds", "ms": "milliseconds", "s": "seconds"}
+
+
+def _show_seconds(seconds: float) -> str:
+    """A duration in words a person can check at a glance (``5 s``, ``57.9 d``)."""
+    for size, unit in ((86400.0, "d"), (3600.0, "h"), (60.0, "min"), (1.0, "s")):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs" if seconds else "0 s"
+
+
+def parse_duration(
+    name: str,
+    value: str,
+    *,
+    bare: str = "s",
+    minimum: float = 0.0,
+    maximum: float = 7 * 86400.0,
+) -> float:
+    """Parse a duration into seconds: a number with a unit (``5000000us``, ``500ms``,
+    ``30s``, ``2m``, ``1h``; ``µs`` is ``us``) or a bare number in the ``bare`` unit.
+
+    One syntax for every option that takes time; only the reading of a bare number is
+    per option (seconds for Spark options; microseconds for PZQ's ``--ack-timeout``, as
+    PZQ reads it). A value outside ``minimum < seconds <= maximum`` is refused; when it
+    was a bare number, the error gives its reading in the other unit too, so a value
+    meant in seconds where microseconds are read (or the reverse) is caught, not obeyed.
+
+    Parameters
+    ----------
+    name
+        The option's name as the user wrote it (for the error).
+    value
+        The text to parse.
+    bare
+        Unit of a number without one: ``"s"``, ``"ms"`` or ``"us"``.
+    minimum, maximum
+        Plausible range in seconds (exclusive, inclusive).
+
+    Returns
+    -------
+    float
+        Seconds.
+
+    Raises
+    ------
+    ConfigError
+        For text that is not a duration, or a duration out of range (naming the option,
+        the value and the readings).
+    """
+    if bare not in _DURATION_WORDS:
+        raise ConfigError("bare", bare, "one of " + ", ".join(_DURATION_WORDS))
+    m = _DURATION_SYNTAX.match(value) if isinstance(value, str) else None
     if not m:
-        raise ConfigError(name, value, "a duration such as 500ms, 30s, 2m or 1h")
-    seconds = float(m.group(1)) * _UNITS[m.group(2)]
-    if seconds <= 0:
-        raise ConfigError(name, value, "a duration greater than zero")
-    return seconds
+        raise ConfigError(
+            name,
+            value,
+            f"a duration such as 5000000us, 500ms, 30s, 2m or 1h "
+            f"(a bare number is read as {_DURATION_WORDS[bare]})",
+        )
+    number, unit = float(m.group(1)), m.group(2)
+    seconds = number * _DURATION_SECONDS[unit or bare]
+    if minimum < seconds <= maximum:
+        return seconds
+    span = f"more than {_show_seconds(minimum)}" if minimum > 0 else "more than zero"
+    span += f" and at most {_show_seconds(maximum)}"
+    if unit is not None or number == 0:
+        raise ConfigError(name, value, f"a duration of {span}; this is {_show_seconds(seconds)}")
+    other = "us" if bare != "us" else "s"
+    other_seconds = number * _DURATION_SECONDS[other]
+    raise ConfigError(
+        name,
+        value,
+        f"a duration of {span}: a bare number is read as {_DURATION_WORDS[bare]}, "
+        f"so {m.group(1)} is {_show_seconds(seconds)} (read as {_DURATION_WORDS[other]} it "
+        f"would be {_show_seconds(other_seconds)}); "
+        f"write the unit, e.g. {m.group(1)}{other} or {m.group(1)}{bare}",
+    )
 
 
 def parse_endpoints(name: str, value: str) -> tuple[str, ...]:
@@ -127,6 +202,8 @@ class Curve:
 class SourceOptions:
     endpoints: tuple[str, ...] = ()
     zre: ZreOptions | None = None
+    bind: tuple[str, ...] = ()  # flow server endpoints for giver clients
+    group_port: str | None = None  # follow only this advertised port name (None: all)
     stream: str = "zio"
     credit: int = 1000
     max_backlog: int = 1_000_000
@@ -181,7 +258,15 @@ _COMMON: dict[str, tuple[_Parser | None, str]] = {
 
 SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
     "endpoints": (parse_endpoints, "comma-separated producer endpoints"),
+    "bind": (
+        lambda n, v: _bind_endpoints(n, v),
+        "endpoints to bind as a flow server that giver clients connect to",
+    ),
     **_COMMON,
+    "groupPort": (
+        lambda n, v: _port_name(n, v),
+        "with group: follow only this advertised port name (default: every zio.port.<name>)",
+    ),
     "maxBacklog": (
         lambda n, v: parse_int(n, v, minimum=1),
         "most records received but not committed",
@@ -211,6 +296,28 @@ SINK_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         "record (one record per DAT)",
     ),
 }
+
+
+def _bind_endpoints(name: str, value: str) -> tuple[str, ...]:
+    parts = parse_endpoints(name, value)
+    for p in parts:
+        if p.startswith("inproc://"):
+            raise ConfigError(
+                name, p, "an endpoint other processes can connect to: tcp:// or ipc://"
+            )
+    return parts
+
+
+_PORT_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def _port_name(name: str, value: str) -> str:
+    v = value.strip()
+    if not _PORT_NAME.match(v):
+        raise ConfigError(
+            name, value, "a port name as in the ZRE header zio.port.<name>.address, e.g. flow"
+        )
+    return v
 
 
 def _one_endpoint(name: str, value: str) -> str:
@@ -284,18 +391,26 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
     Raises
     ------
     ConfigError
-        For an unknown option, a bad value, or neither/both of ``endpoints`` and ``group``.
+        For an unknown option, a bad value, or not exactly one of ``endpoints``,
+        ``group`` and ``bind`` (the error names the ones given).
     """
     opts = _parse(raw, SOURCE_OPTIONS, "source")
-    if ("endpoints" in opts) == ("group" in opts):
-        raise ConfigError(
-            "endpoints",
-            opts.get("endpoints"),
-            "exactly one of 'endpoints' (comma-separated producer endpoints) or 'group' "
-            "(a ZRE group)" + (", not both" if "group" in opts else ""),
+    where = [k for k in ("endpoints", "group", "bind") if k in opts]
+    if len(where) != 1:
+        wanted = (
+            "exactly one of 'endpoints' (comma-separated producer endpoints), 'group' "
+            "(a ZRE group) or 'bind' (endpoints giver clients connect to)"
         )
+        if where:
+            wanted += ", not both " + " and ".join(repr(k) for k in where)
+        first = where[0] if where else "endpoints"
+        raise ConfigError(first, opts.get(first), wanted)
+    if "groupPort" in opts and "group" not in opts:
+        raise ConfigError("groupPort", opts["groupPort"], "to be used together with 'group'")
     zre = _zre(opts)
     endpoints = opts.get("endpoints", ())
+    bind = opts.get("bind", ())
+    curve = _curve(opts) if not bind else _bind_curve(opts)
     stream = opts.get("stream", "zio")
     spool = opts.get("spoolPath")
     return SourceOptions(
@@ -305,7 +420,8 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
         credit=opts.get("credit", 1000),
         max_backlog=opts.get("maxBacklog", 1_000_000),
         max_records_per_trigger=opts.get("maxRecordsPerTrigger"),
-        spool_path=spool or default_spool_path(stream, endpoints, zre.group if zre else None),
+        spool_path=spool
+        or default_spool_path(stream, endpoints + bind, zre.group if zre else None),
         spool_path_given=spool is not None,
         spool_access=opts.get("spoolAccess", "auto"),
         spool_server_host=opts.get(
@@ -314,10 +430,37 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
         fail_on_data_loss=opts.get("failOnDataLoss", True),
         connect_timeout=opts.get("connectTimeout", 30.0),
         socket=opts.get("socket", "auto"),
-        curve=_curve(opts),
+        curve=curve,
         max_records=opts.get("maxRecords"),
         timeout=opts.get("timeout"),
+        bind=bind,
+        group_port=opts.get("groupPort"),
     )
+
+
+def _bind_curve(opts: dict[str, Any]) -> Curve | None:
+    """CURVE as the server (``bind``): our key pair; clients use our public key as their
+    server key, so ``curveServerKey`` is not needed (if given, it must be that key)."""
+    pub, sec = opts.get("curvePublicKey"), opts.get("curveSecretKey")
+    if pub is None and sec is None:
+        if "curveServerKey" in opts:
+            raise ConfigError(
+                "curveServerKey",
+                opts["curveServerKey"],
+                "with bind, curvePublicKey and curveSecretKey (our own key pair) instead",
+            )
+        return None
+    if pub is None or sec is None:
+        missing = "curvePublicKey" if pub is None else "curveSecretKey"
+        raise ConfigError(missing, None, "curvePublicKey and curveSecretKey together")
+    server = opts.get("curveServerKey", pub)
+    if server != pub:
+        raise ConfigError(
+            "curveServerKey",
+            opts["curveServerKey"],
+            "with bind, nothing or our own public key (curvePublicKey)",
+        )
+    return Curve(pub, pub, sec)
 
 
 def parse_sink_options(raw: Mapping[str, str]) -> SinkOptions:

@@ -170,10 +170,10 @@ def test_no_ack_within_the_timeout_redelivers(
     wait_for(lambda: monitor(mon)["unknown_acks"] == "1", what="the late ack")
 
 
-def test_inflight_limit_and_round_robin(
+def test_router_mode_inflight_limit_and_round_robin(
     make_broker: Callable[..., QueueBroker], raw_socket: Callable[[int], Sock]
 ) -> None:
-    b = make_broker(inflight=2, ack_timeout=60)
+    b = make_broker(inflight=2, ack_timeout=60, send_mode="router")
     producer = raw_socket(zmq.DEALER)
     producer.connect(b.endpoints["receive"])
     consumers = []
@@ -195,6 +195,50 @@ def test_inflight_limit_and_round_robin(
     consumers[0].send_multipart([b.queue_id, held[0][0].message_id, b"1"])
     assert recv_delivery(consumers[0])[1].message_id == b"r-4"
     assert nothing_within(consumers[1], 0.2)
+
+
+def test_dealer_mode_caps_in_flight_per_connected_consumer_and_shares_out(
+    make_broker: Callable[..., QueueBroker], raw_socket: Callable[[int], Sock]
+) -> None:
+    b = make_broker(inflight=2, ack_timeout=60)  # send_mode="dealer", the default
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    consumers = []
+    for _ in range(2):
+        c = raw_socket(zmq.ROUTER)  # silent: no PROBE_ROUTER
+        c.connect(b.endpoints["send"])
+        consumers.append(c)
+    wait_for(lambda: b.stats().get("consumers") == 2, what="two consumers")
+    n = 200
+    for i in range(n):
+        producer.send_multipart([b"d-%d" % i, b"", b"x"])
+    for _ in range(n):
+        assert recv(producer)[1] == b"1"
+    # Unacked: at most inflight (2) x connected consumers (2) in all.
+    held: list[tuple[Sock, bytes, bytes]] = []
+    while True:
+        ready = [c for c in consumers if c.poll(300)]
+        if not ready:
+            break
+        for c in ready:
+            queue_id, d = recv_delivery(c)
+            held.append((c, queue_id, d.message_id))
+    assert len(held) == 4, "inflight x consumers, no more"
+    # Acking as they come: the DEALER shares out, one message each in turn.
+    per = {id(c): 0 for c in consumers}
+    done = 0
+    while held:
+        c, queue_id, mid = held.pop()
+        c.send_multipart([queue_id, mid, b"1"])
+        per[id(c)] += 1
+        done += 1
+        for c in consumers:
+            while c.poll(0 if held else 2000):
+                queue_id, d = recv_delivery(c)
+                held.append((c, queue_id, d.message_id))
+                assert len(held) <= 4
+    assert done == n
+    assert min(per.values()) >= n // 4, f"both consumers served: {per}"
 
 
 def test_duplicate_producer_ids_are_acked_and_stored_once(
@@ -365,11 +409,18 @@ def test_a_producer_reading_no_acks_delays_no_other_and_its_backlog_is_bounded(
     assert got == sorted(set(got)) and got[-1] == n - 1
     wait_for(lambda: len(got) + int(b.stats()["acks_dropped"]) == n, what="acks accounted")
     assert b.stats()["acks_undeliverable"] == 0 and b.stats()["errors"] == 0
-    # Its resend of a message whose ack was dropped is acked as a duplicate.
+    # Its resend of a message whose ack was dropped is acked as a duplicate, also from
+    # a new connection (the queue never acked it: dedup="resend" keeps it a duplicate).
     lost = b"deaf-%d" % min(set(range(n)) - set(got))
     deaf.send_multipart([lost, b"", b"x"])
     assert recv(deaf)[:2] == [lost, b"1"]
     wait_for(lambda: int(b.stats()["duplicates"]) == 1, what="the resend as a duplicate")
+    reborn = raw_socket(zmq.DEALER)
+    reborn.connect(b.endpoints["receive"])
+    reborn.send_multipart([lost, b"", b"x"])
+    assert recv(reborn)[:2] == [lost, b"1"]
+    wait_for(lambda: int(b.stats()["duplicates"]) == 2, what="the resend as a duplicate")
+    assert b.stats()["stored"] == n + 1, "the deaf messages and good-1, once each"
 
 
 def test_the_ack_backlog_of_a_producer_that_went_away_is_dropped(
@@ -417,8 +468,9 @@ def test_monitor_reply_has_the_spec_keys_then_ours(
     raw = recv(mon)
     assert len(raw) == 1 and raw[0].endswith(b"\n")
     stats = pzq.decode_monitor_reply(raw)
-    assert tuple(stats) == pzq.MONITOR_KEYS + EXTRA_MONITOR_KEYS
-    assert all(value.isdigit() for value in stats.values())
+    assert tuple(stats) == pzq.MONITOR_KEYS + pzq.REFERENCE_MONITOR_KEYS + EXTRA_MONITOR_KEYS
+    text = {"send_mode": "dealer", "dedup": "resend"}
+    assert all(value == text.get(key) or value.isdigit() for key, value in stats.items())
     assert int(stats["db_size"]) > 0, "the segment header is on disk"
 
 
@@ -570,7 +622,7 @@ def test_sigkill_under_load_loses_no_acked_message(
 ) -> None:
     n = 5000
     store = tmp_path / "q"
-    proc, info = queue_process(store, "--ack-timeout", "60")
+    proc, info = queue_process(store, "--ack-timeout", "60s")
     producer = raw_socket(zmq.DEALER)
     producer.connect(info["receive"])
     acked: set[int] = set()
@@ -581,7 +633,7 @@ def test_sigkill_under_load_loses_no_acked_message(
     acked_before = set(acked)
     assert 2000 <= len(acked_before) < n
 
-    proc2, info2 = queue_process(store, "--ack-timeout", "60")
+    proc2, info2 = queue_process(store, "--ack-timeout", "60s")
     mon = raw_socket(zmq.REQ)
     mon.connect(info2["monitor"])
     assert int(monitor(mon)["messages"]) >= len(acked_before), "acked ones survived"
@@ -613,7 +665,7 @@ def test_sigkill_redelivers_in_flight_messages(
 ) -> None:
     n = 200
     store = tmp_path / "q"
-    proc, info = queue_process(store, "--ack-timeout", "60")
+    proc, info = queue_process(store, "--ack-timeout", "60s")
     producer = raw_socket(zmq.DEALER)
     producer.connect(info["receive"])
     acked: set[int] = set()
@@ -632,7 +684,7 @@ def test_sigkill_redelivers_in_flight_messages(
     proc.wait()
     consumer.close(linger=0)
 
-    _, info2 = queue_process(store, "--ack-timeout", "60")
+    _, info2 = queue_process(store, "--ack-timeout", "60s")
     consumer2 = raw_socket(zmq.ROUTER)
     consumer2.setsockopt(zmq.PROBE_ROUTER, 1)
     consumer2.connect(info2["send"])

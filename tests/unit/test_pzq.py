@@ -646,6 +646,23 @@ def test_inflight_add_ack_and_counts() -> None:
     assert b"m1" not in table
 
 
+def test_inflight_drop_sent_before_takes_only_earlier_sends_of_that_consumer() -> None:
+    table = InFlight()
+    table.add(b"old-2", b"", 100, 10_000)
+    table.add(b"old-1", b"", 50, 500)
+    table.add(b"new", b"", 300, 10)
+    table.add(b"other", b"c", 0, 10)
+    assert table.drop_sent_before(b"", 300) == [b"old-1", b"old-2"]  # earliest deadline first
+    assert b"new" in table and b"other" in table and b"old-1" not in table
+    assert table.count(b"") == 1 and table.drop_sent_before(b"", 300) == []
+    assert table.expired(10**6) == [b"other", b"new"], "no stale heap entry expires"
+
+
+def test_monitor_keys_in_both_spellings() -> None:
+    assert pzq.REFERENCE_MONITOR_KEYS == ("messages_inflight", "inflight_db_size")
+    assert not set(pzq.REFERENCE_MONITOR_KEYS) & set(pzq.MONITOR_KEYS)
+
+
 def test_inflight_expired_orders_by_deadline_not_insertion() -> None:
     table = InFlight()
     table.add(b"late", b"c", 0, 900)

@@ -362,6 +362,27 @@ def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
         assert all(again.put(mid, [b"dup"]) is None for mid in ids(500))
 
 
+def test_put_without_dedup_stores_a_repeated_id_and_knows_what_was_on_disk(
+    tmp_path: Path,
+) -> None:
+    with MessageStore(tmp_path) as st:
+        assert st.put(b"a", [b"1"]) is not None
+        assert st.put(b"a", [b"2"], dedup=False) is not None, "stored again"
+        assert st.put(b"a", [b"3"]) is None, "the window still has it"
+        st.commit()
+        assert not st.accepted_before_open(b"a"), "accepted by this store"
+        assert [m.body for m in iter(st.take, None)] == [(b"1",), (b"2",)]
+    with MessageStore(tmp_path) as again:
+        assert again.accepted_before_open(b"a") and not again.accepted_before_open(b"b")
+        assert again.put(b"a", [b"4"], dedup=False) is not None
+        assert not again.accepted_before_open(b"a"), "its newest copy is this store's"
+    with MessageStore(tmp_path / "off", dedup_window=0) as off:
+        off.put(b"a", [b"1"])
+        off.commit()
+    with MessageStore(tmp_path / "off", dedup_window=0) as off:
+        assert not off.accepted_before_open(b"a"), "no window, nothing remembered"
+
+
 def test_duplicate_window_is_bounded(tmp_path: Path) -> None:
     with MessageStore(tmp_path, dedup_window=100) as st:
         put_many(st, ids(250))

@@ -15,7 +15,10 @@ clock; time is passed in as ``now_us`` (integer microseconds).
 
 Routing envelopes are *not* part of the frames handled here. Each ROUTER socket prepends
 the sender's identity on receive and consumes a destination identity on send; the
-transport strips or adds that part (:func:`split_identity` helps). Concretely:
+transport strips or adds that part (:func:`split_identity` helps). The queue's *send*
+socket is a DEALER with a fixed routing identity, as in the reference daemon (a ROUTER
+in the queue's optional ``router`` mode, which then adds the consumer identity first).
+Concretely:
 
 ===================  ============================================  ===========================
 frame                what the sender writes                        what the receiver reads
@@ -24,12 +27,12 @@ producer message     DEALER: ``[id, *extra, b"", *body]``          queue ROUTER:
                                                                    identity] + those``
 producer ack         queue ROUTER: ``[producer identity, id,``     DEALER: ``[id, b"1"|b"0",
                      ``b"1"|b"0", *extra, b"", reason]``           *extra, b"", reason]``
-delivery             queue ROUTER: ``[consumer identity, id,``     consumer ROUTER: ``[queue
-                     ``sent, timeout, *extra, b"", *body]``        identity, id, sent,
+delivery             queue DEALER: ``[id, sent, timeout,``         consumer ROUTER: ``[queue
+                     ``*extra, b"", *body]``                       identity, id, sent,
                                                                    timeout, *extra, b"",
                                                                    *body]``
-consumer ack         consumer ROUTER: ``[queue identity, id,``     queue ROUTER: ``[consumer
-                     ``b"1"|b"0"]``                                identity, id, b"1"|b"0"]``
+consumer ack         consumer ROUTER: ``[queue identity, id,``     queue DEALER: ``[id,
+                     ``b"1"|b"0"]``                                b"1"|b"0"]``
 monitor request      REQ: ``[b"MONITOR"]``                         REP: ``[b"MONITOR"]``
 monitor reply        REP: ``[b"key: value\\n..."]``                REQ: the same one part
 ===================  ============================================  ===========================
@@ -43,10 +46,17 @@ Decoders raise only :class:`~zio_spark.errors.RemoteProtocolError` on bad input,
 the bytes; constructing a message with bad fields or passing a non-sequence raises
 :class:`~zio_spark.errors.LocalProtocolError`.
 
-The spec text is the contract. The 2011 C++ PZQ differs from it in places (its producer
-acks carry ``OK``/``NOT OK`` after a REQ-style empty part and no reason delimiter; its
-PHP consumer acks with ``[queue identity, b"", id]``), so it is not wire-compatible with
-this module, nor with the spec, on those frames.
+The spec text is the contract, and the reference daemon (mkoppanen/pzq, as run: FACTS in
+``specs/pzq-sockets-and-formats.txt``) follows it on every frame above: producer acks
+``[id, b"1"|b"0", b"", reason]``, consumer acks ``[queue identity, id, b"1"|b"0"]``.
+Where they part: the daemon's monitor writes ``messages_inflight`` and
+``inflight_db_size`` where the spec's example writes ``messages_in_flight`` and
+``in_flightdb_size`` (a queue answers with both spellings:
+:data:`REFERENCE_MONITOR_KEYS`), and the id a consumer sees is the daemon's own store key
+(``<µs>|<uuid>``), where this queue passes the producer's id on. (Early versions of its
+PHP client library, still in its repository's history, spoke an older dialect: producer
+acks ``[b"", id, b"OK"]``, consumer acks ``[queue identity, b"", id]``. Neither the
+daemon as run nor this module reads those.)
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ __all__ = [
     "MAX_TIMESTAMP_US",
     "MONITOR_KEYS",
     "MONITOR_REQUEST",
+    "REFERENCE_MONITOR_KEYS",
     "ConsumerAck",
     "Delivery",
     "InFlight",
@@ -107,6 +118,10 @@ MONITOR_KEYS: tuple[str, ...] = (
     "expired_messages",
 )
 """The statistics a PZQ monitor reply carries, in the spec's order and spelling."""
+
+REFERENCE_MONITOR_KEYS: tuple[str, ...] = ("messages_inflight", "inflight_db_size")
+"""The reference daemon's spelling of the spec's ``messages_in_flight`` and
+``in_flightdb_size`` (same values; a queue writes both so either reader finds its keys)."""
 
 MAX_TIMESTAMP_US = 2**64 - 1
 """Largest ``sent``/``ack timeout`` value accepted: PZQ writes them as unsigned 64-bit."""
@@ -1075,6 +1090,28 @@ class InFlight:
             return []
         held = sorted(
             (slot for slot in self._entries.values() if slot[0].consumer == consumer),
+            key=lambda slot: (slot[0].deadline_us, slot[1]),
+        )
+        for entry, _ in held:
+            self._discard(entry.message_id)
+        return [entry.message_id for entry, _ in held]
+
+    def drop_sent_before(self, consumer: bytes, before_us: int) -> list[bytes]:
+        """Forget what ``consumer`` was sent before ``before_us`` (the caller requeues
+        it): for a queue that cannot tell its consumers apart but knows that nobody
+        still connected was there to receive those.
+
+        Returns
+        -------
+        list[bytes]
+            The message ids, earliest deadline first.
+        """
+        held = sorted(
+            (
+                slot
+                for slot in self._entries.values()
+                if slot[0].consumer == consumer and slot[0].sent_us < before_us
+            ),
             key=lambda slot: (slot[0].deadline_us, slot[1]),
         )
         for entry, _ in held:

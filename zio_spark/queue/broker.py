@@ -102,13 +102,16 @@ from typing import Any, Final
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.options import parse_duration
 from zio_spark.protocol.pzq import (
     ACK_FAILURE,
     ACK_SUCCESS,
     DELIMITER,
     MONITOR_KEYS,
+    REFERENCE_MONITOR_KEYS,
     InFlight,
     ProducerAck,
     decode_consumer_ack,
@@ -133,10 +136,12 @@ from zio_spark.queue.store import (
 )
 
 __all__ = [
+    "DEDUP_RULES",
     "DEFAULT_MONITOR",
     "DEFAULT_RECEIVE",
     "DEFAULT_SEND",
     "EXTRA_MONITOR_KEYS",
+    "SEND_MODES",
     "QueueBroker",
     "main",
     "run_queue",
@@ -150,6 +155,16 @@ DEFAULT_SEND: Final = "tcp://127.0.0.1:11132"
 """Default send endpoint."""
 DEFAULT_MONITOR: Final = "tcp://127.0.0.1:11133"
 """Default monitor endpoint."""
+
+SEND_MODES: Final = ("dealer", "router")
+"""Kinds of send socket: ``dealer`` (default; serves any PZQ consumer) or ``router``."""
+DEDUP_RULES: Final = ("resend", "global", "off")
+"""Duplicate rules for producer ids: ``resend`` (default), ``global``, ``off``."""
+DEFAULT_DEDUP_GRACE: Final = 60.0
+"""Default ``dedup_grace``, seconds after start during which ids found on disk count as
+possibly unacked (their producers may resend them)."""
+MAX_ACK_TIMEOUT_S: Final = 86400.0
+"""Longest ack timeout accepted (a day): anything longer is a unit mistake."""
 
 EXTRA_MONITOR_KEYS: Final = (
     "delivered",
@@ -173,8 +188,13 @@ EXTRA_MONITOR_KEYS: Final = (
     "flow_given",
     "flow_acked",
     "flow_stored",
+    "vanished_requeued",
+    "hellos",
+    "send_mode",
+    "dedup",
 )
-"""Monitor keys after the spec's :data:`~zio_spark.protocol.pzq.MONITOR_KEYS`, in order."""
+"""Monitor keys after the spec's :data:`~zio_spark.protocol.pzq.MONITOR_KEYS` and the
+reference daemon's :data:`~zio_spark.protocol.pzq.REFERENCE_MONITOR_KEYS`, in order."""
 
 _PRODUCER_WINDOW_S: Final = 60.0  # "producers" counts identities seen this recently
 _TOMBSTONE_DELAY_S: Final = 0.05  # acks alone are committed after at most this long...
@@ -276,7 +296,8 @@ class QueueBroker:
         Endpoints to bind (``tcp://127.0.0.1:*`` picks a free port; ``monitor=None``
         disables the monitor socket).
     ack_timeout
-        Seconds a consumer has to ack a delivery before it is requeued (> 0).
+        Seconds a consumer has to ack a delivery before it is requeued (> 0, at most
+        :data:`MAX_ACK_TIMEOUT_S`). Deliveries carry it in microseconds.
     hwm
         High-water mark, messages per peer, of the receive and send sockets (0: none).
     ack_backlog
@@ -284,7 +305,31 @@ class QueueBroker:
         ``hwm``; past this its oldest are dropped (``acks_dropped``), and it gets them by
         resending (acked as duplicates).
     inflight
-        Most unacked deliveries per consumer (>= 1).
+        Most unacked deliveries per consumer (>= 1). In ``dealer`` mode: the most
+        queued per consumer connection (the send socket's per-pipe high-water mark),
+        and ``inflight`` times the connected consumers unacked in all.
+    send_mode
+        ``"dealer"`` (default): the send socket is a DEALER with the queue id as its
+        routing id, as the reference daemon's: every consumer that connects is served,
+        silent ones and after restarts included. ``"router"``: a ROUTER that knows each
+        consumer (exact per-consumer limits, prompt requeue of a vanished consumer's
+        messages), but serves only consumers that announce themselves
+        (``ZMQ_PROBE_ROUTER``, first connect only) or, with a draft libzmq, all
+        (``ZMQ_ROUTER_NOTIFY``). See the module docstring.
+    dedup
+        Which repeated producer ids are duplicates (acked, not stored again; counted as
+        ``duplicates``). ``"resend"`` (default): only a message that can be a resend of
+        one whose ack the producer may have missed: the first copy came on the same
+        producer connection (among the last ``dedup_window`` messages), or the queue
+        has not acked it (its commit is running, or its ack was dropped or could not be
+        delivered), or it was found on disk at start less than ``dedup_grace`` ago. A
+        new message reusing an id the queue did ack to another connection (the
+        reference producer's second run) is stored. ``"global"``: any id among the last
+        ``dedup_window`` messages, across restarts (for producers with globally unique
+        ids). ``"off"``: every message is stored.
+    dedup_grace
+        Seconds after start during which, under ``"resend"``, ids found on disk are
+        duplicates (a producer whose ack was lost in a crash resends them).
     curve_secret_key
         Make all sockets CURVE servers with this secret key (Z85 or 32 raw bytes).
     queue_id
@@ -335,14 +380,34 @@ class QueueBroker:
         flow_producer: str | None = None,
         flow_consumer: str | None = None,
         flow_window: int = DEFAULT_FLOW_WINDOW,
+        send_mode: str = "dealer",
+        dedup: str = "resend",
+        dedup_grace: float = DEFAULT_DEDUP_GRACE,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         if (
             isinstance(ack_timeout, bool)
             or not isinstance(ack_timeout, (int, float))
-            or not 0 < ack_timeout < 10**9
+            or not 0 < ack_timeout <= MAX_ACK_TIMEOUT_S
         ):
-            raise ConfigError("ack_timeout", ack_timeout, "a number of seconds > 0")
+            raise ConfigError(
+                "ack_timeout",
+                ack_timeout,
+                f"a number of seconds > 0, at most {MAX_ACK_TIMEOUT_S:g}",
+            )
+        if send_mode not in SEND_MODES:
+            raise ConfigError("send_mode", send_mode, "one of " + ", ".join(SEND_MODES))
+        if dedup not in DEDUP_RULES:
+            raise ConfigError("dedup", dedup, "one of " + ", ".join(DEDUP_RULES))
+        if (
+            isinstance(dedup_grace, bool)
+            or not isinstance(dedup_grace, (int, float))
+            or not 0 <= dedup_grace <= 7 * 86400
+        ):
+            raise ConfigError("dedup_grace", dedup_grace, "seconds, 0 to 604800")
+        self._send_mode = send_mode
+        self._dedup = dedup
+        self._dedup_grace = float(dedup_grace)
         for option, value in (("receive", receive), ("send", send)):
             if not isinstance(value, str) or not value:
                 raise ConfigError(option, value, "an endpoint string")
@@ -401,6 +466,8 @@ class QueueBroker:
                 "acks_dropped",
                 "bad_monitor_requests",
                 "errors",
+                "vanished_requeued",
+                "hellos",
             ),
             0,
         )
@@ -570,13 +637,35 @@ class QueueBroker:
             return s
 
         self._rx = make(zmq.ROUTER, "receive")
-        self._tx = make(zmq.ROUTER, "send")
-        self._tx.setsockopt(zmq.ROUTING_ID, self.queue_id)
-        notify = getattr(zmq, "ROUTER_NOTIFY", None)
-        if notify is not None:
-            # Draft libzmq only (EINVAL otherwise): announce consumers on connect.
-            with contextlib.suppress(zmq.ZMQError):
-                self._tx.setsockopt(notify, getattr(zmq, "NOTIFY_CONNECT", 1))
+        self._tx_events: zmq.Socket[bytes] | None = None
+        if self._send_mode == "dealer":
+            self._tx = make(zmq.DEALER, "send")
+            # Per consumer connection: at most ``inflight`` deliveries queued unread.
+            self._tx.setsockopt(zmq.SNDHWM, self._inflight_limit)
+            self._tx.setsockopt(zmq.RCVHWM, self._hwm)
+            self._tx.setsockopt(zmq.ROUTING_ID, self.queue_id)
+            # Consumer connections come and go unseen by a DEALER: a socket monitor
+            # counts them (the in-flight cap) and tells when the last one is gone.
+            # (ACCEPTED, not HANDSHAKE_SUCCEEDED: only the former carries the fd.)
+            events = self._tx.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+            sockets.append(events)
+            self._tx_events = events
+        else:
+            self._tx = make(zmq.ROUTER, "send")
+            self._tx.setsockopt(zmq.ROUTING_ID, self.queue_id)
+            notify = getattr(zmq, "ROUTER_NOTIFY", None)
+            notified = False
+            if notify is not None:
+                # Draft libzmq only (EINVAL otherwise): announce consumers on connect.
+                with contextlib.suppress(zmq.ZMQError):
+                    self._tx.setsockopt(notify, getattr(zmq, "NOTIFY_CONNECT", 1))
+                    notified = True
+            if not notified:
+                log.warning(
+                    "queue: send_mode router without ZMQ_ROUTER_NOTIFY (a draft libzmq): "
+                    "only consumers that announce themselves (ZMQ_PROBE_ROUTER) are "
+                    "served, and after a queue restart only once they speak again"
+                )
         self._mon = make(zmq.REP, "monitor") if monitor_ep is not None else None
         for name, s, ep in (
             ("receive", self._rx, receive_ep),
@@ -649,12 +738,29 @@ class QueueBroker:
 
     def _serve(self, store: MessageStore) -> None:
         rx, tx, mon = self._rx, self._tx, self._mon
-        inflight = InFlight(self._inflight_limit)
+        # dealer mode: one pseudo-consumer b"" holds everything; the cap is global.
+        inflight = InFlight(None if self._send_mode == "dealer" else self._inflight_limit)
         self._inflight = inflight
         self._keys: dict[bytes, int] = {}  # message id -> store key, while in flight
         self._deferred: dict[bytes, list[int]] = {}  # id in flight -> more keys, same id
         self._consumers: dict[bytes, _Consumer] = {}
         self._ready_q: deque[_Consumer] = deque()
+        # dealer mode: the consumer connections (fds, from the socket monitor), and
+        # whether the DEALER refused a send (all pipes full, or none attached yet).
+        self._links: dict[int, int] = {}  # fd -> when we learnt of it (µs)
+        self._tx_blocked = False
+        # dedup "resend": (producer routing id, message id) of recent puts, oldest
+        # first; ids whose success ack is not sent yet (count of copies); ids whose ack
+        # was dropped or undeliverable, oldest first. Each bounded by dedup_window
+        # (_unacked by the commit pipeline and the ack backlogs).
+        self._recent: set[tuple[bytes, bytes]] = set()
+        self._recent_order: deque[tuple[bytes, bytes]] = deque()
+        self._recent_limit = int(self._store_options["dedup_window"])
+        self._track_acks = self._dedup == "resend" and self._recent_limit > 0
+        self._unacked: dict[bytes, int] = {}
+        self._lost: set[bytes] = set()
+        self._lost_order: deque[bytes] = deque()
+        self._grace_until = time.monotonic() + self._dedup_grace
         self._producers: dict[bytes, float] = {}
         self._acks: list[tuple[bytes, bytes]] = []  # (producer, id) awaiting a commit
         self._ticket: CommitTicket | None = None
@@ -677,6 +783,11 @@ class QueueBroker:
         poller = zmq.Poller()
         poller.register(rx, zmq.POLLIN)
         poller.register(tx, zmq.POLLIN)
+        self._poller = poller
+        tx_events = self._tx_events
+        if tx_events is not None:
+            poller.register(tx_events, zmq.POLLIN)
+        dealer = self._send_mode == "dealer"
         if mon is not None:
             poller.register(mon, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -699,8 +810,14 @@ class QueueBroker:
             self._guard(self._finish_commit, store)
             if rx in events:
                 self._guard(self._receive_producers, store)
-            if tx in events:
-                self._guard(self._receive_consumers, store)
+            if tx_events is not None and tx_events in events:
+                self._guard(self._consumer_links, store)
+            tx_ready = events.get(tx, 0)
+            if tx_ready & zmq.POLLIN:
+                self._guard(self._receive_dealer_acks if dealer else self._receive_consumers, store)
+            if tx_ready & zmq.POLLOUT:
+                self._tx_blocked = False
+                poller.modify(tx, zmq.POLLIN)
             if mon is not None and mon in events:
                 self._guard(self._answer_monitor, store)
             if flows is not None:
@@ -709,7 +826,7 @@ class QueueBroker:
                 self._guard(flows.pump, store)
             self._guard(self._housekeeping, store)
             self._guard(self._begin_commit, store)
-            self._guard(self._dispatch, store)
+            self._guard(self._dispatch_dealer if dealer else self._dispatch, store)
             now = time.monotonic()
             if now >= self._next_tick:
                 self._next_tick = now + _TICK_S
@@ -766,6 +883,12 @@ class QueueBroker:
         acks = self._acks
         put = store.put
         counters = self.counters
+        rule = self._dedup
+        scoped = self._track_acks
+        recent = self._recent
+        unacked = self._unacked
+        lost = self._lost
+        in_grace = now < self._grace_until
         self._last_put = now
         for _ in range(self._max_batch):
             try:
@@ -793,8 +916,20 @@ class QueueBroker:
             if store.failed:
                 self._send_producer_ack(ident, message_id, False, f"store failed: {store.failed}")
                 continue
+            if scoped and (
+                (ident, message_id) in recent
+                or message_id in unacked
+                or message_id in lost
+                or (in_grace and store.accepted_before_open(message_id))
+            ):
+                # Can be a resend of a message whose ack the producer missed: acked, once
+                # the original is durable (with the next commit's acks), not stored.
+                counters["duplicates"] += 1
+                unacked[message_id] = unacked.get(message_id, 0) + 1
+                acks.append((ident, message_id))
+                continue
             try:
-                key = put(message_id, body)
+                key = put(message_id, body, dedup=rule == "global")
             except MessageRejected as e:
                 counters["rejected"] += 1
                 self._send_producer_ack(ident, message_id, False, str(e))
@@ -804,7 +939,42 @@ class QueueBroker:
                 continue
             if key is None:
                 counters["duplicates"] += 1
+            elif scoped:
+                self._remember(ident, message_id)
+                unacked[message_id] = unacked.get(message_id, 0) + 1
             acks.append((ident, message_id))
+
+    def _remember(self, ident: bytes, message_id: bytes) -> None:
+        """Enter a put in the ``resend`` rule's per-connection window (oldest out)."""
+        limit = self._recent_limit
+        entry = (ident, message_id)
+        self._recent.add(entry)
+        order = self._recent_order
+        order.append(entry)
+        if len(order) > limit:
+            self._recent.discard(order.popleft())
+
+    def _ack_sent(self, message_id: bytes) -> None:
+        """``resend`` rule: the ack of one copy of ``message_id`` left (or it failed)."""
+        unacked = self._unacked
+        n = unacked.get(message_id)
+        if n is not None:
+            if n > 1:
+                unacked[message_id] = n - 1
+            else:
+                del unacked[message_id]
+
+    def _ack_lost(self, ack: bytes | tuple[bytes, ...]) -> None:
+        """``resend`` rule: a success ack (a bare id) was dropped or undeliverable, so a
+        resend of that id is a duplicate (within the window)."""
+        if not self._track_acks or not isinstance(ack, bytes):
+            return
+        self._ack_sent(ack)
+        if ack not in self._lost:
+            self._lost.add(ack)
+            self._lost_order.append(ack)
+            if len(self._lost_order) > self._recent_limit:
+                self._lost.discard(self._lost_order.popleft())
 
     def _begin_commit(self, store: MessageStore) -> None:
         if self._ticket is not None:
@@ -894,6 +1064,7 @@ class QueueBroker:
         if backlogs:
             self._flush_backlogs()
         rx = self._rx
+        track = self._track_acks
         for ident, message_id in acks:
             if backlogs and ident in backlogs:  # keep each producer's acks in order
                 self._defer_ack(ident, message_id)
@@ -905,9 +1076,15 @@ class QueueBroker:
                 self._defer_ack(ident, message_id)
             except zmq.ZMQError:  # EHOSTUNREACH: the producer went away
                 self.counters["acks_undeliverable"] += 1
+                self._ack_lost(message_id)
+            else:
+                if track:
+                    self._ack_sent(message_id)
 
     def _fail_acks(self, acks: list[tuple[bytes, bytes]], reason: str) -> None:
         for ident, message_id in acks:
+            if self._track_acks:
+                self._ack_sent(message_id)  # not stored: a resend must be
             self._send_producer_ack(ident, message_id, False, reason)
 
     def _send_producer_ack(self, ident: bytes, message_id: bytes, ok: bool, reason: str) -> None:
@@ -942,7 +1119,7 @@ class QueueBroker:
                 self._drop_backlog(next(iter(backlogs)))
             backlog = backlogs[ident] = _AckBacklog()
         elif len(backlog.acks) >= self._ack_backlog:
-            backlog.acks.popleft()  # its oldest, to make room (it stays non-empty)
+            self._ack_lost(backlog.acks.popleft())  # its oldest, to make room
             self._backlogged -= 1
             self._count_dropped(ident, 1)
         backlog.acks.append(ack)
@@ -956,7 +1133,7 @@ class QueueBroker:
         backlogs = self._backlogs
         ident = next(iter(backlogs))
         acks = backlogs[ident].acks
-        acks.popleft()
+        self._ack_lost(acks.popleft())
         self._backlogged -= 1
         if not acks:
             del backlogs[ident]
@@ -964,6 +1141,8 @@ class QueueBroker:
 
     def _drop_backlog(self, ident: bytes) -> None:
         backlog = self._backlogs.pop(ident)
+        for ack in backlog.acks:
+            self._ack_lost(ack)
         self._backlogged -= len(backlog.acks)
         self._count_dropped(ident, len(backlog.acks))
 
@@ -1003,9 +1182,13 @@ class QueueBroker:
                 except zmq.ZMQError:  # EHOSTUNREACH: gone, so are the rest of its acks
                     self.counters["acks_undeliverable"] += len(acks)
                     sent += len(acks)
+                    for lost in acks:
+                        self._ack_lost(lost)
                     acks.clear()
                     break
                 acks.popleft()
+                if isinstance(ack, bytes) and self._track_acks:
+                    self._ack_sent(ack)
                 sent += 1
             if not acks:
                 del backlogs[ident]
@@ -1039,6 +1222,7 @@ class QueueBroker:
                 break
             ident = frames[0]
             if len(frames) == 1 or (len(frames) == 2 and not frames[1]):
+                counters["hellos"] += 1
                 self._hello(ident)  # PROBE_ROUTER / ROUTER_NOTIFY hello
                 continue
             # Fast path for the canonical [id, "1"|"0"] (decode_consumer_ack agrees).
@@ -1072,6 +1256,136 @@ class QueueBroker:
             if message_id in self._deferred:
                 self._release_deferred(store, message_id)
 
+    def _receive_dealer_acks(self, store: MessageStore) -> None:
+        """dealer mode: acks arrive without the consumer's identity (none is needed:
+        the in-flight table knows each id)."""
+        tx = self._tx
+        counters = self.counters
+        inflight = self._inflight
+        keys = self._keys
+        deferred = self._deferred
+        for _ in range(self._max_batch):
+            try:
+                frames = _recv_frames(tx)
+            except zmq.Again:
+                break
+            # Fast path for the canonical [id, "1"|"0"] (decode_consumer_ack agrees).
+            if len(frames) == 2 and frames[0] and frames[1] in (ACK_SUCCESS, ACK_FAILURE):
+                message_id, ok = frames[0], frames[1] == ACK_SUCCESS
+            elif len(frames) == 1 and not frames[0]:
+                counters["hellos"] += 1  # a consumer's ZMQ_PROBE_ROUTER: nothing to do
+                continue
+            else:
+                try:
+                    ack = decode_consumer_ack(frames)
+                except RemoteProtocolError as e:
+                    counters["bad_frames"] += 1
+                    log.debug("queue: bad consumer message: %s", e)
+                    continue
+                message_id, ok = ack.message_id, ack.ok
+            key = keys.pop(message_id, None)
+            if key is None:
+                counters["unknown_acks"] += 1  # late (already requeued), repeated, unknown
+                continue
+            if ok:
+                inflight.ack(message_id)
+                store.ack(key)
+                counters["acked"] += 1
+            else:
+                inflight.nack(message_id)
+                store.release(key)
+                counters["nacked"] += 1
+            if message_id in deferred:
+                self._release_deferred(store, message_id)
+
+    def _consumer_links(self, store: MessageStore) -> None:
+        """dealer mode: follow consumer connections with the send socket's monitor.
+
+        A DEALER does not say which connection got a message, but time does: a message
+        sent before every connection still open was accepted can only be held by one
+        that has gone. So when a connection goes, those are requeued at once (all in
+        flight, when it was the last). The rest wait for their ack timeout.
+        """
+        events = self._tx_events
+        assert events is not None
+        links = self._links
+        gone = False
+        for _ in range(1024):
+            try:
+                event = recv_monitor_message(events, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                links[fd] = _now_us()
+                log.info("queue: a consumer connected (%d now)", len(links))
+            elif links.pop(fd, None) is not None:
+                log.info("queue: a consumer went away (%d left)", len(links))
+                gone = True
+        if gone:
+            oldest = min(links.values(), default=2**63)
+            self._requeue_sent_before(store, oldest)
+
+    def _requeue_sent_before(self, store: MessageStore, before_us: int) -> None:
+        inflight = self._inflight
+        gone = inflight.drop_sent_before(b"", before_us)
+        for message_id in gone:
+            key = self._keys.pop(message_id, None)
+            if key is not None:
+                store.release(key)
+            if message_id in self._deferred:
+                self._release_deferred(store, message_id)
+        self.counters["vanished_requeued"] += len(gone)
+
+    def _dispatch_dealer(self, store: MessageStore) -> None:
+        """dealer mode: the DEALER picks the consumer (round robin over the connections
+        whose pipe has room); a refused send waits for POLLOUT."""
+        events = self._tx_events
+        if events is not None and int(events.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # Learn of new connections before sending: one attached since is then
+            # known to have been there (see _consumer_links).
+            self._consumer_links(store)
+        links = self._links
+        if self._tx_blocked or not links:
+            return
+        inflight = self._inflight
+        cap = self._inflight_limit * len(links)
+        if len(inflight) >= cap:
+            return
+        tx = self._tx
+        keys = self._keys
+        counters = self.counters
+        timeout = self._timeout_bytes
+        timeout_us = self._ack_timeout_us
+        now_us = _now_us()
+        sent_bytes = str(now_us).encode("ascii")
+        for _ in range(min(self._max_batch, cap - len(inflight))):
+            try:
+                message = store.take()
+            except StoreError as e:  # an unreadable record; the store dropped it
+                counters["errors"] += 1
+                log.error("queue: %s", e)
+                continue
+            if message is None:
+                break
+            message_id = message.message_id
+            if message_id in keys:  # another stored copy of this id is in flight: wait
+                self._deferred.setdefault(message_id, []).append(message.key)
+                continue
+            try:
+                # encode_delivery(Delivery(id, now, timeout, body)), built directly.
+                _send_frames(tx, (message_id, sent_bytes, timeout, DELIMITER, *message.body))
+            except zmq.Again:  # every pipe is full, or none is attached yet
+                store.release(message.key, delivered=False)
+                self._tx_blocked = True
+                self._poller.modify(tx, zmq.POLLIN | zmq.POLLOUT)
+                break
+            inflight.add(message_id, b"", now_us, timeout_us)
+            keys[message_id] = message.key
+            counters["delivered"] += 1
+            if message.redelivery:
+                counters["redelivered"] += 1
+
     def _release_deferred(self, store: MessageStore, message_id: bytes) -> None:
         for key in self._deferred.pop(message_id, ()):
             store.release(key, delivered=False)
@@ -1084,6 +1398,7 @@ class QueueBroker:
             with contextlib.suppress(ValueError):
                 self._ready_q.remove(consumer)
         for message_id in self._inflight.drop_consumer(consumer.ident):
+            self.counters["vanished_requeued"] += 1
             key = self._keys.pop(message_id, None)
             if key is not None:
                 store.release(key)
@@ -1200,19 +1515,24 @@ class QueueBroker:
     def _collect_stats(self, store: MessageStore) -> dict[str, int | str]:
         c = self.counters
         s = store.stats()
+        in_flight = len(self._inflight) if hasattr(self, "_inflight") else 0
+        dealer = self._send_mode == "dealer"
+        consumers = getattr(self, "_links" if dealer else "_consumers", ())
         stats: dict[str, int | str] = {
             "messages": s.messages,
-            "messages_in_flight": len(self._inflight) if hasattr(self, "_inflight") else 0,
+            "messages_in_flight": in_flight,
             "db_size": s.db_size,
             "in_flightdb_size": s.in_flight_bytes,
             "syncs": s.syncs,
             "expired_messages": c["expired_messages"],
+            "messages_inflight": in_flight,
+            "inflight_db_size": s.in_flight_bytes,
             "delivered": c["delivered"],
             "acked": c["acked"],
             "nacked": c["nacked"],
             "redelivered": c["redelivered"],
             "producers": len(getattr(self, "_producers", ())),
-            "consumers": len(getattr(self, "_consumers", ())),
+            "consumers": len(consumers),
             "received": c["received"],
             "stored": s.stored,
             "duplicates": c["duplicates"],
@@ -1230,8 +1550,12 @@ class QueueBroker:
                 if self._flows is not None
                 else {"flow_given": 0, "flow_acked": 0, "flow_stored": 0}
             ),
+            "vanished_requeued": c["vanished_requeued"],
+            "hellos": c["hellos"],
+            "send_mode": self._send_mode,
+            "dedup": self._dedup,
         }
-        assert tuple(stats) == MONITOR_KEYS + EXTRA_MONITOR_KEYS
+        assert tuple(stats) == MONITOR_KEYS + REFERENCE_MONITOR_KEYS + EXTRA_MONITOR_KEYS
         return stats
 
 
@@ -1243,15 +1567,40 @@ def _parser() -> argparse.ArgumentParser:
         prog="zio-spark queue",
         description="Run the PZQ-style durable queue (receive/send/monitor sockets).",
     )
-    p.add_argument("--receive", default=DEFAULT_RECEIVE, metavar="EP", help="producers' endpoint")
-    p.add_argument("--send", default=DEFAULT_SEND, metavar="EP", help="consumers' endpoint")
+    # PZQ's own option names are accepted as aliases (--receive-dsn, ...).
     p.add_argument(
-        "--monitor", default=DEFAULT_MONITOR, metavar="EP", help="monitor endpoint ('none': off)"
-    )
-    p.add_argument("--store", required=True, metavar="PATH", help="store folder")
+        "--receive", "--receive-dsn", default=DEFAULT_RECEIVE, metavar="EP",
+        help="producers' endpoint",
+    )  # fmt: skip
     p.add_argument(
-        "--ack-timeout", type=float, default=5.0, metavar="SECONDS", help="consumer ack timeout"
+        "--send", "--send-dsn", default=DEFAULT_SEND, metavar="EP", help="consumers' endpoint"
     )
+    p.add_argument(
+        "--monitor", "--monitor-dsn", default=DEFAULT_MONITOR, metavar="EP",
+        help="monitor endpoint ('none': off)",
+    )  # fmt: skip
+    p.add_argument("--store", "--database", required=True, metavar="PATH", help="store folder")
+    p.add_argument(
+        "--ack-timeout", default="5s", metavar="DURATION",
+        help="consumer ack timeout: 5s, 500ms, 5000000us; a bare number is microseconds, "
+        "as PZQ reads it (default 5s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--send-mode", choices=SEND_MODES, default="dealer",
+        help="send socket: dealer (serves every PZQ consumer; default) or router "
+        "(exact per-consumer limits; consumers must announce themselves)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dedup", choices=DEDUP_RULES, default="resend",
+        help="which repeated producer ids are acked and not stored again: resend (only "
+        "what can be a resend of a missed ack; default), global (any id in the window, "
+        "across restarts), off",
+    )  # fmt: skip
+    p.add_argument(
+        "--dedup-grace", default=f"{DEFAULT_DEDUP_GRACE:g}s", metavar="DURATION",
+        help="under --dedup resend: how long after start ids found on disk count as "
+        "resends (default 60s; a bare number is seconds)",
+    )  # fmt: skip
     p.add_argument("--hwm", type=int, default=10_000, metavar="N", help="socket high-water mark")
     p.add_argument("--inflight", type=int, default=1000, metavar="N", help="per-consumer limit")
     p.add_argument(
@@ -1317,7 +1666,18 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             receive=args.receive,
             send=args.send,
             monitor=None if args.monitor.lower() == "none" else args.monitor,
-            ack_timeout=args.ack_timeout,
+            ack_timeout=parse_duration(
+                "--ack-timeout",
+                args.ack_timeout,
+                bare="us",
+                minimum=1e-3,
+                maximum=MAX_ACK_TIMEOUT_S,
+            ),
+            send_mode=args.send_mode,
+            dedup=args.dedup,
+            dedup_grace=0.0
+            if args.dedup_grace.strip() in ("0", "0s")
+            else parse_duration("--dedup-grace", args.dedup_grace, maximum=7 * 86400),
             hwm=args.hwm,
             ack_backlog=args.ack_backlog,
             inflight=args.inflight,

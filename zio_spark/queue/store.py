@@ -549,6 +549,7 @@ class MessageStore:
         self._window: deque[bytes] = deque()
         self._window_first = 1
         self._window_ids: dict[bytes, int] = {}
+        self._open_seq = 0  # the last accept seq found on disk when opened
         # Counters.
         self._messages = 0
         self._in_flight = 0
@@ -567,6 +568,7 @@ class MessageStore:
             self.queue_id: bytes = self._load_queue_id()
             """This queue's identity: random, made when the folder was created."""
             self._recover()
+            self._open_seq = self._last_seq
             self._open_segment()
             self._sync_new_segment()
             self._reclaim()
@@ -1035,7 +1037,7 @@ class MessageStore:
         seg.end += _REC.size + length
         return slot
 
-    def put(self, message_id: bytes, body: Sequence[bytes]) -> int | None:
+    def put(self, message_id: bytes, body: Sequence[bytes], *, dedup: bool = True) -> int | None:
         """Buffer a message; it is durable once a commit that covers it has ended.
 
         Parameters
@@ -1044,13 +1046,18 @@ class MessageStore:
             The producer's id: 1 to :data:`MAX_ID_BYTES` bytes.
         body
             At least one part (parts may be empty).
+        dedup
+            Refuse an id in the duplicate window (default). False stores it whatever
+            the window holds (the id still enters the window): for a caller with a
+            duplicate rule of its own (the broker scopes PZQ ids by producer
+            connection).
 
         Returns
         -------
         int or None
-            The new store key, or None if ``message_id`` is in the duplicate window:
-            nothing is stored, and the original is durable once the commits begun so far
-            and the next one have ended.
+            The new store key, or None if ``dedup`` and ``message_id`` is in the
+            duplicate window: nothing is stored, and the original is durable once the
+            commits begun so far and the next one have ended.
 
         Raises
         ------
@@ -1068,7 +1075,7 @@ class MessageStore:
                 f"message id of {id_len} bytes; expected 1 to {MAX_ID_BYTES} bytes"
             )
         ids = self._window_ids
-        if message_id in ids:
+        if dedup and message_id in ids:
             self._duplicates += 1
             return None
         seq = self._last_seq + 1
@@ -1118,6 +1125,13 @@ class MessageStore:
         else:
             self._window_first = seq + 1
         return active.no << 32 | slot
+
+    def accepted_before_open(self, message_id: bytes) -> bool:
+        """Whether the newest message with this id in the duplicate window was accepted
+        before this store was opened (found on disk: whether its producer got its ack
+        is unknown). False for ids not in the window (``dedup_window`` 0: always)."""
+        seq = self._window_ids.get(message_id)
+        return seq is not None and seq <= self._open_seq
 
     @property
     def uncommitted(self) -> int:
