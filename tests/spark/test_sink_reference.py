@@ -1,0 +1,127 @@
+"""The zio sink on local Spark towards a plain ZIO taker that behaves like the reference
+(tests/peers/zio_reference.py: a C++ server taker, echoing BOT replies, one flow at a
+time). The socket pair here is ROUTER/DEALER; CLIENT/SERVER is covered at the transport
+level (tests/transport/test_sink_reference.py, draft pass).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.peers.zio_reference import ReferenceServer
+
+
+@pytest.fixture
+def taker() -> Iterator[ReferenceServer]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    server = ReferenceServer(ctx, role="taker", flavor="cpp", sockets="routerdealer")
+    yield server
+    server.close()
+    ctx.term()
+
+
+def _values(spark, n: int, partitions: int):
+    return spark.range(0, n, numPartitions=partitions).selectExpr("cast(id as string) as value")
+
+
+def _no_command_bot(taker: ReferenceServer) -> None:
+    # commit/abort never open a control flow towards a plain taker: it would take the
+    # command's BOT for a new flow (and end the one in progress).
+    assert [b for b in taker.bots if "command" in b] == []
+
+
+def test_default_format_sends_a_reference_taker_one_bare_record_per_dat(spark, taker):
+    n = 3000
+    (
+        _values(spark, n, 1)
+        .write.format("zio")
+        .mode("append")
+        .option("endpoint", taker.endpoint)
+        .option("connectTimeout", "20s")
+        .save()
+    )
+    assert taker.received == [str(i).encode() for i in range(n)]  # each once, in order
+    assert taker.received_labels == [{"flow": "DAT"}] * n
+    assert taker.flows_completed == 1 and taker.errors == []
+    assert taker.bots[0]["encoding"] == ["arrow", "record"]  # offered; echoed back
+    _no_command_bot(taker)
+
+
+def test_stream_to_a_reference_taker_from_one_partition(spark, taker, tmp_path):
+    """Micro-batches one after another (one flow each), commits skip the plain taker."""
+    rows = 200
+    q = (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", rows)
+        .option("numPartitions", 2)
+        .load()
+        .selectExpr("cast(value as string) as value")
+        .coalesce(1)
+        .writeStream.format("zio")
+        .option("endpoint", taker.endpoint)
+        .option("connectTimeout", "20s")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="100 milliseconds")
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and q.exception() is None:
+            if taker.flows_completed >= 3:
+                break
+            time.sleep(0.05)
+        assert q.exception() is None, q.exception()
+    finally:
+        q.stop()
+    assert taker.flows_completed >= 3 and taker.errors == []
+    got = [int(v) for v in taker.received]
+    assert len(got) >= 3 * rows
+    full = len(got) // rows
+    for b in range(full):  # each value once, batch after batch
+        assert sorted(got[b * rows : (b + 1) * rows]) == list(range(b * rows, (b + 1) * rows))
+    # A flow that q.stop() cut short: part of the next batch, nothing twice.
+    tail = got[full * rows :]
+    assert len(set(tail)) == len(tail) and set(tail) <= set(range(full * rows, (full + 1) * rows))
+    _no_command_bot(taker)
+
+
+def test_explicit_arrow_to_a_reference_taker_fails_naming_endpoint_and_option(spark, taker):
+    with pytest.raises(Exception) as info:
+        (
+            _values(spark, 100, 1)
+            .write.format("zio")
+            .mode("append")
+            .option("endpoint", taker.endpoint)
+            .option("format", "arrow")
+            .option("connectTimeout", "20s")
+            .save()
+        )
+    text = str(info.value)
+    assert "option 'format': got 'arrow'" in text and taker.endpoint in text
+    assert taker.received == []  # nothing was sent
+    _no_command_bot(taker)
+
+
+def test_two_partitions_to_a_single_flow_taker_fail_saying_one_flow_at_a_time(spark, taker):
+    n = 200_000  # two flows of 100k records: they overlap
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="serves one flow at a time") as info:
+        (
+            _values(spark, n, 2)
+            .write.format("zio")
+            .mode("append")
+            .option("endpoint", taker.endpoint)
+            .option("format", "record")
+            .option("connectTimeout", "3s")
+            .save()
+        )
+    assert taker.endpoint in str(info.value)
+    assert time.monotonic() - t0 < 60
+    assert taker.flows_killed >= 1  # what happened: the second BOT ended the first flow
+    assert len(taker.received) < n  # and the write did fail with rows missing
+    _no_command_bot(taker)
