@@ -28,6 +28,7 @@ from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 __all__ = ["main"]
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_TRANSPORT = 0, 1, 2, 3
+_DEFAULT_PRODUCE_BIND = "tcp://127.0.0.1:5555"
 
 
 def _positive_int(text: str) -> int:
@@ -48,6 +49,51 @@ def _non_negative_float(text: str) -> float:
     if x < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return x
+
+
+def _duration(option: str) -> Callable[[str], float]:
+    """An argparse type: a duration with a unit (``500ms``, ``5s``, ``5000000us``) or a
+    bare number of seconds, read by :func:`zio_spark.options.parse_duration`."""
+    from zio_spark.options import parse_duration
+
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(option, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def _socket_mode(value: str) -> str:
+    """The socket kind for ``--socket``, checked against this pyzmq before any socket is
+    made: ``clientserver`` on a pyzmq without the draft API is refused here (a
+    CLIENT/SERVER handshake with it would abort the process)."""
+    from zio_spark.transport.port import choose_mode
+
+    try:
+        return choose_mode(value, None, option="--socket").value
+    except TransportError:
+        raise ConfigError(
+            "--socket",
+            value,
+            "a socket kind this pyzmq can open: clientserver needs a draft-enabled pyzmq "
+            f"(this one, {sys.executable}, has none; build one with "
+            "scripts/build-draft-pyzmq.sh and run zio-spark from that venv), or use "
+            "--socket routerdealer if the peer has ROUTER/DEALER sockets",
+        ) from None
+
+
+def _add_socket_option(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument(
+        "--socket",
+        default="auto",
+        choices=("auto", "clientserver", "routerdealer"),
+        help="socket kind, as the Spark `socket` option: clientserver (CLIENT/SERVER, "
+        "needs a draft pyzmq) or routerdealer (ROUTER/DEALER); auto = routerdealer here. "
+        "Both ends must use the same kind",
+    )
 
 
 def _emit(args: argparse.Namespace, summary: dict[str, Any]) -> None:
@@ -71,23 +117,33 @@ class _Stop:
 def cmd_produce(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from zio_spark.transport.producer import Producer
+    from zio_spark.transport.port import PortKind
+    from zio_spark.transport.producer import Producer, silent_peer_hint
 
-    if args.connect:
+    if args.connect and args.bind:
         raise ConfigError(
-            "--connect",
-            args.connect,
-            "--bind: a producer serves its flow (takers connect to it); use --bind ENDPOINT",
+            "--connect", args.connect, f"either --bind or --connect, not both (--bind {args.bind})"
         )
+    if args.connect and args.group:
+        raise ConfigError(
+            "--group", args.group, "--bind: a producer in client mode has no port to advertise"
+        )
+    mode = _socket_mode(args.socket)
     stop = _Stop()
     payload = os.urandom(args.size) if args.random else b"x" * args.size
     prod = Producer(
-        args.bind,
+        None if args.connect else args.bind or _DEFAULT_PRODUCE_BIND,
+        connect=args.connect,
+        mode=mode,
         producer_id=args.producer_id,
         stream=args.stream,
         batch=args.batch,
         max_unacked=max(args.batch * 10, 100_000),
+        # The command's own deadline reports a server that never answers.
+        connect_timeout=args.timeout + 5.0,
     )
+    topology = "connect" if args.connect else "bind"
+    kind = PortKind.CLIENT if args.connect else PortKind.SERVER
     if args.group:
         prod.advertise(
             args.group,
@@ -95,53 +151,111 @@ def cmd_produce(args: argparse.Namespace) -> int:
             broadcast=args.broadcast,
             interface_addr=args.interface_addr,
         )
-    print(f"producing on {prod.endpoint} as {prod.producer_id!r}", file=sys.stderr, flush=True)
+    verb = "connecting to" if args.connect else "producing on"
+    print(
+        f"{verb} {prod.endpoint} ({prod.socket_type}) as {prod.producer_id!r}",
+        file=sys.stderr,
+        flush=True,
+    )
     started = time.monotonic()
-    sent = 0
+    queued = 0
+    shortfall: str | None = None
     quiet = args.json or not sys.stderr.isatty()
     with Progress(
         TextColumn("[bold]produce"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total} sent, {task.fields[acked]} acked"),
+        TextColumn(
+            "{task.completed}/{task.total} queued, {task.fields[sent]} sent, "
+            "{task.fields[delivered]} delivered"
+        ),
         TimeRemainingColumn(),
         disable=quiet,
         transient=True,
     ) as progress:
-        task = progress.add_task("produce", total=args.count, acked=0)
+        task = progress.add_task("produce", total=args.count, sent=0, delivered=0)
+
+        def show() -> None:
+            d = prod.delivery()
+            progress.update(task, completed=d.queued, sent=d.sent, delivered=d.delivered)
+
+        deadline = time.monotonic() + args.timeout
         try:
             chunk = min(args.batch, 1000)
-            while sent < args.count and not stop.event.is_set():
-                n = min(chunk, args.count - sent)
+            while queued < args.count and not stop.event.is_set():
+                n = min(chunk, args.count - queued)
                 if args.rate:
-                    due = started + (sent + n) / args.rate
+                    due = started + (queued + n) / args.rate
                     delay = due - time.monotonic()
                     if delay > 0 and stop.event.wait(delay):
                         break
-                prod.send_many([payload] * n, timeout=args.timeout)
-                sent += n
-                progress.update(task, completed=sent, acked=prod.acked)
-            if args.wait_ack and not stop.event.is_set():
-                deadline = time.monotonic() + args.timeout
-                while prod.pending and time.monotonic() < deadline and not stop.event.is_set():
-                    progress.update(task, acked=prod.acked)
-                    stop.event.wait(0.1)
+                try:
+                    prod.send_many([payload] * n, timeout=args.timeout)
+                except TransportError as e:  # no room for --timeout: nobody takes them
+                    shortfall = str(e)
+                    break
+                queued += n
+                show()
+            # Delivered means acknowledged by an ack-capable taker, or sent to a plain one
+            # (which confirms only by echoing the EOT that close() sends).
+            deadline = time.monotonic() + args.timeout
+            while (
+                shortfall is None
+                and prod.pending
+                and time.monotonic() < deadline
+                and not stop.event.is_set()
+            ):
+                show()
+                stop.event.wait(0.05)
         finally:
-            prod.close(timeout=5, flush=False)
+            left = max(0.0, deadline - time.monotonic())
+            plain = prod.acks is False
+            # The EOT's echo confirms a plain taker's records: wait for it as long as the
+            # deadline allows (an ack-capable taker's acks already say everything).
+            delivery = prod.close(
+                timeout=max(left, 1.0) if plain else min(left, 5.0) + 0.5, flush=False
+            )
     elapsed = time.monotonic() - started
-    summary = {
+    summary: dict[str, Any] = {
         "command": "produce",
         "endpoint": prod.endpoint,
+        "topology": topology,
+        "socket": mode,
         "producer": prod.producer_id,
-        "sent": sent,
-        "acked": prod.acked,
+        "queued": delivery.queued,
+        "sent": delivery.sent,
+        "acked": delivery.acked,
+        "confirmed": delivery.confirmed,
+        "delivered": delivery.delivered,
+        "acks": prod.acks,
+        "flows": prod.stats["takers"],
+        "flow_failures": prod.stats["flow_failures"],
         "seconds": round(elapsed, 3),
-        "rate": round(sent / elapsed, 1) if elapsed > 0 else None,
+        "rate": round(delivery.delivered / elapsed, 1) if elapsed > 0 else None,
     }
     _emit(args, summary)
-    if args.wait_ack and prod.acked < sent:
-        print(f"only {prod.acked} of {sent} records acknowledged", file=sys.stderr)
-        return EXIT_CHECK_FAILED
-    return EXIT_OK
+    if delivery.delivered == args.count and delivery.queued == args.count:
+        if plain:
+            print(
+                f"{args.count} records delivered to a plain ZIO taker at {prod.endpoint} "
+                "(confirmed by its EOT echo; it cannot acknowledge)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    print(
+        f"delivered {delivery.delivered} of {args.count} records within --timeout "
+        f"{args.timeout:g} s (queued {delivery.queued}, sent {delivery.sent}, acked "
+        f"{delivery.acked}, confirmed by EOT echo {delivery.confirmed}, still held "
+        f"{delivery.pending})" + ("; interrupted" if stop.event.is_set() else ""),
+        file=sys.stderr,
+    )
+    if shortfall:
+        print(shortfall, file=sys.stderr)
+    if prod.stats["takers"] == 0:
+        what = "the server never answered our BOT" if args.connect else "no taker came"
+        print(f"{what}; " + silent_peer_hint(prod.endpoint, kind, mode), file=sys.stderr)
+    elif prod.last_error:
+        print(f"last flow failure: {prod.last_error}", file=sys.stderr)
+    return EXIT_CHECK_FAILED
 
 
 # -- keys -------------------------------------------------------------------------------
@@ -204,9 +318,22 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
         return sp
 
-    sp = add("produce", cmd_produce, "Run an ack-capable ZIO producer that serves records.")
-    sp.add_argument("--bind", default="tcp://127.0.0.1:5555", help="endpoint to bind")
-    sp.add_argument("--connect", help="not supported: producers bind (takers connect)")
+    sp = add(
+        "produce",
+        cmd_produce,
+        "Run an ack-capable ZIO producer and deliver --count records to a taker.",
+    )
+    where = sp.add_mutually_exclusive_group()
+    where.add_argument(
+        "--bind",
+        help=f"serve the flow on this endpoint; takers connect (default {_DEFAULT_PRODUCE_BIND})",
+    )
+    where.add_argument(
+        "--connect",
+        help="open the flow as a client of a server that takes at this endpoint "
+        "(a flow broker, the Spark source in bind mode); reconnects after failures",
+    )
+    _add_socket_option(sp)
     sp.add_argument("--count", type=_positive_int, default=100_000, help="records to send")
     sp.add_argument("--size", type=_positive_int, default=100, help="bytes per record")
     sp.add_argument("--random", action="store_true", help="random payload bytes")
@@ -214,21 +341,36 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch", type=_positive_int, default=1000, help="most records per DAT")
     sp.add_argument("--stream", default="zio", help="stream name")
     sp.add_argument("--producer-id", help="stable producer id (default: host|endpoint)")
-    sp.add_argument("--group", help="ZRE group to advertise in (see `peers`)")
+    sp.add_argument("--group", help="ZRE group to advertise in (see `peers`; --bind only)")
     sp.add_argument("--beacon-port", type=_positive_int, default=5670, help="ZRE UDP port")
     sp.add_argument("--broadcast", help="ZRE beacon address (default: $ZIO_ZRE_BROADCAST)")
     sp.add_argument("--interface-addr", help="ZRE interface address")
     sp.add_argument(
-        "--wait-ack", action="store_true", help="wait until every record is acknowledged"
+        "--wait-ack",
+        action="store_true",
+        help="kept for scripts: produce always waits until every record is acknowledged "
+        "(a plain ZIO taker, which cannot ack, confirms by echoing the final EOT)",
     )
-    sp.add_argument("--timeout", type=_non_negative_float, default=60.0, help="seconds")
+    sp.add_argument(
+        "--timeout",
+        type=_duration("--timeout"),
+        default=60.0,
+        help="longest wait for delivery once every record is queued (and for buffer room "
+        "while queueing), e.g. 500ms, 30s, 5000000us; a bare number is seconds. A shortfall "
+        "exits 1 with the numbers",
+    )
 
     sp = add("consume", cmd_consume, "Run a sink consumer; publish committed batches as JSONL.")
     sp.add_argument("--bind", required=True, help="endpoint to bind")
     sp.add_argument("--out", required=True, help="JSON lines file to append published records to")
     sp.add_argument("--store", help="staging/publish folder (default: next to --out)")
+    _add_socket_option(sp)
     sp.add_argument("--count", type=_positive_int, help="exit after this many records")
-    sp.add_argument("--timeout", type=_non_negative_float, help="exit after this many seconds")
+    sp.add_argument(
+        "--timeout",
+        type=_duration("--timeout"),
+        help="exit after this long (500ms, 30s, 2m; a bare number is seconds)",
+    )
 
     # Listed for `zio-spark --help` only: main() hands `queue ...` to the queue's own parser.
     sub.add_parser("queue", help="Run the PZQ-style durable queue server.")

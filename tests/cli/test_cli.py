@@ -43,7 +43,15 @@ def test_bad_usage_exits_2():
     r = run_cli("produce", "--count", "zero")
     assert r.returncode == 2
     assert "expected an integer >= 1" in r.stderr
-    assert main(["produce", "--connect", "tcp://127.0.0.1:1"]) == 2
+    r = run_cli("produce", "--bind", "tcp://127.0.0.1:1", "--connect", "tcp://127.0.0.1:1")
+    assert r.returncode == 2
+    assert "argument --connect: not allowed with argument --bind" in r.stderr
+    r = run_cli("produce", "--timeout", "5 parsecs")
+    assert r.returncode == 2
+    assert "option '--timeout': got '5 parsecs', expected a duration such as" in r.stderr
+    r = run_cli("consume", "--bind", "tcp://127.0.0.1:1", "--out", "x", "--timeout=0s")
+    assert r.returncode == 2 and "option '--timeout'" in r.stderr
+    assert main(["produce", "--connect", "tcp://127.0.0.1:1", "--group", "g"]) == 2
 
 
 def test_produce_serves_a_taker_and_reports(capsys):
@@ -90,13 +98,17 @@ def test_produce_serves_a_taker_and_reports(capsys):
         assert data is not None
         last = decode_batch(data.message.payload[0]).column("seq")[-1].as_py()
     fe.pay(fe.flow.credit, {"ack": last})  # an ack-only PAY if no credit is held
+    assert fe.get(timeout=30, auto_pay=False) is None  # everything acked: the EOT comes
+    fe.send_eot(timeout=30)
     t.join(60)
     assert not t.is_alive()
     port_.close()
     ctx.term()
     assert result["rc"] == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["sent"] == 3000 and summary["acked"] == 3000
+    assert summary["queued"] == summary["sent"] == summary["acked"] == 3000
+    assert summary["delivered"] == 3000 and summary["confirmed"] == 0
+    assert summary["acks"] is True and summary["topology"] == "bind"
 
 
 def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):

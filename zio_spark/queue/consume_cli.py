@@ -1,5 +1,10 @@
 """``zio-spark consume --bind EP --out FILE``: run a sink consumer, publish as JSON lines.
 
+``--socket clientserver`` serves CLIENT givers (the reference's, with a draft libzmq);
+the default serves DEALER ones. With ``--count`` and ``--timeout``, a shortfall exits 1
+with the numbers; when no giver opened any flow, the message names the endpoint, both
+socket kinds and the fix (a mismatched pair connects and delivers nothing).
+
 Each published record becomes one line ``{"stream", "batch", "partition"?, "value",
 "key"?, "headers"?}``: ``value``/``key`` as UTF-8 text when they decode, else base64 with
 ``"value_b64": true``. A batch is appended to the file (flushed and fsync'd) before it is
@@ -33,13 +38,18 @@ def _text(field: str, data: bytes | None, out: dict[str, Any]) -> None:
 
 
 def run_consume(args: argparse.Namespace) -> int:
-    from zio_spark.cli import _Stop
+    from zio_spark.cli import EXIT_CHECK_FAILED, EXIT_OK, _socket_mode, _Stop
+    from zio_spark.transport.port import PortKind
+    from zio_spark.transport.producer import silent_peer_hint
 
+    mode = _socket_mode(getattr(args, "socket", "auto"))
     stop = _Stop()
     store = args.store or os.path.abspath(args.out) + ".store"
-    consumer = Consumer(args.bind, store)
-    print(f"consuming on {consumer.endpoint}", file=sys.stderr, flush=True)
+    consumer = Consumer(args.bind, store, mode=mode)
+    socket_type = consumer.server.port.socket_type
+    print(f"consuming on {consumer.endpoint} ({socket_type})", file=sys.stderr, flush=True)
     written = batches = 0
+    timed_out = False
     started = time.monotonic()
     try:
         with open(args.out, "a", encoding="utf-8") as out:
@@ -60,9 +70,11 @@ def run_consume(args: argparse.Namespace) -> int:
                 if args.count is not None and written >= args.count:
                     break
                 if args.timeout is not None and time.monotonic() - started >= args.timeout:
+                    timed_out = True
                     break
                 stop.event.wait(0.1)
     finally:
+        flows = consumer.server.stats["flows"]
         consumer.close()
     if getattr(args, "json", False):
         print(
@@ -73,8 +85,29 @@ def run_consume(args: argparse.Namespace) -> int:
                     "batches": batches,
                     "out": args.out,
                     "endpoint": consumer.endpoint,
+                    "socket": mode,
+                    "flows": flows,
                 },
                 sort_keys=True,
             )
         )
-    return 0
+    if timed_out and args.count is not None and written < args.count:
+        print(
+            f"published {written} of --count {args.count} records within --timeout "
+            f"{args.timeout:g} s ({flows} flows opened)",
+            file=sys.stderr,
+        )
+        if flows == 0:
+            print(
+                "no giver opened a flow; "
+                + silent_peer_hint(consumer.endpoint, PortKind.SERVER, mode),
+                file=sys.stderr,
+            )
+        return EXIT_CHECK_FAILED
+    if timed_out and flows == 0:
+        print(
+            f"no giver opened a flow within --timeout {args.timeout:g} s; "
+            + silent_peer_hint(consumer.endpoint, PortKind.SERVER, mode),
+            file=sys.stderr,
+        )
+    return EXIT_OK

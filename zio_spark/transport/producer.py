@@ -632,11 +632,14 @@ class _ClientGiver:
         p = self.producer
         p.stats["flow_failures"] += 1
         p.stats[counter] += 1
+        # The same failure again (a peer that stays away) is logged once as a warning.
+        level = logging.INFO if why == self.last_error else logging.WARNING
         self.last_error = why
         if self.ending or not self.reconnect:
-            log.warning("producer %s -> %s: %s", p.producer_id, self.endpoint, why)
+            log.log(level, "producer %s -> %s: %s", p.producer_id, self.endpoint, why)
         else:
-            log.warning(
+            log.log(
+                level,
                 "producer %s -> %s: %s; reconnecting in %.1f s",
                 p.producer_id,
                 self.endpoint,
@@ -785,6 +788,7 @@ class Producer:
         self._acked_count = 0  # of those, acknowledged (or covered by a taker's resume)
         self._confirmed = 0  # of those, sent to a plain taker that echoed our EOT
         self._taker: _Giving | None = None  # the flow records go to
+        self._last_acks: bool | None = None  # whether the latest taker acknowledges
         self._wake_pending = False
         self._closed = False
         self._eot_done: threading.Event | None = None  # set while close() awaits the echo
@@ -976,9 +980,10 @@ class Producer:
 
     @property
     def acks(self) -> bool | None:
-        """Whether the current taker acknowledges (None: no taker)."""
-        g = self._taker
-        return None if g is None else g.acks
+        """Whether the current taker (or, once it left, the last one) acknowledges
+        records; None before any taker came. False means a plain ZIO taker: at most once,
+        confirmed only by the echo of our EOT."""
+        return self._last_acks
 
     @property
     def last_error(self) -> str | None:
@@ -1106,6 +1111,7 @@ class Producer:
                 self.stats["takers_replaced"] += 1
                 replaced = self._taker
             self._taker = giving
+            self._last_acks = giving.acks
             self.stats["takers"] += 1
             records = self._records
             start = records.first
