@@ -125,3 +125,48 @@ def test_two_partitions_to_a_single_flow_taker_fail_saying_one_flow_at_a_time(sp
     assert taker.flows_killed >= 1  # what happened: the second BOT ended the first flow
     assert len(taker.received) < n  # and the write did fail with rows missing
     _no_command_bot(taker)
+
+
+# ------------------------------------------- the driver's commit/abort (no Spark needed)
+
+
+def test_commit_and_abort_send_no_command_bot_to_a_plain_or_unknown_taker(taker):
+    from zio_spark.spark.sink import ZioCommitMessage, abort_batch, commit_batch, sink_options
+
+    opts = sink_options({"endpoint": taker.endpoint, "connectTimeout": "2s"})
+    # Nothing known yet, every partition empty: not known to be a consumer, so no BOT
+    # (a command BOT would reach the taker before send_command returns).
+    empty = [ZioCommitMessage(taker.endpoint, "zio", 4, p, 0, 0) for p in range(2)]
+    commit_batch(opts, empty, 4)
+    abort_batch(opts, [None, None], 4)
+    assert taker.bots == []
+    # A flow told the driver it is a plain taker: still no command, then or later.
+    plain = [ZioCommitMessage(taker.endpoint, "zio", 5, 0, 0, 10, plain=True), empty[1]]
+    commit_batch(opts, plain, 5)
+    abort_batch(opts, plain, 5)
+    commit_batch(opts, empty, 6)
+    abort_batch(opts, [None], 6)
+    assert taker.bots == [] and taker.errors == []
+
+
+def test_commit_reaches_a_consumer_known_from_an_earlier_batch(tmp_path):
+    from zio_spark.queue.consumer import Consumer, StagingWriter
+    from zio_spark.spark.sink import ZioCommitMessage, commit_batch, sink_options
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    c = Consumer("tcp://127.0.0.1:*", tmp_path / "c", ctx=ctx, linger_ms=0, fsync=False)
+    try:
+        opts = sink_options({"endpoint": c.endpoint, "stream": "s", "connectTimeout": "5s"})
+        commit_batch(opts, [ZioCommitMessage(c.endpoint, "s", 0, 0, 0, 0)], 0)
+        assert not c.is_committed("s", 0)  # unknown: no command sent
+        w = StagingWriter(c.endpoint, "s", 2, 0, format="record", ctx=ctx, timeout=5)
+        w.write_values([b"a", b"b"])
+        assert w.close() == 2 and not w.plain_peer
+        commit_batch(opts, [ZioCommitMessage(c.endpoint, "s", 2, 0, 0, 2)], 2)
+        assert [r.value for r in c.records("s", 2)] == [b"a", b"b"]
+        # Now known as a consumer: an all-empty batch is recorded there again.
+        commit_batch(opts, [ZioCommitMessage(c.endpoint, "s", 3, 0, 0, 0)], 3)
+        assert c.is_committed("s", 3)
+    finally:
+        c.close()
+        ctx.term()
