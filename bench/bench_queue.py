@@ -12,6 +12,11 @@ the spec in other processes:
 - ``window1``: one producer with a window of 1, so every message is its own commit: the
   group-commit effect is ``produce`` / ``window1``.
 
+``--sync-producer``: only the case of one synchronous producer (send one message, wait
+for its ack; 100 B by default), against a bare ``os.write`` + ``os.fdatasync`` loop of the
+same size, one record per sync, run right before each queue run (paired: this machine's
+disk rates drift between minutes): ratio = queue / bare loop, the median of the pairs.
+
 Anchors measured in the same run, on the same disk: raw ``os.write`` + ``os.fdatasync``
 of the same bytes, 1 record per sync and ``--window`` records per sync. With
 ``--store-only``, also the store alone in-process against sqlite3 (WAL,
@@ -69,7 +74,7 @@ def start_broker(store: Path, inflight: int, hwm: int) -> tuple[subprocess.Popen
         "--hwm",
         str(hwm),
         "--ack-timeout",
-        "60",
+        "60s",
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     info: dict[str, str] = {}
@@ -311,6 +316,69 @@ def store_only(folder: Path, n: int, size: int, batch: int) -> dict[str, float]:
 # ---------------------------------------------------------------------- main
 
 
+def sync_producer(args: argparse.Namespace) -> None:
+    """One synchronous producer vs the bare append+fdatasync loop, paired runs."""
+    size = args.size if args.size != 1024 else 100
+    n = args.window1_messages
+    base = Path(tempfile.mkdtemp(prefix="bench-queue-sync-", dir=args.dir))
+    print(
+        f"# one synchronous producer, {n} messages of {size} B, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}, {args.repeat} paired runs"
+    )
+    bare: list[float] = []
+    queue: list[float] = []
+    try:
+        for r in range(args.repeat):
+            bare.append(anchor(base, size, 1, n))
+            store = base / f"store-{r}"
+            proc, info = start_broker(store, args.inflight, 100_000)
+            try:
+                res = run_clients(info, 1, n, size, 1, False, True, proc.pid)
+            finally:
+                stop_broker(proc)
+            queue.append(res["rate"])
+            shutil.rmtree(store, ignore_errors=True)
+            print(f"run {r}: bare {bare[-1]:,.0f}/s, queue {queue[-1]:,.0f}/s")
+        ratios = [q / b for q, b in zip(queue, bare, strict=True)]
+        figures = {
+            "bare append+fdatasync, 1 record/sync": {"msgs_per_s": spread(bare)},
+            "queue, one synchronous producer": {
+                "msgs_per_s": spread(queue),
+                "vs_bare": spread(ratios),
+            },
+        }
+        write_json(
+            args.out,
+            "queue_sync.json",
+            {
+                "bench": "queue-sync-producer",
+                "machine": machine(),
+                "messages": n,
+                "size": size,
+                "runs": args.repeat,
+                "unit": "msgs/s",
+                "figures": figures,
+                "targets_met": {"sync producer >= 0.8x bare": statistics.median(ratios) >= 0.8},
+            },
+        )
+        print()
+        print(
+            md_table(
+                ["path", "msgs/s (median, min-max)", "vs bare loop"],
+                [
+                    ["bare append+fdatasync, 1/sync", fmt_spread(spread(bare)), "anchor"],
+                    [
+                        "queue, 1 sync producer",
+                        fmt_spread(spread(queue)),
+                        fmt_spread(spread(ratios), "x", digits=2),
+                    ],
+                ],
+            )
+        )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=200_000)
@@ -321,9 +389,17 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--window1-messages", type=int, default=2000)
     ap.add_argument("--store-only", action="store_true")
+    ap.add_argument(
+        "--sync-producer",
+        action="store_true",
+        help="only one synchronous producer (window 1) vs a bare fdatasync loop, paired",
+    )
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: tmp)")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
+    if args.sync_producer:
+        sync_producer(args)
+        return
     base = Path(tempfile.mkdtemp(prefix="bench-queue-", dir=args.dir))
     n, size, p, w = args.messages, args.size, args.producers, args.window
     print(
