@@ -25,28 +25,29 @@ longest are dropped, counted (``acks_dropped``) and logged once per producer. Ac
 producer that has gone away are counted (``acks_undeliverable``). Either way the
 producer resends what it saw no ack for, and the resend is acked as a duplicate.
 
-*send* (ROUTER, consumers connect with ROUTER): deliveries ``[queue id, message id, sent
-µs, ack timeout µs, "", *body]`` as the consumer sees them. The message id is the
-producer's id (so every redelivery of a message carries the same id). The consumer
-answers ``[queue id, message id, "1"]`` (delete it) or ``"0"`` (requeue now); no answer
-within the ack timeout requeues it for redelivery (``expired_messages``). Each consumer
-holds at most ``inflight`` unacked messages; consumers with room are served round robin,
-one message each in turn.
+*send* (consumers connect with ROUTER): deliveries ``[queue id, message id, sent µs, ack
+timeout µs, "", *body]`` as the consumer sees them. The message id is the producer's id
+(so every redelivery of a message carries the same id). The consumer answers ``[queue id,
+message id, "1"]`` (delete it) or ``"0"`` (requeue now); no answer within the ack timeout
+requeues it for redelivery (``expired_messages``). The socket's ``ZMQ_ROUTING_ID`` is
+the queue id (stable, kept in the store): it is part 0 of what consumers receive.
 
-How consumers announce themselves. ROUTER-to-ROUTER, the binding side cannot send to a
-peer until it knows the peer's routing id, and libzmq tells a ROUTER about a peer only
-when that peer sends something. (The 2011 C++ PZQ sidestepped this: its send socket was a
-DEALER that round-robined blindly, so it had no per-consumer limits or fairness.) Here a
-consumer becomes known by *any* message on the send socket: the intended way is
-``ZMQ_PROBE_ROUTER=1`` on the consumer's ROUTER, which makes libzmq send one empty
-message on connect (``[consumer id, ""]`` here, a "hello"); an ack also does. With a
-draft libzmq the queue also sets ``ZMQ_ROUTER_NOTIFY`` (connect), so even a silent
-consumer is announced. The queue's send socket has ``ZMQ_ROUTING_ID`` = the queue id
-(stable, kept in the store), which is what the consumer's ROUTER reports as part 0 and
-uses to address acks (it must connect before it can reply, so no race). Consumers that
-vanish are found when a send to them fails (``EHOSTUNREACH``): their in-flight messages
-are requeued at once; otherwise their messages time out. Both ROUTERs set
-``ZMQ_ROUTER_HANDOVER``, so a peer with a fixed routing id can reconnect at once.
+``send_mode="dealer"`` (default): the send socket is a DEALER, as in the reference
+daemon. A consumer that connects and never speaks first (PZQ's own clients) is served,
+and again after a queue restart (its ROUTER reconnects by itself). The DEALER deals
+round robin over the connections whose pipe has room; each pipe holds at most
+``inflight`` deliveries (its high-water mark), and at most ``inflight`` x connected
+consumers are unacked. A socket monitor follows the connections (``consumers``); a
+message sent before every open connection was made can only be held by one that closed,
+so those are requeued as soon as a connection closes (``vanished_requeued``).
+
+``send_mode="router"``: a ROUTER that knows each consumer: exact per-consumer in-flight
+limits, round robin by consumer, and a consumer's messages requeued at once when a send
+to it fails (``EHOSTUNREACH``). ROUTER-to-ROUTER, the binding side learns of a peer only
+when it speaks: a consumer announces itself with ``ZMQ_PROBE_ROUTER`` (libzmq sends it
+on the first connect only) or any message; with a draft libzmq the queue sets
+``ZMQ_ROUTER_NOTIFY`` and every consumer is announced on connect. ``ZMQ_ROUTER_HANDOVER``
+lets a peer with a fixed routing id reconnect at once.
 
 Hot paths. The canonical frames (``[id, "", body]`` in, ``[id, "1", "", ""]`` and the
 delivery out, ``[id, "1"|"0"]`` back) are built and parsed inline, and sent/received
@@ -54,17 +55,20 @@ through pyzmq's backend socket methods with int flags (pyzmq's ``send_multipart`
 most of its time on enum flag arithmetic); anything not canonical goes through the
 :mod:`zio_spark.protocol.pzq` codecs, and a test checks that both agree.
 
-Two producers using the same message id: ids are global (producer routing ids change on
-every reconnect, so they cannot scope ids). The second message is treated as a duplicate
-of the first: acked ``1`` and not stored. Producers must use globally unique ids (a UUID,
-or a producer name prefix). Should two stored messages ever share an id (a resend after
-it left the duplicate window), the second waits until the first is no longer in flight,
-so acks stay unambiguous.
+Duplicates (``dedup``). ``"resend"`` (default): a repeated id is acked and not stored
+only when it can be a resend of a message whose ack the producer missed: same producer
+connection within the window, or the queue has not acked the first copy (commit running,
+ack dropped or undeliverable), or the copy was found on disk less than ``dedup_grace``
+after start. A new message reusing an id the queue acked to another connection is
+stored. ``"global"``: ids are global over the store's window, across restarts. Should two
+stored messages share an id, the second waits until the first is no longer in flight, so
+acks stay unambiguous.
 
 *monitor* (REP): ``MONITOR`` → one part of ``key: value`` lines: the spec's
 ``messages`` (durable, unacked), ``messages_in_flight``, ``db_size`` (segment bytes on
 disk), ``in_flightdb_size`` (stored bytes of in-flight messages), ``syncs``
-(``fdatasync`` calls), ``expired_messages``, then ``delivered``, ``acked``, ``nacked``,
+(``fdatasync`` calls), ``expired_messages``, the reference daemon's spellings
+``messages_inflight`` and ``inflight_db_size``, then ``delivered``, ``acked``, ``nacked``,
 ``redelivered``, ``producers`` (seen in the last minute), ``consumers`` (known now) and
 more counters (:data:`EXTRA_MONITOR_KEYS`). Anything else gets ``error: ...`` and is
 counted.
