@@ -220,7 +220,7 @@ def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: s
     threads: list[Producer | Consumer] = []
 
     def start(*endpoints: str) -> dict[str, str]:
-        proc, info = _start_queue(store, "--ack-timeout", "60", *endpoints)
+        proc, info = _start_queue(store, "--ack-timeout", "60s", *endpoints)
         procs.append(proc)
         return info
 
@@ -296,12 +296,6 @@ def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: s
     assert [p < n for _, p in plan.done] == [True] * kills, plan
 
 
-@pytest.mark.xfail(
-    not (zmq.has("draft") and zmq.DRAFT_API),
-    reason="libzmq sends the PROBE_ROUTER hello on the first connect only: a restarted queue "
-    "never learns of an idle consumer without ROUTER_NOTIFY (draft libzmq)",
-    strict=True,
-)
 @pytest.mark.timeout(60)
 def test_idle_probe_router_consumer_is_served_after_a_queue_restart(tmp_path: Path) -> None:
     """Minimal repro: a consumer as the broker's docstring says (ROUTER, PROBE_ROUTER=1)
@@ -311,7 +305,7 @@ def test_idle_probe_router_consumer_is_served_after_a_queue_restart(tmp_path: Pa
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[zmq.Socket[bytes]] = []
     try:
-        proc, info = _start_queue(tmp_path / "q", "--ack-timeout", "60")
+        proc, info = _start_queue(tmp_path / "q", "--ack-timeout", "60s")
         procs.append(proc)
         consumer = ctx.socket(zmq.ROUTER)
         socks.append(consumer)
@@ -321,7 +315,7 @@ def test_idle_probe_router_consumer_is_served_after_a_queue_restart(tmp_path: Pa
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         fixed = [a for k in ("receive", "send", "monitor") for a in (f"--{k}", info[k])]
-        procs.append(_start_queue(tmp_path / "q", "--ack-timeout", "60", *fixed)[0])
+        procs.append(_start_queue(tmp_path / "q", "--ack-timeout", "60s", *fixed)[0])
         producer = ctx.socket(zmq.DEALER)
         socks.append(producer)
         producer.connect(info["receive"])
