@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.peers.zio_reference import ReferenceClientTaker
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import BotReceived, Direction, FlowState, Role
 from zio_spark.records import decode_batch
@@ -555,3 +556,30 @@ def test_a_vanished_taker_ends_its_flow_not_the_producer(make_producer, taker, w
     t = taker(producer, wire_mode)
     t.open(credit=50)
     assert [r["seq"] for r in t.take(n)] == list(range(1, n + 1))
+
+
+# ------------------------------------------------------------- the reference stand-in
+
+
+@pytest.mark.parametrize("flavor", ["cpp", "python"])
+def test_a_reference_client_taker_is_plain_and_confirms_only_by_echoing_eot(
+    ctx, make_producer, wire_mode, flavor
+):
+    """Server mode, the reference's inject client: its BOT states nothing, so it gets one
+    record per DAT and no acks are expected. The C++ taker echoes our EOT (all confirmed);
+    the Python one cannot (fact 20 of the stand-in): nothing is confirmed, as it should."""
+    producer = make_producer(wire_mode, producer_id="p-ref")
+    producer.send_many([b"a%d" % i for i in range(12)])
+    ref = ReferenceClientTaker(ctx, producer.endpoint, flavor=flavor, sockets=wire_mode, credit=4)
+    try:
+        assert ref.wait_until(lambda: len(ref.received) == 12, WAIT), ref.errors
+        assert ref.received == [b"a%d" % i for i in range(12)]
+        assert [label["seq"] for label in ref.received_labels] == list(range(1, 13))
+        assert producer.acks is False
+        poll_until(lambda: producer.pending == 0, what="released once sent")
+        d = producer.close(1.0 if flavor == "python" else WAIT)
+    finally:
+        ref.close()
+    assert (d.queued, d.sent, d.acked) == (12, 12, 0)
+    assert d.confirmed == (12 if flavor == "cpp" else 0)
+    assert ref.eots_received == (1 if flavor == "cpp" else 0)

@@ -340,7 +340,7 @@ def test_a_plain_reference_server_taker_gets_bare_dats_at_most_once(ctx, make_pr
         assert ref.errors == [] and ref.eots_received == 1
 
 
-def test_a_reference_server_restart_loses_nothing_after_the_eot(ctx, make_producer):
+def test_records_sent_on_a_plain_flow_that_died_are_not_confirmed(ctx, make_producer):
     """Plain: what went out on a flow that died is not confirmed (at most once)."""
     ref = ReferenceServer(ctx, role="taker", flavor="cpp", credit=5)
     try:
