@@ -212,3 +212,28 @@ def test_consumer_states_its_pick_and_keeps_reading_the_old_format_attribute(con
     refused = _raw_bot(make_client, consumer.endpoint, {**base, "encoding": ["avro"]})
     assert "encoding" in refused["rejected"]["reason"]
     assert "avro" in refused["rejected"]["reason"]
+
+
+@pytest.mark.parametrize("sockets", SOCKETS)
+@pytest.mark.parametrize("flavor", ["cpp", "python"])
+def test_a_reference_client_giver_to_our_consumer_is_published_with_no_zero_credit_pay(
+    ctx, tmp_path, sockets, flavor
+):
+    from tests.peers.zio_reference import ReferenceClientGiver
+
+    values = [b"r%d" % i for i in range(300)]
+    c = Consumer(
+        "tcp://127.0.0.1:*", tmp_path / "c", ctx=ctx, linger_ms=0, fsync=False, mode=sockets
+    )
+    try:
+        giver = ReferenceClientGiver(ctx, c.endpoint, values, flavor=flavor, sockets=sockets)
+        try:
+            assert giver.wait(20), giver.errors
+            assert giver.reply is not None and "encoding" not in giver.reply  # nothing offered
+            assert giver.zero_credit_pays == 0 and min(giver.pays_received) > 0
+        finally:
+            giver.close()
+        got = [r.value for s, b in c.published("zio") for r in c.records(s, b)]
+        assert got == values
+    finally:
+        c.close()
