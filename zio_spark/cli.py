@@ -253,8 +253,15 @@ def cmd_produce(args: argparse.Namespace) -> int:
     if prod.stats["takers"] == 0:
         what = "the server never answered our BOT" if args.connect else "no taker came"
         print(f"{what}; " + silent_peer_hint(prod.endpoint, kind, mode), file=sys.stderr)
-    elif prod.last_error:
-        print(f"last flow failure: {prod.last_error}", file=sys.stderr)
+    else:
+        if delivery.sent < delivery.queued and not shortfall:
+            print(
+                f"the taker at {prod.endpoint} took only {delivery.sent} of "
+                f"{delivery.queued} records: it paid no credit for more",
+                file=sys.stderr,
+            )
+        if prod.last_error:
+            print(f"last flow failure: {prod.last_error}", file=sys.stderr)
     return EXIT_CHECK_FAILED
 
 

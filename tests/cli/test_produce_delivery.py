@@ -140,6 +140,19 @@ def test_a_plain_taker_that_ends_early_is_a_shortfall(ctx, capsys):
     assert "delivered 0 of 100 records" in err
 
 
+def test_a_reference_python_server_taker_never_pays_and_that_is_said(ctx, capsys):
+    """The reference Python server taker cannot pay (fact 17): the flow opens, nothing
+    can be sent, and produce says so after its timeout."""
+    with ReferenceServer(ctx, role="taker", flavor="python") as ref:
+        argv = ["produce", "--connect", ref.endpoint, "--count", "5", "--timeout", "700ms"]
+        rc, _ = Run(argv).result()
+        assert ref.received == []
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "delivered 0 of 5 records within --timeout 0.7 s (queued 5, sent 0" in err
+    assert f"the taker at {ref.endpoint} took only 0 of 5 records: it paid no credit" in err
+
+
 @pytest.mark.skipif(HAVE_DRAFT, reason="checks the refusal on a stock pyzmq")
 @pytest.mark.parametrize("command", ["produce", "consume"])
 def test_clientserver_on_a_stock_pyzmq_is_refused_with_the_fix(capsys, tmp_path, command):
