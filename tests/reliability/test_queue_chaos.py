@@ -1,7 +1,7 @@
 """Queue under chaos: the PZQ queue process (``python -m zio_spark.queue.broker``) is
 SIGKILLed under load at random (seeded) moments and restarted on the same store and
-endpoints, while a producer and a consumer (raw pyzmq, as ``tests/transport/test_queue.py``)
-keep running: no message the queue acknowledged is lost, every message is delivered,
+endpoints, while a producer (raw pyzmq, as ``tests/transport/test_queue.py``) and a
+consumer keep running: no message the queue acknowledged is lost, every message is delivered,
 and a message is delivered again only across a restart (a consumer ack the dead queue had
 not made durable), never twice by one queue process.
 
@@ -10,7 +10,15 @@ for ``RESEND_S`` (acks die with the queue; the queue drops and re-acks duplicate
 The consumer acks every delivery at once and, when idle, says hello again (``[queue id,
 ""]``, what ``ZMQ_PROBE_ROUTER`` sends): libzmq sends the probe on the first connect only,
 not on a reconnect, so without ROUTER_NOTIFY (draft) a restarted queue never learns of a
-consumer that has nothing to ack (see the xfail test at the end). Kill moments: once the
+consumer that has nothing to ack (see the test at the end).
+
+Each size runs with two kinds of consumer: ``probing`` (the above) and ``pzq``, the
+stand-in for the reference PZQ's client library (``tests/transport/pzq_clients.py``): a
+ROUTER that connects and never speaks first, no ``ZMQ_PROBE_ROUTER``, no
+``ROUTER_MANDATORY`` (an ack it cannot send is dropped silently), skipping expired
+deliveries. Both are checked alike: deliveries are tallied by the queue's message id (as
+the spec tells a consumer to spot duplicates), every acked message is among them, and a
+message came again only from a later queue process. Kill moments: once the
 acknowledged count reaches a random fraction of the messages, after a random delay; the
 seed is printed. Which queue
 process sent a delivery is told by its ``sent`` time against the moments the killed
@@ -35,6 +43,7 @@ import pytest
 import zmq
 
 from tests.reliability.helpers import KillPlan, chaos_rng, run_with_kills, wait_until
+from tests.transport.pzq_clients import PzqConsumer
 from tests.transport.test_queue import _start_queue
 from zio_spark.protocol import pzq
 
@@ -179,6 +188,44 @@ class Consumer(threading.Thread):
             todo.popleft()
 
 
+class SilentPzqConsumer(threading.Thread):
+    """The reference PZQ client's consumer loop (:class:`PzqConsumer`): consume, ack,
+    repeat; it never sends anything but acks. Keeps each delivery's ``sent`` time (µs)
+    by message, as :class:`Consumer`."""
+
+    def __init__(self, ctx: zmq.Context[Any], info: dict[str, str], stop: threading.Event) -> None:
+        super().__init__(daemon=True, name="chaos-pzq-consumer")
+        self.ctx, self.stop, self.endpoint = ctx, stop, info["send"]
+        self.got: dict[int, list[int]] = collections.defaultdict(list)
+        self.bad: list[tuple[bytes, tuple[bytes, ...]]] = []
+        self.skipped_expired = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        client = PzqConsumer(self.ctx, self.endpoint)  # created here: sockets stay in a thread
+        try:
+            while not self.stop.is_set():
+                message = client.consume(0.1)
+                if message is None:
+                    continue
+                i = int(message.id[2:])
+                if message.message != [_body(i)]:
+                    self.bad.append((message.id, tuple(message.message)))
+                self.got[i].append(int(message.sent))
+                client.ack(message)
+        except BaseException as e:  # reported by the test
+            self.error = e
+        finally:
+            self.skipped_expired = client.skipped_expired
+            client.close()
+
+
+CONSUMERS: dict[str, type[Consumer] | type[SilentPzqConsumer]] = {
+    "probing": Consumer,
+    "pzq": SilentPzqConsumer,
+}
+
+
 def _monitor(ctx: zmq.Context[Any], endpoint: str) -> dict[str, str]:
     sock = ctx.socket(zmq.REQ)
     sock.linger = 0
@@ -201,6 +248,7 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
             proc.stdout.close()
 
 
+@pytest.mark.parametrize("kind", list(CONSUMERS))
 @pytest.mark.parametrize(
     "size",
     [
@@ -208,16 +256,18 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
         pytest.param("full", marks=[pytest.mark.chaos, pytest.mark.timeout(SIZES["full"][2])]),
     ],
 )
-def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: str) -> None:
+def test_queue_sigkill_under_load_loses_no_acked_message(
+    tmp_path: Path, size: str, kind: str
+) -> None:
     n, kills, timeout = SIZES[size]
-    _, rng = chaos_rng(f"queue/{size}")
+    _, rng = chaos_rng(f"queue/{size}/{kind}")
     plan = KillPlan.draw(rng, "queue", kills, n, max_delay=0.5)
     store = tmp_path / "q"
     procs: list[subprocess.Popen[bytes]] = []
     reaped_us: list[int] = []  # when each killed queue process was gone
     stop = threading.Event()
     ctx: zmq.Context[Any] = zmq.Context()
-    threads: list[Producer | Consumer] = []
+    threads: list[Producer | Consumer | SilentPzqConsumer] = []
 
     def start(*endpoints: str) -> dict[str, str]:
         proc, info = _start_queue(store, "--ack-timeout", "60s", *endpoints)
@@ -229,7 +279,7 @@ def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: s
         info = start()
         fixed = [a for k in ("receive", "send", "monitor") for a in (f"--{k}", info[k])]
         producer = Producer(ctx, info["receive"], n, stop)
-        consumer = Consumer(ctx, info, stop)
+        consumer = CONSUMERS[kind](ctx, info, stop)
         threads += [producer, consumer]
         for t in threads:
             t.start()
@@ -280,9 +330,13 @@ def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: s
         if len(sent) > 1
     }
     same_process = {i: tags for i, tags in again.items() if len(set(tags)) < len(tags)}
+    if isinstance(consumer, Consumer):
+        seen = f"ack retries {consumer.ack_retries} unroutable {consumer.acks_unroutable}"
+    else:
+        seen = f"skipped as expired {consumer.skipped_expired}"
     print(
-        f"queue/{size}: {n} messages, kills {plan.done}, {producer.resent} resends, "
-        f"consumer ack retries {consumer.ack_retries} unroutable {consumer.acks_unroutable}, "
+        f"queue/{size}/{kind}: {n} messages, kills {plan.done}, {producer.resent} resends, "
+        f"consumer {seen}, "
         f"{len(again)} redelivered across a restart, {took:.1f} s to all acked, "
         f"{time.monotonic() - t0:.1f} s total; last queue's monitor: {stats}"
     )
@@ -290,6 +344,9 @@ def test_queue_sigkill_under_load_loses_no_acked_message(tmp_path: Path, size: s
     assert not producer.refused, producer.refused[:5]
     assert not consumer.bad, consumer.bad[:5]
     assert set(consumer.got) == set(range(n)), "acked messages lost"
+    if isinstance(consumer, SilentPzqConsumer):
+        assert consumer.skipped_expired == 0, "a 60 s ack timeout expired in transit"
+        assert stats["hellos"] == "0", "the PZQ consumer never speaks first"
     assert not same_process, f"delivered twice by one queue process: {list(same_process)[:10]}"
     # Across a restart only what the dead queue had in flight or not yet durably acked.
     assert len(again) <= kills * (INFLIGHT + WINDOW), f"{len(again)} redelivered"
