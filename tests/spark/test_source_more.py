@@ -236,14 +236,22 @@ def test_batch_read_until_eot(spark, producers, tmp_path):
         ),
         (
             {"endpoints": "tcp://127.0.0.1:5555", "connectTimeout": "soon"},
-            ["option 'connectTimeout'", "got 'soon'", "a duration such as 500ms"],
+            ["option 'connectTimeout'", "got 'soon'", "a duration such as", "30s"],
         ),
         (
             {"endpoints": "localhost:5555"},
             ["option 'endpoints'", "got 'localhost:5555'", "a ZeroMQ endpoint"],
         ),
+        (
+            {"endpoints": "tcp://127.0.0.1:5555", "bind": "tcp://*:5556"},
+            ["option 'endpoints'", "exactly one of", "'bind'", "not both 'endpoints' and 'bind'"],
+        ),
+        (
+            {"bind": "tcp://*:5556", "groupPort": "out"},
+            ["option 'groupPort'", "got 'out'", "together with 'group'"],
+        ),
     ],
-    ids=["unknown", "both", "neither", "credit", "duration", "endpoint"],
+    ids=["unknown", "both", "neither", "credit", "duration", "endpoint", "bind-and", "groupPort"],
 )
 @pytest.mark.parametrize("kind", ["stream", "batch"])
 def test_option_errors_at_dataframe_creation(spark, tmp_path, options, expected, kind):

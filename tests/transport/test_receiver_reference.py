@@ -65,15 +65,19 @@ def _pay_labels(server: ReferenceServer) -> list[dict[str, Any]]:
     return [m.obj for kind, m in list(server.trace) if kind == "recv" and m.flow == "PAY"]
 
 
+@pytest.mark.parametrize("credit", [10, 1000], ids=["same-credit", "offer-above-its-own"])
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_every_record_from_a_reference_server_giver(ctx, spool, things, flavor, wire_mode):
-    """Our BOT echoed back reads as a plain giver: every value once, in order, no acks."""
+def test_every_record_from_a_reference_server_giver(ctx, spool, things, flavor, wire_mode, credit):
+    """Our BOT echoed back reads as a plain giver: every value once, in order, no acks.
+
+    Offering more credit than the giver's own (10): the C++ server still announces our
+    offer, and refuses a PAY beyond its real window; credit in PAYs of 1 always fits."""
     values = [b"ref-%d" % i for i in range(300)]
     server = ReferenceServer(
         ctx, role="giver", flavor=flavor, sockets=wire_mode, values=values, credit=10
     )
     things.append(server)
-    r = Receiver(spool, [server.endpoint], ctx=ctx, mode=wire_mode, reconnect=False, credit=10)
+    r = Receiver(spool, [server.endpoint], ctx=ctx, mode=wire_mode, reconnect=False, credit=credit)
     things.append(r.start())
     _wait(lambda: r.status()[0].state in ("ended", "failed"), what="the flow to end")
     (st,) = r.status()

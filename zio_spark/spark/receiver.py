@@ -151,6 +151,7 @@ class _Peer:
     rid: PeerId | None = None
     # Socket kinds may not match (the handshake failed, or nothing ever came back):
     # reported when no BOT comes within connectTimeout.
+    pay_one: bool = False  # credit as PAYs of 1 (see _pay)
     handshake_failed: bool = False
     handshake_error: str | None = None
     handshaked: bool = False
@@ -235,6 +236,7 @@ class Receiver:
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
         self._pending: dict[str, _Pending] = {}
+        self._quiet_since: float | None = None
         self._bound: list[_Bound] = []
         self._done: collections.deque[PeerStatus] = collections.deque(maxlen=_DONE_KEPT)
         # A flow the receiver could never start (no BOT within connectTimeout on a fresh
@@ -313,6 +315,12 @@ class Receiver:
             out = [PeerStatus(**vars(p.status)) for p in self._flows()]
             out.extend(PeerStatus(**vars(st)) for st in self._done)
             return out
+
+    def quiet_for(self) -> float:
+        """Seconds since the receiver last had anything to read (0 while it is busy:
+        an append that takes long is not a quiet flow)."""
+        since = self._quiet_since
+        return 0.0 if since is None else max(0.0, self.clock() - since)
 
     def bound_endpoints(self) -> list[str]:
         """The endpoints bound for giver clients, as bound (``tcp://0.0.0.0:5555``)."""
@@ -478,6 +486,24 @@ class Receiver:
 
     def _no_bot(self, peer: _Peer, now: float) -> None:
         """No BOT came back within connectTimeout: say what the socket monitor saw."""
+        why, mismatch = self._diagnosis(peer)
+        if mismatch or not self.reconnect:
+            self._unreachable(peer, why)
+        else:
+            self._fail(peer, why, now)
+
+    def why_no_flow(self, endpoint: str) -> str | None:
+        """Why ``endpoint`` has no flow yet (as the socket monitor saw it), or None."""
+        peer = self._peers.get(endpoint)
+        if peer is None or peer.status.state not in ("connecting", "waiting"):
+            return None
+        if peer.port is None:
+            return peer.status.last_error
+        return self._diagnosis(peer)[0]
+
+    def _diagnosis(self, peer: _Peer) -> tuple[str, bool]:
+        """What we know of a connection that brought no BOT; True if the socket kinds
+        cannot match (no use retrying)."""
         ours = socket_type_name("client", peer.mode or SocketMode.ROUTERDEALER)
         theirs = "SERVER" if ours == "DEALER" else "ROUTER"
         fix = (
@@ -488,27 +514,25 @@ class Receiver:
         )
         t = self.connect_timeout
         if peer.handshake_error is not None:
-            why = f"{peer.endpoint}: the security handshake failed ({peer.handshake_error})"
-            why += "; check the CURVE keys (curveServerKey is the producer's public key)"
-        elif peer.handshake_failed:
-            self._unreachable(
-                peer,
+            return (
+                f"{peer.endpoint}: the security handshake failed ({peer.handshake_error}); "
+                "check the CURVE keys (curveServerKey is the producer's public key)",
+                False,
+            )
+        if peer.handshake_failed:
+            return (
                 f"{peer.endpoint} did not answer our BOT within {t:g} s and every ZMTP "
                 f"handshake with it failed: our socket is a {ours}, so the producer's is "
                 f"probably a {theirs}, and the two never exchange a message; {fix}",
+                True,
             )
-            return
-        elif not peer.connected:
-            why = f"nothing accepted a connection at {peer.endpoint} within {t:g} s"
-        else:
-            why = (
-                f"{peer.endpoint} accepted our {ours} but sent no BOT within {t:g} s "
-                f"(is it a ZIO flow server giving stream {self.stream!r}?)"
-            )
-        if self.reconnect:
-            self._fail(peer, why, now)
-        else:
-            self._unreachable(peer, why)
+        if not peer.connected:
+            return f"nothing accepted a connection at {peer.endpoint} within {t:g} s", False
+        return (
+            f"{peer.endpoint} accepted our {ours} but sent no BOT within {t:g} s "
+            f"(is it a ZIO flow server giving stream {self.stream!r}?)",
+            False,
+        )
 
     def _on_monitor(self, peer: _Peer, now: float) -> None:
         assert peer.monitor is not None
@@ -571,6 +595,8 @@ class Receiver:
         ready = dict(poller.poll(50)) if poller.sockets else {}
         if not poller.sockets:
             self._stop.wait(0.05)
+        if ready:
+            self._quiet_since = None
         appended = False
         for b in self._bound:
             if b.monitor is not None and b.monitor in ready:
@@ -598,6 +624,8 @@ class Receiver:
         for peer in self._flows():
             if peer.flow is not None and (peer.port is not None or peer.bound is not None):
                 self._pay(peer, now)
+        if not ready and self._quiet_since is None:
+            self._quiet_since = self.clock()
 
     def _take(self, peer: _Peer, msg: Message, now: float) -> bool:
         """Take one message of ``peer``'s flow; False once that flow ended or failed."""
@@ -840,6 +868,9 @@ class Receiver:
         """The server's reply to our BOT: only what it states as its own counts."""
         terms = client_terms("taker", peer.sent, bot.attrs)
         self._start_flow(peer, terms.producer or peer.endpoint, terms)
+        # A plain giver that announces our whole offer may be echoing it (its real
+        # window unknown, possibly smaller): credit goes to it as PAYs of 1.
+        peer.pay_one = not terms.profile and bot.credit >= self.credit
         if self._known_ids.get(peer.endpoint) != peer.producer:
             self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
             self._save_ids()
@@ -1003,7 +1034,15 @@ class Receiver:
         if n == 0 and attrs is None:
             return
         try:
-            self._send(peer, flow.pay(n, attrs))
+            if peer.pay_one and n > 1:
+                # A giver's real window may be smaller than its BOT said (a C++
+                # reference server echoes our offer): a PAY beyond it is dropped, or kills
+                # a giver blocked for credit. A reference giver takes one message per
+                # DAT it sends, so PAYs of 1 keep it holding at most 1: always valid.
+                for _ in range(n):
+                    self._send(peer, flow.pay(1))
+            else:
+                self._send(peer, flow.pay(n, attrs))
         except TransportError as e:
             self._fail(peer, f"cannot send PAY: {e}", now)
             return

@@ -41,7 +41,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from zio_spark.errors import ConfigError, DataLossError
+from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions, parse_source_options
 from zio_spark.queue.spool import SPARK_SCHEMA, Spool, project, read_sealed
 from zio_spark.spark.receiver import Receiver
@@ -121,6 +121,68 @@ def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
         )
 
 
+class _Inlet:
+    """The receiver of one reader and the group watcher that feeds it endpoints.
+
+    Built in one place (:func:`_inlet`) for the stream and the batch reader, so every
+    documented option means the same in both.
+    """
+
+    def __init__(self, receiver: Receiver, watcher: GroupWatcher | None) -> None:
+        self.receiver = receiver
+        self.watcher = watcher
+
+    def stop(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.receiver.stop()
+
+
+def _inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> _Inlet:
+    """Start a receiver for ``opts`` (endpoints, group or bind; CURVE; socket kind).
+
+    Raises
+    ------
+    TransportError
+        If a ``bind`` endpoint cannot be bound, naming it.
+    """
+    curve = None
+    if opts.curve is not None:
+        curve = (opts.curve.server_key, opts.curve.public_key, opts.curve.secret_key)
+    mode = None if opts.socket == "auto" else opts.socket
+    receiver = Receiver(
+        spool,
+        opts.endpoints,
+        credit=opts.credit,
+        max_backlog=opts.max_backlog,
+        stream=opts.stream,
+        connect_timeout=opts.connect_timeout,
+        mode=mode,
+        curve=curve,
+        reconnect=reconnect,
+        bind=opts.bind,
+    ).start()
+    watcher: GroupWatcher | None = None
+    if opts.zre is not None:
+        z = opts.zre
+        try:
+            watcher = GroupWatcher(
+                z.group,
+                receiver.add_endpoint,
+                receiver.remove_endpoint,
+                requested_mode=mode,
+                port_name=opts.group_port,
+                beacon_port=z.beacon_port,
+                broadcast=z.broadcast,
+                interface_addr=z.interface,
+                interval=z.interval,
+            ).start()
+        except BaseException:
+            receiver.stop()
+            raise
+    return _Inlet(receiver, watcher)
+
+
 class _Runtime:
     """The runner-side state of a stream reader (never pickled)."""
 
@@ -132,32 +194,12 @@ class _Runtime:
                 opts.spool_path,
             )
         self.spool = Spool(opts.spool_path, on_gap="raise" if opts.fail_on_data_loss else "accept")
-        curve = None
-        if opts.curve is not None:
-            curve = (opts.curve.server_key, opts.curve.public_key, opts.curve.secret_key)
-        self.receiver = Receiver(
-            self.spool,
-            opts.endpoints,
-            credit=opts.credit,
-            max_backlog=opts.max_backlog,
-            stream=opts.stream,
-            connect_timeout=opts.connect_timeout,
-            mode=None if opts.socket == "auto" else opts.socket,
-            curve=curve,
-        ).start()
-        self.watcher: GroupWatcher | None = None
-        if opts.zre is not None:
-            z = opts.zre
-            self.watcher = GroupWatcher(
-                z.group,
-                self.receiver.add_endpoint,
-                self.receiver.remove_endpoint,
-                requested_mode=None if opts.socket == "auto" else opts.socket,
-                beacon_port=z.beacon_port,
-                broadcast=z.broadcast,
-                interface_addr=z.interface,
-                interval=z.interval,
-            ).start()
+        try:
+            self.inlet = _inlet(opts, self.spool, reconnect=True)
+        except BaseException:
+            self.spool.close()
+            raise
+        self.receiver = self.inlet.receiver
         self.server: SegmentServer | None = None
         if opts.spool_access != "local":
             # Executors on other hosts must reach it: by default listen on every
@@ -177,9 +219,7 @@ class _Runtime:
         if self.stopped:
             return
         self.stopped = True
-        if self.watcher is not None:
-            self.watcher.stop()
-        self.receiver.stop()
+        self.inlet.stop()
         if self.server is not None:
             self.server.stop()
         self.spool.close()
@@ -251,7 +291,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             connected = all(s.state in ("receiving", "ended") for s in status)
             if count != last:
                 last, quiet_since = count, time.monotonic()
-            elif connected and time.monotonic() - quiet_since >= 0.5:
+            elif (
+                connected
+                and time.monotonic() - quiet_since >= 0.5
+                and rt.receiver.quiet_for() >= 0.5  # not merely busy storing what came
+            ):
                 break
             time.sleep(0.05)  # the runner waits for producers; not a test wait
         self._target = rt.spool.seal()
@@ -309,8 +353,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, ZioPartition)
-        return _read_partition(partition)
+        return _read_any(partition)
 
     def commit(self, end: dict[str, int]) -> None:
         rt = self._runtime()
@@ -334,32 +377,43 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
         self.columns = columns
 
     def partitions(self) -> Sequence[InputPartition]:
+        """Receive into a private spool until the flows end (``maxRecords``, ``timeout``).
+
+        Raises
+        ------
+        TransportError
+            If a producer could not be read (naming its endpoint and the cause): it
+            refused or broke the flow, never answered, or cannot talk to our socket kind.
+        DataLossError
+            If records are known lost and ``failOnDataLoss`` is true.
+        """
         opts = self.opts
         path = os.path.join(opts.spool_path, f"batch-{uuid.uuid4().hex}")
         spool = Spool(path, on_gap="raise" if opts.fail_on_data_loss else "accept")
-        recv = Receiver(
-            spool,
-            opts.endpoints,
-            credit=opts.credit,
-            max_backlog=opts.max_backlog,
-            stream=opts.stream,
-            connect_timeout=opts.connect_timeout,
-            mode=None if opts.socket == "auto" else opts.socket,
-            reconnect=False,
-        ).start()
+        try:
+            inlet = _inlet(opts, spool, reconnect=False)
+        except BaseException:
+            spool.close()
+            raise
+        recv = inlet.receiver
         try:
             timeout = opts.timeout or opts.connect_timeout
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if recv.fatal is not None and opts.fail_on_data_loss:
                     raise recv.fatal
+                if recv.error is not None:
+                    raise recv.error
                 status = recv.status()
                 total = sum(s.records for s in status)
                 if opts.max_records is not None and total >= opts.max_records:
                     break
-                if status and all(s.state in ("ended", "failed") for s in status):
+                # With bind, giver clients may connect at any time: the read lasts
+                # ``timeout`` (or ``maxRecords``), whoever ended before.
+                if not opts.bind and status and all(s.state in ("ended", "failed") for s in status):
                     break
                 time.sleep(0.02)  # waiting on producers, bounded by the deadline
+            _raise_failed(recv, timeout)
             ends = spool.seal()
             budget = opts.max_records
             starts = {p: max(spool.committed().get(p, 1), 1) for p in ends}
@@ -373,7 +427,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
             recv.acknowledge(ends)
             recv.flush_acks(timeout=min(5.0, opts.connect_timeout))
         finally:
-            recv.stop()
+            inlet.stop()
             spool.close()
         return [
             ZioPartition(
@@ -392,8 +446,31 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, ZioPartition)
-        return _read_partition(partition)
+        return _read_any(partition)
+
+
+def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    # No partitions planned (nothing arrived): PySpark still runs one task, with a bare
+    # InputPartition(None). It reads nothing.
+    if not isinstance(partition, ZioPartition):
+        return iter(())
+    return _read_partition(partition)
+
+
+def _raise_failed(recv: Receiver, timeout: float) -> None:
+    """A batch read must not return a silent partial result: raise for every producer
+    endpoint that was never read or whose flow failed."""
+    if recv.error is not None:
+        raise recv.error
+    problems = []
+    for st in recv.status():
+        if st.state == "failed":
+            problems.append(f"{st.endpoint}: {st.last_error}")
+        elif st.state in ("connecting", "waiting"):
+            why = recv.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
+            problems.append(f"no flow within {timeout:g} s: {why}")
+    if problems:
+        raise TransportError("zio batch read failed: " + "; ".join(problems))
 
 
 class ZioDataSource(DataSource):  # type: ignore[misc]

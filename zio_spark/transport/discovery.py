@@ -23,6 +23,7 @@ __all__ = ["FLOW_PORT", "GroupWatcher", "advertise"]
 log = logging.getLogger("zio_spark.transport")
 
 FLOW_PORT = "flow"
+_CLIENT_SOCKETS = frozenset({"CLIENT", "DEALER"})
 
 
 def _connectable(endpoint: str, host: str) -> str:
@@ -69,6 +70,9 @@ class GroupWatcher:
     """Follow the flow ports advertised in ``group``.
 
     ``on_add(endpoint, mode)`` and ``on_remove(endpoint)`` run in the watcher's thread.
+    ``port_name`` narrows it to ports of that name (``zio.port.<name>.*``); None follows
+    every port a member advertises. Ports that are flow *clients* (a ``CLIENT`` or
+    ``DEALER`` socket: nothing to connect to) are not followed, and the log says so once.
     """
 
     def __init__(
@@ -78,7 +82,7 @@ class GroupWatcher:
         on_remove: Callable[[str], None],
         *,
         requested_mode: str | None = None,
-        port_name: str = FLOW_PORT,
+        port_name: str | None = FLOW_PORT,
         beacon_port: int = 5670,
         broadcast: str | None = None,
         interface_addr: str | None = None,
@@ -121,6 +125,14 @@ class GroupWatcher:
             seen[ep.address] = ep.socket
         for address, socket_type in seen.items():
             if address in self.known or address in self.refused:
+                continue
+            if str(socket_type).strip().upper() in _CLIENT_SOCKETS:
+                why = (
+                    f"a {socket_type} port is a flow client: nothing listens there to connect "
+                    "to (a giver client connects to a source that binds: option 'bind')"
+                )
+                self.refused[address] = why
+                log.warning("discovery: not following %s: %s", address, why)
                 continue
             try:
                 mode = choose_mode(self.requested_mode, socket_type, option="socket").value

@@ -1,0 +1,197 @@
+"""The source's receiver as a flow server (``bind``), the reference's own topology:
+giver clients connect, each client flow a producer partition, clients come and go.
+
+Also: socket kinds that cannot talk are said out loud, on both sides (a failed ZMTP
+handshake is what libzmq's socket monitor shows: CONNECTED/ACCEPTED then DISCONNECTED,
+never HANDSHAKE_SUCCEEDED). No Spark; loopback, random ports, polled waits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.peers.zio_reference import ReferenceClientGiver
+from zio_spark.errors import TransportError
+from zio_spark.queue.spool import Spool
+from zio_spark.spark.receiver import Receiver
+
+FLAVORS = ["cpp", "python"]
+
+
+def _wait(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def spool(tmp_path) -> Iterator[Spool]:
+    s = Spool(tmp_path / "spool", sync=False)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def things() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for thing in reversed(made):
+        if isinstance(thing, Receiver):
+            thing.stop()
+        else:
+            thing.close()
+
+
+def _bound(things, spool, ctx, **kw) -> tuple[Receiver, str]:
+    r = Receiver(spool, ctx=ctx, bind=["tcp://127.0.0.1:*"], **kw).start()
+    things.append(r)
+    (endpoint,) = r.bound_endpoints()
+    return r, endpoint
+
+
+def _values(spool: Spool, producer: str) -> list[bytes]:
+    ends = spool.seal()
+    start = spool.start_offsets()[producer]
+    out: list[bytes] = []
+    for batch in spool.read(producer, start, ends[producer]):
+        out.extend(batch.column("value").to_pylist())
+    return out
+
+
+def _client(things, ctx, endpoint, values, **kw) -> ReferenceClientGiver:
+    c = ReferenceClientGiver(ctx, endpoint, values, **kw)
+    things.append(c)
+    return c
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_reference_clients_come_and_go(ctx, spool, things, flavor, wire_mode):
+    """Two plain clients at once, then a third later that shares the first's origin:
+    every value arrives; partitions are ``origin:<n>``; the shared one holds both
+    clients' records in arrival order; no acks, no zero-credit PAY."""
+    r, endpoint = _bound(things, spool, ctx, mode=wire_mode, credit=50)
+    a = [b"a%d" % i for i in range(200)]
+    b = [b"b%d" % i for i in range(150)]
+    c = [b"c%d" % i for i in range(100)]
+    ca = _client(things, ctx, endpoint, a, flavor=flavor, sockets=wire_mode, origin=11)
+    cb = _client(things, ctx, endpoint, b, flavor=flavor, sockets=wire_mode, origin=22)
+    assert ca.wait(30) and cb.wait(30), (ca.errors, cb.errors)
+    cc = _client(things, ctx, endpoint, c, flavor=flavor, sockets=wire_mode, origin=11)
+    assert cc.wait(30), cc.errors
+    _wait(lambda: sum(s.records for s in r.status()) == len(a) + len(b) + len(c))
+    assert _values(spool, "origin:11") == a + c
+    assert _values(spool, "origin:22") == b
+    states = sorted((s.producer, s.state, s.records) for s in r.status())
+    assert states == [
+        ("origin:11", "ended", 100),
+        ("origin:11", "ended", 200),
+        ("origin:22", "ended", 150),
+    ]
+    for client in (ca, cb, cc):
+        assert client.errors == [] and client.eot_echoes == 1
+        assert client.zero_credit_pays == 0
+        # The reply: direction flipped, a credit no larger than the offer, and no
+        # statements a plain client did not ask for.
+        assert client.reply == {"flow": "BOT", "direction": "inject", "credit": 10}
+        pays = [m.obj for kind, m in client.trace if kind == "recv" and m.flow == "PAY"]
+        assert pays and all(p["credit"] > 0 and "ack" not in p for p in pays)
+    assert all(not s.ack_capable and s.at_most_once for s in r.status())
+    assert r.error is None
+
+
+def test_backlog_is_bounded_per_client(ctx, spool, things):
+    """maxBacklog holds per producer: each client stops at it until a commit."""
+    r, endpoint = _bound(things, spool, ctx, credit=10, max_backlog=30)
+    one = _client(things, ctx, endpoint, [b"x%d" % i for i in range(80)], flavor="cpp", origin=1)
+    two = _client(things, ctx, endpoint, [b"y%d" % i for i in range(80)], flavor="cpp", origin=2)
+    _wait(lambda: spool.backlog() == {"origin:1": 30, "origin:2": 30}, what="both backlogs full")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:  # and they stay there: no credit without commits
+        assert max(spool.backlog().values()) <= 30
+        time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while not (one.finished and two.finished):
+        assert time.monotonic() < deadline, spool.backlog()
+        r.commit(spool.seal())
+        assert max(spool.backlog().values(), default=0) <= 30
+        time.sleep(0.02)
+    assert one.done and two.done, (one.errors, two.errors)
+    assert sum(s.records for s in r.status()) == 160
+
+
+def test_a_client_that_takes_is_refused_with_a_reason(ctx, spool, things):
+    r, endpoint = _bound(things, spool, ctx)
+    with ctx.socket(zmq.DEALER) as d:
+        d.linger = 0
+        d.connect(endpoint)
+        label = b'{"flow":"BOT","direction":"inject","credit":5}'
+        d.send_multipart([b"", b"ZIO0FLOW" + label, b"\0" * 24])
+        assert d.poll(10_000), "no answer to a taker's BOT"
+        _, prefix, _coord = d.recv_multipart()
+    label = json.loads(prefix[len(b"ZIO0FLOW") :])
+    assert label["flow"] == "EOT" and "give (direction extract)" in label["reason"]
+    _wait(lambda: any(s.state == "failed" for s in r.status()))
+    assert "direction 'inject'" in str(r.status()[0].last_error)
+
+
+def test_a_client_of_the_wrong_socket_kind_is_logged(ctx, spool, things, caplog):
+    """A socket libzmq refuses at the handshake (here a PUSH: stock pyzmq has no CLIENT)
+    is reported by the bound side, naming both kinds."""
+    r, endpoint = _bound(things, spool, ctx)
+    with caplog.at_level(logging.WARNING, logger="zio_spark.source"), ctx.socket(zmq.PUSH) as p:
+        p.linger = 0
+        p.connect(endpoint)
+        _wait(lambda: r.stats["handshake_failures"] >= 1, what="the handshake failure")
+    text = caplog.text
+    assert endpoint.rsplit(":", 1)[1] in text and "ROUTER" in text and "ZMTP handshake" in text
+
+
+def test_wrong_socket_kind_at_an_endpoint_fails_loudly(ctx, spool, things):
+    """Our DEALER against a peer whose socket libzmq refuses (a PULL here; a SERVER in
+    real life): after connectTimeout the receiver fails naming the endpoint, both socket
+    kinds and the fix -- no silent reconnects, streaming included."""
+    with ctx.socket(zmq.PULL) as wrong:
+        wrong.linger = 0
+        port = wrong.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+        r = Receiver(spool, [endpoint], ctx=ctx, connect_timeout=1.0, reconnect=True).start()
+        things.append(r)
+        _wait(lambda: r.error is not None, what="the receiver's error")
+    err = r.error
+    assert isinstance(err, TransportError) and err.endpoint == endpoint
+    text = str(err)
+    assert "DEALER" in text and "SERVER" in text and "socket=clientserver" in text
+    assert "Sockets" in text
+    (st,) = r.status()
+    assert st.state == "failed" and st.failures == 1  # said once, not retried in silence
+
+
+@pytest.mark.requires_draft
+@pytest.mark.parametrize(
+    ("ours", "theirs", "fix"),
+    [
+        ("routerdealer", zmq.SERVER if hasattr(zmq, "SERVER") else 0, "socket=clientserver"),
+        ("clientserver", zmq.ROUTER, "socket=routerdealer"),
+    ],
+    ids=["DEALER-to-SERVER", "CLIENT-to-ROUTER"],
+)
+def test_socket_kind_mismatch_with_real_peers(ctx, spool, things, ours, theirs, fix):
+    with ctx.socket(theirs) as wrong:
+        wrong.linger = 0
+        port = wrong.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+        r = Receiver(spool, [endpoint], ctx=ctx, connect_timeout=1.0, mode=ours).start()
+        things.append(r)
+        _wait(lambda: r.error is not None, what="the receiver's error")
+    text = str(r.error)
+    assert endpoint in text and fix in text and "handshake" in text
