@@ -131,6 +131,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
     mode = _socket_mode(args.socket)
     stop = _Stop()
     payload = os.urandom(args.size) if args.random else b"x" * args.size
+    window: dict[str, int] = {}
+    if args.window is not None:
+        window["max_unacked"] = args.window
+    if args.window_mib is not None:
+        window["max_unacked_bytes"] = args.window_mib << 20
     prod = Producer(
         None if args.connect else args.bind or _DEFAULT_PRODUCE_BIND,
         connect=args.connect,
@@ -138,7 +143,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
         producer_id=args.producer_id,
         stream=args.stream,
         batch=args.batch,
-        max_unacked=max(args.batch * 10, 100_000),
+        **window,
         # The command's own deadline reports a server that never answers.
         connect_timeout=args.timeout + 5.0,
     )
@@ -166,17 +171,24 @@ def cmd_produce(args: argparse.Namespace) -> int:
         BarColumn(),
         TextColumn(
             "{task.completed}/{task.total} queued, {task.fields[sent]} sent, "
-            "{task.fields[delivered]} delivered"
+            "{task.fields[delivered]} delivered{task.fields[blocked]}"
         ),
         TimeRemainingColumn(),
         disable=quiet,
         transient=True,
     ) as progress:
-        task = progress.add_task("produce", total=args.count, sent=0, delivered=0)
+        task = progress.add_task("produce", total=args.count, sent=0, delivered=0, blocked="")
 
         def show() -> None:
             d = prod.delivery()
-            progress.update(task, completed=d.queued, sent=d.sent, delivered=d.delivered)
+            waited = prod.blocked_seconds
+            blocked = ""
+            if waited >= 0.05:  # the taker's acknowledgements hold us back: say so
+                now = " (window full now)" if prod.window_full else ""
+                blocked = f", {waited:.1f} s waiting for acks{now}"
+            progress.update(
+                task, completed=d.queued, sent=d.sent, delivered=d.delivered, blocked=blocked
+            )
 
         deadline = time.monotonic() + args.timeout
         try:
@@ -229,6 +241,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         "acks": prod.acks,
         "flows": prod.stats["takers"],
         "flow_failures": prod.stats["flow_failures"],
+        "window": {"records": prod.max_unacked, "bytes": prod.max_unacked_bytes},
+        "blocked_seconds": round(prod.blocked_seconds, 3),
         "seconds": round(elapsed, 3),
         "rate": round(delivery.delivered / elapsed, 1) if elapsed > 0 else None,
     }
@@ -346,6 +360,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--random", action="store_true", help="random payload bytes")
     sp.add_argument("--rate", type=_non_negative_float, default=0, help="records/s (0: max)")
     sp.add_argument("--batch", type=_positive_int, default=1000, help="most records per DAT")
+    sp.add_argument(
+        "--window",
+        type=_positive_int,
+        default=None,
+        help="most records held unacknowledged (default 2,000,000; see the README's "
+        "'Producer window' for the arithmetic)",
+    )
+    sp.add_argument(
+        "--window-mib",
+        type=_positive_int,
+        default=None,
+        help="most MiB of record values held unacknowledged (default 256)",
+    )
     sp.add_argument("--stream", default="zio", help="stream name")
     sp.add_argument("--producer-id", help="stable producer id (default: host|endpoint)")
     sp.add_argument("--group", help="ZRE group to advertise in (see `peers`; --bind only)")

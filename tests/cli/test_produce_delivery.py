@@ -124,6 +124,21 @@ def test_to_nobody_exits_1_after_the_timeout_with_the_numbers(capsys, topology):
     assert f"if the peer has a {other} socket, use clientserver on this side" in err
 
 
+def test_a_full_window_is_reported_with_the_time_spent_waiting(capsys):
+    """Nobody acknowledges: the 5-record window fills, the rest cannot even be queued, and
+    the summary says how long produce waited for acknowledgements."""
+    rc, _ = Run(
+        ["produce", "--bind", free_endpoint(), "--count", "20", "--window", "5"]
+        + ["--timeout", "500ms", "--json"]
+    ).result()
+    assert rc == 1
+    s, err = summary(capsys)
+    assert s["window"]["records"] == 5 and s["window"]["bytes"] == 256 << 20
+    assert s["queued"] == 5 and s["delivered"] == 0
+    assert s["blocked_seconds"] >= 0.5
+    assert "producer window full (5 records, 500 bytes unacknowledged" in err
+
+
 def test_a_plain_taker_that_ends_early_is_a_shortfall(ctx, capsys):
     """A plain taker that takes 40 and then ends the flow itself confirms nothing: what it
     did with records in flight is unknown (at most once), so produce exits 1."""

@@ -583,3 +583,42 @@ def test_a_reference_client_taker_is_plain_and_confirms_only_by_echoing_eot(
     assert (d.queued, d.sent, d.acked) == (12, 12, 0)
     assert d.confirmed == (12 if flavor == "cpp" else 0)
     assert ref.eots_received == (1 if flavor == "cpp" else 0)
+
+
+# ---------------------------------------------------------------------- retention window
+
+
+def test_the_window_counts_value_bytes_and_the_time_send_is_blocked(
+    make_producer, taker, background
+):
+    producer = make_producer(max_unacked=1000, max_unacked_bytes=1000)
+    producer.send_many([b"x" * 100] * 10)  # 1000 bytes: the byte budget, not the count
+    assert not producer.window_full and producer.stats["blocked"] == 0
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="window full") as err:
+        producer.send(b"y", timeout=SHORT)
+    assert time.monotonic() - t0 >= SHORT
+    assert "1000 bytes unacknowledged" in str(err.value)
+    assert producer.stats["blocked"] == 1
+    assert producer.blocked_seconds >= SHORT and not producer.window_full
+
+    # A send that waits is seen waiting, and an acknowledgement lets it through.
+    t = taker(producer)
+    t.open(credit=20)
+    waiting = background(producer.send, b"z" * 100, timeout=WAIT)
+    poll_until(lambda: producer.window_full, what="the send to wait for room")
+    assert t.take(10, ack=False)
+    t.ack(10)
+    assert waiting.result() == 11
+    assert not producer.window_full
+    assert producer.stats["blocked"] == 2
+
+
+def test_the_default_window_holds_more_than_the_sources_default_backlog():
+    """The source's default maxBacklog is 1M records: a default producer must not cap it."""
+    from zio_spark.options import parse_source_options
+    from zio_spark.transport.producer import DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES
+
+    backlog = parse_source_options({"endpoints": "tcp://127.0.0.1:1"}).max_backlog
+    assert DEFAULT_WINDOW >= 2 * backlog
+    assert DEFAULT_WINDOW_BYTES >= backlog * 100 * 2  # 100 B records, two batches

@@ -76,6 +76,7 @@ class HeldMachine(RuleBasedStateMachine):
         assert len(self.held) == len(self.model)
         assert self.held.next_seq == self.next
         assert self.held.first == (self.model[0][0] if self.model else self.next)
+        assert self.held.nbytes == sum(len(r[1]) for r in self.model)
 
 
 TestHeld = HeldMachine.TestCase

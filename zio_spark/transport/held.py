@@ -31,6 +31,7 @@ class _Chunk:
     keys: list[bytes | None] | None  # None: every key is None
     granules: list[int | None] | None
     headers: list[Mapping[str, str] | None] | None
+    nbytes: int = 0  # value bytes of the held records
 
     def __len__(self) -> int:
         return len(self.values) - self.start
@@ -74,9 +75,15 @@ class HeldRecords:
         self._head = 0  # chunks before this index are released
         self._len = 0
         self._next = first  # seq the next appended record gets
+        self._nbytes = 0
 
     def __len__(self) -> int:
         return self._len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the values held (what a byte budget counts; keys and headers aside)."""
+        return self._nbytes
 
     @property
     def first(self) -> int:
@@ -101,10 +108,13 @@ class HeldRecords:
         n = len(values)
         if n == 0:
             return self._next - 1
+        size = sum(map(len, values))
+        self._nbytes += size
         last = self._chunks[-1] if self._len and self._head < len(self._chunks) else None
         if last is not None and len(last.values) < _MERGE_BELOW:
             have = len(last.values)
             last.values.extend(values)
+            last.nbytes += size
             last.keys = _extend(last.keys, keys, have, n)  # type: ignore[assignment,arg-type]
             last.granules = _extend(last.granules, granules, have, n)  # type: ignore[assignment,arg-type]
             last.headers = _extend(last.headers, headers, have, n)  # type: ignore[assignment,arg-type]
@@ -117,6 +127,7 @@ class HeldRecords:
                     None if keys is None else list(keys),
                     None if granules is None else list(granules),
                     None if headers is None else list(headers),
+                    size,
                 )
             )
             self._starts.append(self._next)
@@ -181,11 +192,15 @@ class HeldRecords:
             if c_last <= upto:
                 released += len(c)
                 self._len -= len(c)
+                self._nbytes -= c.nbytes
                 chunks[self._head] = _EMPTY_CHUNK
                 self._head += 1
                 continue
             if held_first <= upto:
                 drop = upto - held_first + 1
+                size = sum(map(len, c.values[c.start : c.start + drop]))
+                c.nbytes -= size
+                self._nbytes -= size
                 c.start += drop
                 c.first += drop
                 self._starts[self._head] = c.first
@@ -200,6 +215,7 @@ class HeldRecords:
             chunks.clear()
             self._starts.clear()
             self._head = 0
+            self._nbytes = 0
         return released
 
     def renumber(self, shift: int) -> None:

@@ -85,11 +85,14 @@ from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 if TYPE_CHECKING:
     from zio_spark.transport.zre_node import ZreNode
 
-__all__ = ["Delivery", "Producer", "silent_peer_hint"]
+__all__ = ["DEFAULT_WINDOW", "DEFAULT_WINDOW_BYTES", "Delivery", "Producer", "silent_peer_hint"]
 
 log = logging.getLogger("zio_spark.transport")
 
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
+# The retention window's defaults (see Producer's docstring for the arithmetic).
+DEFAULT_WINDOW = 2_000_000
+DEFAULT_WINDOW_BYTES = 256 << 20
 _PLAIN_RUN = 1000  # client mode, plain taker: most bare DATs queued in one call
 _CLIENT_SEND_TIMEOUT_MS = 1000  # client mode: longest wait to queue one message
 _TICK = 0.05  # client mode: longest poll wait, seconds
@@ -702,8 +705,17 @@ class Producer:
         server stating another one is left (client mode).
     batch
         Most records per DAT (Arrow-encoded flows).
-    max_unacked
-        :meth:`send` blocks while this many records are held unacknowledged.
+    max_unacked, max_unacked_bytes
+        The retention window: :meth:`send` blocks while this many records, or this many
+        value bytes, are held unacknowledged (whichever comes first; one call may go past
+        the byte budget by what it adds). A taker acknowledges only what it has made
+        durable *and* its query has committed: for the Spark source that is a micro-batch
+        after it was received, and ``commit`` lags one batch, so the window must hold
+        about two micro-batches or it caps the query at ``window / commit latency``.
+        The defaults (2,000,000 records, 256 MiB) sit above the source's default
+        ``maxBacklog`` (1,000,000 records) plus what its credit keeps in flight, so the
+        source's backlog bound, not this window, is what limits a default pair. Time
+        spent blocked here is counted (:attr:`blocked_seconds`, ``stats["blocked"]``).
     mode
         Socket kind: ``"routerdealer"`` (default), ``"clientserver"`` (needs a draft
         pyzmq) or ``"auto"``; the peer must use the matching kind.
@@ -744,7 +756,8 @@ class Producer:
         producer_id: str | None = None,
         stream: str = "zio",
         batch: int = 1000,
-        max_unacked: int = 100_000,
+        max_unacked: int = DEFAULT_WINDOW,
+        max_unacked_bytes: int = DEFAULT_WINDOW_BYTES,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         mode: str | None = None,
         curve_secret_key: str | bytes | None = None,
@@ -765,6 +778,12 @@ class Producer:
         if isinstance(max_unacked, bool) or not isinstance(max_unacked, int) or max_unacked < 1:
             raise ConfigError("max_unacked", max_unacked, "an integer >= 1")
         if (
+            isinstance(max_unacked_bytes, bool)
+            or not isinstance(max_unacked_bytes, int)
+            or max_unacked_bytes < 1
+        ):
+            raise ConfigError("max_unacked_bytes", max_unacked_bytes, "an integer >= 1")
+        if (
             isinstance(credit, bool)
             or not isinstance(credit, int)
             or not 1 <= credit <= _SEND_QUEUE
@@ -778,6 +797,9 @@ class Producer:
         self.stream = stream
         self.batch = batch
         self.max_unacked = max_unacked
+        self.max_unacked_bytes = max_unacked_bytes
+        self._blocked_s = 0.0  # time send() spent waiting for room in the window
+        self._blocked_since: float | None = None  # set while a send() waits
         self.stats: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
         self._records = HeldRecords()
@@ -909,16 +931,27 @@ class Producer:
                 if self._closed:
                     raise TransportError("producer is closed", endpoint=self.endpoint)
                 room = self.max_unacked - len(self._records)
+                if self._records.nbytes >= self.max_unacked_bytes:
+                    room = 0
                 if room <= 0:
-                    left = None if deadline is None else deadline - time.monotonic()
+                    now = time.monotonic()
+                    if self._blocked_since is None:
+                        self._blocked_since = now
+                        self.stats["blocked"] += 1
+                    left = None if deadline is None else deadline - now
                     if left is not None and left <= 0:
+                        self._end_blocked(now)
                         raise TransportError(
-                            f"producer buffer full ({self.max_unacked} unacknowledged records) "
+                            f"producer window full ({len(self._records)} records, "
+                            f"{self._records.nbytes} bytes unacknowledged; window "
+                            f"{self.max_unacked} records / {self.max_unacked_bytes} bytes) "
                             f"for {timeout} s: is a taker connected and acknowledging?",
                             endpoint=self.endpoint,
                         )
                     self._cond.wait(left)
                     continue
+                if self._blocked_since is not None:
+                    self._end_blocked(time.monotonic())
                 j = min(n, i + room)
                 whole = i == 0 and j == n
                 self._records.append(
@@ -931,6 +964,26 @@ class Producer:
                 i = j
                 self._wake_locked()
             return self._records.next_seq - 1
+
+    def _end_blocked(self, now: float) -> None:
+        assert self._blocked_since is not None
+        self._blocked_s += now - self._blocked_since
+        self._blocked_since = None
+
+    @property
+    def blocked_seconds(self) -> float:
+        """Total time :meth:`send` has spent waiting for acknowledgements to free the
+        window (a send waiting now included): a producer held back by its taker."""
+        with self._cond:
+            now = time.monotonic()
+            ongoing = 0.0 if self._blocked_since is None else now - self._blocked_since
+            return self._blocked_s + ongoing
+
+    @property
+    def window_full(self) -> bool:
+        """True while a :meth:`send` is waiting for room in the window."""
+        with self._cond:
+            return self._blocked_since is not None
 
     def _wake_locked(self) -> None:
         if not self._wake_pending and self._taker is not None:
