@@ -48,6 +48,8 @@ def things() -> Iterator[list[Any]]:
     for thing in reversed(made):
         if isinstance(thing, Receiver):
             thing.stop()
+        elif hasattr(thing, "send_many"):  # a Producer: nothing left to wait for
+            thing.close(flush=False, timeout=5)
         else:
             thing.close()
 
@@ -195,3 +197,60 @@ def test_socket_kind_mismatch_with_real_peers(ctx, spool, things, ours, theirs, 
         _wait(lambda: r.error is not None, what="the receiver's error")
     text = str(r.error)
     assert endpoint in text and fix in text and "handshake" in text
+
+
+# -- our own Producer as a flow client (Producer(connect=...)) -----------------------------
+
+
+def _contents(spool: Spool, producer: str) -> list[tuple[int, bytes]]:
+    ends = spool.seal()
+    start = spool.start_offsets()[producer]
+    out: list[tuple[int, bytes]] = []
+    for batch in spool.read(producer, start, ends[producer]):
+        out.extend(
+            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
+        )
+    return out
+
+
+def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_path, things):
+    """Producer(connect) into a bound receiver: acknowledged, Arrow DATs; the receiver
+    restarts on the same endpoint and spool, the producer restarts with the same id;
+    every record once, in order."""
+    from zio_spark.transport.producer import Producer
+
+    spool = Spool(tmp_path / "spool", sync=False)
+    things.append(spool)
+    r1, endpoint = _bound(things, spool, ctx, credit=20, max_backlog=5000)
+    prod = Producer(connect=endpoint, producer_id="pc", ctx=ctx, linger_ms=0)
+    things.append(prod)
+    prod.send_many([b"r%d" % s for s in range(1, 3001)])
+    _wait(lambda: spool.next_seq("pc") == 3001, what="the first 3000 records")
+    (st,) = r1.status()
+    assert (st.producer, st.encoding, st.ack_capable, st.at_most_once) == (
+        "pc",
+        "arrow",
+        True,
+        False,
+    )
+    r1.commit(spool.seal())
+    _wait(lambda: prod.acked == 3000, what="the commit acknowledged to the producer")
+    # The receiver goes away (records 3001..5000 sent meanwhile) and comes back.
+    r1.stop()
+    prod.send_many([b"r%d" % s for s in range(3001, 5001)])
+    r2 = Receiver(spool, ctx=ctx, bind=[endpoint], credit=20, max_backlog=5000).start()
+    things.append(r2)
+    _wait(lambda: spool.next_seq("pc") == 5001, what="records 3001..5000 after the restart")
+    # The producer restarts (same id): it resumes after what the spool holds.
+    prod.close(flush=False, timeout=5)
+    prod2 = Producer(connect=endpoint, producer_id="pc", ctx=ctx, linger_ms=0)
+    things.append(prod2)
+    _wait(lambda: prod2.connected, what="the new producer's flow")
+    assert prod2.last_seq == 5000  # the bound receiver's resume
+    prod2.send_many([b"r%d" % s for s in range(5001, 6001)])
+    _wait(lambda: spool.next_seq("pc") == 6001, what="the restarted producer's records")
+    got = _contents(spool, "pc")
+    assert got == [(s, b"r%d" % s) for s in range(3001, 6001)]  # 1..3000 were committed
+    assert r2.error is None and sum(s.duplicates for s in r2.status()) >= 0
+    replaced = [s for s in r2.status() if s.state == "failed"]
+    assert all("replaced" in str(s.last_error) for s in replaced)
