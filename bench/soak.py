@@ -175,8 +175,8 @@ def run_producer(args: argparse.Namespace) -> int:
             try:
                 prod.send_many(chunk, timeout=0.5)
                 sent += len(chunk)
-            except Exception as e:  # buffer full for 0.5 s: the query is behind
-                if "buffer full" not in str(e):
+            except Exception as e:  # window full for 0.5 s: the query is behind
+                if "window full" not in str(e):
                     raise
                 blocked += 1
     finally:

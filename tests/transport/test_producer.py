@@ -462,7 +462,9 @@ def test_send_many_blocks_at_max_unacked(make_producer, taker, background):
     assert producer.send_many([b"1", b"2", b"3"]) == 3
 
     t0 = time.monotonic()
-    with pytest.raises(TransportError, match=r"buffer full \(4 unacknowledged") as err:
+    with pytest.raises(
+        TransportError, match=r"window full \(4 records, 4 bytes unacknowledged"
+    ) as err:
         producer.send_many([b"4", b"5"], timeout=SHORT)
     assert time.monotonic() - t0 >= SHORT
     assert err.value.endpoint == producer.endpoint
