@@ -2,10 +2,12 @@
 
 Usage::
 
-    python driver_child.py source ENDPOINT CKPT OUT SPOOL PER_TRIGGER BACKLOG CREDIT
+    python driver_child.py source ENDPOINT CKPT OUT SPOOL PER_TRIGGER BACKLOG CREDIT [TOPOLOGY]
     python driver_child.py sink ENDPOINT CKPT ROWS_PER_BATCH SEED FAIL_PROB
 
-``source``: ``readStream.format("zio")`` from one producer -> parquet files in ``OUT``.
+``source``: ``readStream.format("zio")`` from one producer -> parquet files in ``OUT``;
+``TOPOLOGY`` ``connect`` (default: the source connects to the producer at ENDPOINT) or
+``bind`` (the source binds ENDPOINT and the producer connects as a flow client).
 ``sink``: ``rate-micro-batch`` -> a UDF that fails some tasks (seeded, first attempt only,
 after part of the partition went out) -> ``writeStream.format("zio")``, on
 ``local[2,4]`` so failed tasks are retried.
@@ -44,11 +46,12 @@ def session(master: str, name: str, extra: dict[str, str] | None = None) -> Spar
 
 
 def source_query(argv: list[str]):
-    endpoint, ckpt, out, spool, per_trigger, backlog, credit = argv
+    endpoint, ckpt, out, spool, per_trigger, backlog, credit, *rest = argv
+    topology = rest[0] if rest else "connect"
     spark = session("local[2]", "zio-chaos-source")
     df = (
         spark.readStream.format("zio")
-        .option("endpoints", endpoint)
+        .option({"connect": "endpoints", "bind": "bind"}[topology], endpoint)
         .option("spoolPath", spool)
         .option("maxRecordsPerTrigger", per_trigger)
         .option("maxBacklog", backlog)

@@ -4,13 +4,17 @@ output holds every record exactly once.
 
 The driver (``driver_child.py source``) restarts from its checkpoint and spool; the
 producer (``producer_child.py``) restarts with the same id on the same endpoint and
-resumes where the source's ``resume`` says. Kill moments: each kill waits until the
+resumes where the source's ``resume`` says. Two topologies: the producer serves and the
+source connects (``serve``), or the source binds and the producer is a flow client
+(``bind``, the reference's own topology: a restarted driver binds the same endpoint and
+the producer reconnects to it). Kill moments: each kill waits until the
 committed output reaches a random fraction of the records, then a random delay (so it may
 land mid-batch, mid-commit or during the previous restart); the seed is printed.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -43,6 +47,13 @@ SIZES = {
 }
 
 
+def _free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("topology", ["serve", "bind"])
 @pytest.mark.parametrize(
     "size",
     [
@@ -50,10 +61,12 @@ SIZES = {
         pytest.param("full", marks=[pytest.mark.chaos, pytest.mark.timeout(SIZES["full"][5])]),
     ],
 )
-def test_source_driver_and_producer_kills_exactly_once(tmp_path: Path, size: str) -> None:
+def test_source_driver_and_producer_kills_exactly_once(
+    tmp_path: Path, size: str, topology: str
+) -> None:
     n, driver_kills, producer_kills, rate, backlog_batches, timeout = SIZES[size]
     per_trigger = rate  # about one second of production per micro-batch at most
-    _, rng = chaos_rng(f"source/{size}")
+    _, rng = chaos_rng(f"source/{size}/{topology}")
     delay = 3.0 if size == "full" else 1.0  # at most ~1/8 of the records' production time
     driver_plan = KillPlan.draw(rng, "driver", driver_kills, n, max_delay=delay)
     # Up to 40 % of the output: the producer runs ahead by up to the backlog, and its
@@ -64,26 +77,32 @@ def test_source_driver_and_producer_kills_exactly_once(tmp_path: Path, size: str
     logs.mkdir()
     children: list[Child] = []
 
-    def start_producer(bind: str) -> Child:
-        p = Child(
-            "producer_child.py", [bind, PRODUCER_ID, n, rate], logs / f"producer-{len(children)}"
-        )
+    def start_producer(where: str) -> Child:
+        args = [where, PRODUCER_ID, n, rate, "connect" if topology == "bind" else "bind"]
+        p = Child("producer_child.py", args, logs / f"producer-{len(children)}")
         children.append(p)
         return p
 
     def start_driver() -> Child:
         backlog = backlog_batches * per_trigger
         args = ["source", endpoint, ckpt, out, spool, per_trigger, backlog, backlog // 600]
+        args.append("bind" if topology == "bind" else "connect")
         d = Child("driver_child.py", args, logs / f"driver-{len(children)}")
         children.append(d)
         return d
 
     t0 = time.monotonic()
     try:
-        producer = start_producer("tcp://127.0.0.1:*")
-        endpoint = wait_until(lambda: producer.line("ENDPOINT"), 30, "the producer's endpoint")
-        driver = start_driver()
-        wait_until(driver.started, 120, "the first driver's query to start")
+        if topology == "bind":  # the source binds a fixed endpoint, across its restarts
+            endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+            driver = start_driver()
+            wait_until(driver.started, 120, "the first driver's query to start")
+            producer = start_producer(endpoint)
+        else:
+            producer = start_producer("tcp://127.0.0.1:*")
+            endpoint = wait_until(lambda: producer.line("ENDPOINT"), 30, "the producer's endpoint")
+            driver = start_driver()
+            wait_until(driver.started, 120, "the first driver's query to start")
         current = {"driver": driver, "producer": producer}
 
         def kill_driver() -> None:
@@ -126,7 +145,7 @@ def test_source_driver_and_producer_kills_exactly_once(tmp_path: Path, size: str
     seqs = table.column("seq").to_pylist()
     values = table.column("value").to_pylist()
     print(
-        f"source/{size}: {n} records, driver kills {driver_plan.done}, producer kills "
+        f"source/{size}/{topology}: {n} records, driver kills {driver_plan.done}, producer kills "
         f"{producer_plan.done}, producer resumes {resumes}, {orphans} uncommitted parquet "
         f"files ignored, {took:.1f} s to all committed, {time.monotonic() - t0:.1f} s total"
     )
