@@ -1,0 +1,191 @@
+"""The zio source and sink through a Spark Connect session, as on Databricks serverless
+and shared clusters.
+
+One Spark Connect server (pyspark's own ``sbin/start-connect-server.sh``, 127.0.0.1, a
+free port) for the module; the tests talk to it with ``SparkSession.builder.remote``
+only, so every call crosses gRPC: the client builds plans, the server plans and runs
+them, and the data source runs in the server's Python workers. Producers and consumers
+live in this process, on loopback.
+
+Each operation runs twice: as ``format("zio")`` found by the server's ``pyspark_*``
+lookup (auto-registration), and as ``format("zio_explicit")``, a subclass the client
+registers with ``spark.dataSource.register`` (pickled by value, so the server can only
+know it through that call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cluster.spark_procs import start_connect_server
+from tests.reliability.helpers import ParquetProgress
+from zio_spark.queue.consumer import Consumer
+from zio_spark.spark.compat import check_session
+from zio_spark.transport.producer import Producer
+
+FORMATS = ["zio", "zio_explicit"]
+
+
+def _wait(cond: Callable[[], Any], timeout: float = 90.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    from zio_spark.spark.source import ZioDataSource
+
+    server, url = start_connect_server(tmp_path_factory.mktemp("connect"))
+    had_mode = "SPARK_CONNECT_MODE_ENABLED" in os.environ
+    session = None
+    try:
+        # create(), not getOrCreate(): another test module may hold a classic session.
+        session = SparkSession.builder.remote(url).create()
+        explicit = type(
+            "ZioExplicit",
+            (ZioDataSource,),
+            {"name": classmethod(lambda cls: "zio_explicit"), "__module__": __name__},
+        )
+        session.dataSource.register(explicit)
+        yield session
+    finally:
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.stop()
+        if not had_mode:  # the builder marks the process as a Connect client
+            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
+        server.stop()
+
+
+def test_session_is_spark_connect_and_new_enough(remote: Any) -> None:
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+
+    assert isinstance(remote, ConnectSession)
+    assert check_session(remote) == remote.version
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stream_read_into_parquet_exactly_once(remote: Any, fmt: str, tmp_path: Path) -> None:
+    n1, n2 = 3000, 2000
+    prod = Producer(producer_id=f"connect-{fmt}", linger_ms=0)
+    q = None
+    try:
+        prod.send_many([f"rec-{i}".encode() for i in range(n1)])
+        df = (
+            remote.readStream.format(fmt)
+            .option("endpoints", prod.endpoint)
+            .option("spoolPath", str(tmp_path / "spool"))
+            .load()
+        )
+        out = str(tmp_path / "out")
+        q = (
+            df.writeStream.format("parquet")
+            .option("path", out)
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+
+        committed = ParquetProgress(tmp_path / "out")  # the sink's log, read here: no job
+
+        def rows() -> int:
+            if q.exception() is not None:
+                raise AssertionError(f"query failed: {q.exception()}")
+            return committed()
+
+        _wait(lambda: rows() >= n1, what=f"{n1} rows of the first wave")
+        prod.send_many([f"rec-{i}".encode() for i in range(n1, n1 + n2)])
+        _wait(lambda: rows() >= n1 + n2, what=f"{n1 + n2} rows")
+        # The source acknowledges a batch once the next one is planned: all of them soon.
+        _wait(lambda: prod.acked == n1 + n2, what="the producer to hear every record acked")
+        assert q.exception() is None
+        got = remote.read.parquet(out).select("seq", "value", "producer").collect()
+        assert sorted(r.seq for r in got) == list(range(1, n1 + n2 + 1))
+        assert {bytes(r.value) for r in got} == {f"rec-{i}".encode() for i in range(n1 + n2)}
+        assert {r.producer for r in got} == {f"connect-{fmt}"}
+        progress = q.lastProgress
+        assert progress is not None and progress["sources"][0]["description"].startswith(
+            "org.apache.spark.sql.execution.datasources.v2.python"
+        )
+    finally:
+        if q is not None:
+            q.stop()
+        prod.close(flush=False, timeout=5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stream_write_to_consumer_exactly_once(remote: Any, fmt: str, tmp_path: Path) -> None:
+    rows_per_batch = 300
+    consumer = Consumer("tcp://127.0.0.1:*", tmp_path / "consumer", linger_ms=0)
+    q = None
+    try:
+        df = (
+            remote.readStream.format("rate-micro-batch")
+            .option("rowsPerBatch", rows_per_batch)
+            .option("numPartitions", 2)
+            .load()
+            .selectExpr("cast(value as string) as value")
+        )
+        q = (
+            df.writeStream.format(fmt)
+            .option("endpoint", consumer.endpoint)
+            .option("stream", "rate")
+            .option("connectTimeout", "30s")
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="300 milliseconds")
+            .start()
+        )
+        _wait(
+            lambda: q.exception() is not None or len(consumer.published("rate")) >= 3,
+            what="3 published batches",
+        )
+        assert q.exception() is None, q.exception()
+        q.stop()
+        pubs = consumer.published("rate")
+        assert [b for _, b in pubs] == list(range(len(pubs)))
+        for _, b in pubs:
+            values = sorted(int(r.value) for r in consumer.records("rate", b))
+            lo = b * rows_per_batch
+            assert values == list(range(lo, lo + rows_per_batch)), f"batch {b}"
+        assert consumer.stats["commit_errors"] == 0
+    finally:
+        if q is not None:
+            q.stop()
+        consumer.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batch_read_exactly_once(remote: Any, fmt: str, tmp_path: Path) -> None:
+    n = 2500
+    prod = Producer(producer_id=f"batch-{fmt}", linger_ms=0)
+    try:
+        prod.send_many([f"b-{i}".encode() for i in range(n)])
+        got = (
+            remote.read.format(fmt)
+            .option("endpoints", prod.endpoint)
+            .option("spoolPath", str(tmp_path / "spool"))
+            .option("maxRecords", str(n))
+            .option("timeout", "60s")
+            .load()
+            .select("seq", "value")
+            .collect()
+        )
+        assert sorted(r.seq for r in got) == list(range(1, n + 1))
+        assert {bytes(r.value) for r in got} == {f"b-{i}".encode() for i in range(n)}
+        _wait(lambda: prod.acked == n, 30, "the batch read's acknowledgement")
+    finally:
+        prod.close(flush=False, timeout=5)
