@@ -131,3 +131,64 @@ def test_batch_read_of_a_silent_endpoint_raises_its_error(spark, tmp_path):
     assert "AssertionError" not in text
     assert endpoint in text and "nothing accepted a connection" in text, text
     assert time.monotonic() - t < 30
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_bind_takes_reference_clients_that_come_and_go(spark, ctx, tmp_path):
+    """``bind``: the source is the flow server; plain reference giver clients connect
+    while the query runs, one after the other and two at once; every record arrives,
+    one partition per client origin."""
+    from tests.peers.zio_reference import ReferenceClientGiver
+
+    endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
+    q = (
+        spark.readStream.format("zio")
+        .option("bind", endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .load()
+        .writeStream.format("memory")
+        .queryName("zio_bound_stream")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    clients = []
+
+    def count() -> int:
+        return spark.sql("select count(*) from zio_bound_stream").first()[0]
+
+    def wait_rows(n: int) -> None:
+        deadline = time.monotonic() + 90
+        while count() < n:
+            assert q.exception() is None, q.exception()
+            assert time.monotonic() < deadline, f"{count()} rows of {n}"
+            time.sleep(0.2)
+
+    try:
+        first = [b"one-%d" % i for i in range(200)]
+        clients.append(ReferenceClientGiver(ctx, endpoint, first, flavor="cpp", origin=1))
+        wait_rows(200)
+        second = [b"two-%d" % i for i in range(150)]
+        third = [b"three-%d" % i for i in range(100)]
+        clients.append(ReferenceClientGiver(ctx, endpoint, second, flavor="python", origin=2))
+        clients.append(ReferenceClientGiver(ctx, endpoint, third, flavor="cpp", origin=3))
+        wait_rows(450)
+        assert all(c.wait(30) for c in clients), [c.errors for c in clients]
+        q.processAllAvailable()
+        rows = spark.sql("select producer, seq, value from zio_bound_stream").collect()
+    finally:
+        q.stop()
+        for c in clients:
+            c.close()
+    assert q.exception() is None
+    by = {}
+    for r in sorted(rows, key=lambda r: (r.producer, r.seq)):
+        by.setdefault(r.producer, []).append(bytes(r.value))
+    assert by == {"origin:1": first, "origin:2": second, "origin:3": third}
