@@ -1,0 +1,90 @@
+"""A ``group`` source follows every flow port its members advertise
+(``zio.port.<name>.address`` / ``.socket``), not only ports named ``flow``; ``groupPort``
+narrows it to one name; a port that is a flow client (CLIENT/DEALER) is not followed,
+and the log says why. ZRE on loopback (127.255.255.255, random beacon port)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from zio_spark.transport.discovery import GroupWatcher, advertise
+from zio_spark.transport.zre_node import ZreNode
+
+BROADCAST = "127.255.255.255"
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(cond: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def group() -> Iterator[tuple[str, int, list[ZreNode]]]:
+    """Two members: a giver server on port ``out`` (ROUTER), a giver client on port
+    ``flow`` (DEALER, nothing to connect to)."""
+    beacon = _free_udp_port()
+    kw = {"beacon_port": beacon, "broadcast": BROADCAST, "interface_addr": "127.0.0.1"}
+    nodes = [
+        advertise("daq", "tcp://127.0.0.1:41111", "ROUTER", port_name="out", interval=0.1, **kw),
+        advertise("daq", "tcp://127.0.0.1:42222", "DEALER", interval=0.1, **kw),
+    ]
+    yield "daq", beacon, nodes
+    for n in nodes:
+        n.stop()
+
+
+def _watch(beacon: int, port_name: str | None, added: list, removed: list) -> GroupWatcher:
+    return GroupWatcher(
+        "daq",
+        lambda ep, mode: added.append((ep, mode)),
+        removed.append,
+        port_name=port_name,
+        beacon_port=beacon,
+        broadcast=BROADCAST,
+        interface_addr="127.0.0.1",
+        interval=0.1,
+        poll=0.05,
+    ).start()
+
+
+def test_every_advertised_server_port_is_followed(group, caplog):
+    _, beacon, _ = group
+    added: list = []
+    with caplog.at_level(logging.WARNING, logger="zio_spark.transport"):
+        w = _watch(beacon, None, added, [])
+        try:
+            _wait(lambda: added and "tcp://127.0.0.1:42222" in w.refused, what="both ports seen")
+        finally:
+            w.stop()
+    assert added == [("tcp://127.0.0.1:41111", "routerdealer")]  # port "out", not "flow"
+    assert "flow client" in w.refused["tcp://127.0.0.1:42222"]
+    assert "not following tcp://127.0.0.1:42222" in caplog.text and "bind" in caplog.text
+
+
+def test_group_port_narrows_to_one_name(group):
+    _, beacon, _ = group
+    added: list = []
+    w = _watch(beacon, "flow", added, [])
+    try:
+        _wait(lambda: "tcp://127.0.0.1:42222" in w.refused, what="the 'flow' port seen")
+        # The "out" port of the other member is there too, and stays unfollowed.
+        _wait(lambda: len(w.node.zio_endpoints("daq")) == 2, what="both members' ports")
+        w.sync()
+    finally:
+        w.stop()
+    assert added == []
