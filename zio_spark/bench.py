@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
     "spool": ("bench_spool.py", ["--records", "100000", "--repeat", "2"], []),
     "queue": ("bench_queue.py", ["--messages", "20000", "--repeat", "1"], []),
     "source": ("bench_source.py", ["--quick"], []),
+    "steady": ("bench_steady.py", ["--quick", "--bind-clients", "2"], []),
     "sink": (
         "bench_sink.py",
         ["--rows", "200000", "--batches", "2", "--rounds", "1"],

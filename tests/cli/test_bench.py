@@ -24,6 +24,7 @@ JSON_FILES = {
     "spool": "spool.json",
     "queue": "queue.json",
     "source": "source.json",
+    "steady": "steady.json",
     "sink": "sink.json",
     "latency": "latency.json",
     "rss": "rss.json",
