@@ -11,6 +11,11 @@ Cases, run back to back in every round (so a ratio compares neighbours in time):
   wire shape (``common.PlainGiver``: one record per DAT, label ``{"flow": "DAT"}``, no
   acknowledgements), P records (target >= 250k records/s).
 - ``zio, 1 record/DAT (Arrow)``: ``Producer(batch=1)``: one Arrow-encoded record per DAT.
+- ``zio bind, plain clients``: the reference's own topology: the source binds
+  (``option("bind", ...)``) and two plain giver *clients* (:class:`PlainClientGiver`: BOT
+  without attributes, one record per DAT, bare label) give P/2 records each.
+- ``zio bind, Producer(connect)``: our producer as a flow client into ``bind`` (Arrow,
+  acknowledged), N records.
 
 Every query runs under ``Trigger.AvailableNow`` into the ``noop`` sink. Figures: rows/s
 over the whole query (wall clock, start-up included; for zio this includes receiving
@@ -105,6 +110,109 @@ def _run(df: Any, work: Path, expect: int) -> dict[str, float]:
     return {"wall": rows / wall, "batches": rows / (busy or wall), "seconds": wall}
 
 
+class PlainClientGiver:
+    """A reference-shaped plain giver *client*: connects to ``endpoint``, opens the flow
+    with ``BOT{direction: extract, credit}`` and nothing else, sends ``n`` copies of
+    ``value`` one per DAT labelled ``{"flow": "DAT"}`` within the credit paid, then EOT
+    and waits for the echo. One thread; :meth:`close` stops it."""
+
+    def __init__(
+        self, endpoint: str, n: int, value: bytes, origin: int, credit: int = 1000
+    ) -> None:
+        import threading
+
+        import zmq
+
+        from zio_spark.transport.port import ClientPort
+
+        self.n, self.value, self.origin, self.credit, self.sent = n, value, origin, credit, 0
+        self.done = False
+        self._ctx = zmq.Context()
+        self._port = ClientPort(self._ctx, linger_ms=0, sndhwm=100_000)
+        self._port.connect(endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._give, name="plain-client", daemon=True)
+        self._thread.start()
+
+    def _give(self) -> None:
+        from zio_spark.protocol.flow import Direction, EotReceived, Flow, FlowState, Role
+        from zio_spark.protocol.message import DatCodec
+
+        port, payload = self._port, (self.value,)
+        flow = Flow(Role.CLIENT, origin=self.origin)
+        codec = DatCodec(self.origin)
+        port.send(flow.send_bot(Direction.EXTRACT, self.credit))
+        eot_sent = False
+        while not self._stop.is_set():
+            for msg in port.recv_many(1000, 20):
+                if not hasattr(msg, "label"):
+                    raise RuntimeError(f"bad message from the source: {msg}")
+                event = flow.receive(msg)
+                if isinstance(event, EotReceived):
+                    self.done = event.echo
+                    return
+            k = min(flow.credit, self.n - self.sent)
+            if k > 0 and flow.state is FlowState.READY:
+                first = flow.send_dats(k)
+                for i in range(k):
+                    port.send_dat(codec, first + i, payload)
+                self.sent += k
+            if self.sent == self.n and not eot_sent and flow.state is FlowState.READY:
+                port.send(flow.send_eot())
+                eot_sent = True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._port.close()
+        self._ctx.term()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bound_stream(spark: Any, work: Path, endpoint: str, **options: str) -> Any:
+    reader = (
+        spark.readStream.format("zio")
+        .option("bind", endpoint)
+        .option("spoolPath", str(work / f"spool-{time.time_ns()}"))
+        .option("spoolAccess", "local")
+        .option("connectTimeout", "60s")
+    )
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def _zio_bound(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
+    """The source binds; the clients are started first and connect as soon as it does
+    (the availableNow run takes what they give until its flows go quiet)."""
+    from zio_spark.transport.producer import Producer
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    backlog = str(max(n, 1_000_000))
+    if kind == "bind-plain":
+        half = n // 2
+        clients = [PlainClientGiver(endpoint, half, VALUE, origin=o) for o in (1, 2)]
+        try:
+            return _run(_bound_stream(spark, work, endpoint, maxBacklog=backlog), work, 2 * half)
+        finally:
+            for c in clients:
+                c.close()
+    prod = Producer(connect=endpoint, producer_id="bench-client", linger_ms=0, max_unacked=n + 1)
+    try:
+        for lo in range(0, n, 100_000):
+            prod.send_many([VALUE] * min(100_000, n - lo))
+        return _run(_bound_stream(spark, work, endpoint, maxBacklog=backlog), work, n)
+    finally:
+        prod.close(flush=False, timeout=0.2)
+
+
 def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
     from zio_spark.transport.producer import Producer
 
@@ -132,6 +240,8 @@ CASES = {
     "arrow": "zio, Arrow DATs (1000 records/DAT)",
     "plain": "zio, 1 record/DAT (plain)",
     "arrow1": "zio, 1 record/DAT (Arrow, batch=1)",
+    "bind-plain": "zio bind, 2 plain giver clients (1 record/DAT)",
+    "bind-producer": "zio bind, Producer(connect) (Arrow DATs)",
 }
 
 
@@ -167,6 +277,8 @@ def main() -> None:
             record("arrow", _zio(spark, work, n, "arrow"))
             record("plain", _zio(spark, work, plain, "plain"))
             record("arrow1", _zio(spark, work, m, "arrow1"))
+            record("bind-plain", _zio_bound(spark, work, plain, "bind-plain"))
+            record("bind-producer", _zio_bound(spark, work, n, "bind-producer"))
             print(
                 f"round {i}: " + ", ".join(f"{k} {v['wall'][-1]:,.0f}/s" for k, v in res.items()),
                 flush=True,
@@ -175,7 +287,7 @@ def main() -> None:
     figures = {
         k: {
             "label": CASES[k],
-            "rows": {"plain": plain, "arrow1": m}.get(k, n),
+            "rows": {"plain": plain, "arrow1": m, "bind-plain": plain // 2 * 2}.get(k, n),
             "rows_per_s_wall": spread(v["wall"]),
             "rows_per_s_batches": spread(v["batches"]),
         }
@@ -183,7 +295,7 @@ def main() -> None:
     }
     ratios = {
         f"{k}_vs_{anchor}": ratio_spread(res[k]["wall"], res[anchor]["wall"])
-        for k in ("arrow", "plain", "arrow1")
+        for k in ("arrow", "plain", "arrow1", "bind-plain", "bind-producer")
         for anchor in ("synthetic", "rate")
     }
     targets = {

@@ -192,3 +192,32 @@ def test_bind_takes_reference_clients_that_come_and_go(spark, ctx, tmp_path):
     for r in sorted(rows, key=lambda r: (r.producer, r.seq)):
         by.setdefault(r.producer, []).append(bytes(r.value))
     assert by == {"origin:1": first, "origin:2": second, "origin:3": third}
+
+
+def test_streaming_query_fails_on_a_socket_kind_mismatch(spark, ctx, tmp_path):
+    """A peer whose socket libzmq refuses at the handshake (a PULL here, a SERVER in real
+    life): the query fails after connectTimeout naming the endpoint, both socket kinds
+    and the fix -- not silent reconnects and 0 rows."""
+    with ctx.socket(zmq.PULL) as wrong:
+        wrong.linger = 0
+        endpoint = f"tcp://127.0.0.1:{wrong.bind_to_random_port('tcp://127.0.0.1')}"
+        q = (
+            spark.readStream.format("zio")
+            .option("endpoints", endpoint)
+            .option("spoolPath", str(tmp_path / "spool"))
+            .option("connectTimeout", "2s")
+            .load()
+            .writeStream.format("noop")
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while q.isActive and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not q.isActive, "the query kept running"
+        finally:
+            q.stop()
+    text = str(q.exception())
+    assert endpoint in text and "DEALER" in text and "socket=clientserver" in text, text

@@ -26,12 +26,32 @@ As the client taker:
    handed back only while ``backlog + (outstanding + n) * K <= maxBacklog``: a slow query
    stops the producers and memory stays bounded.
 4. ``commit(end)`` (after Spark's commit of a micro-batch) acknowledges ``end - 1`` to the
-   producer on the next PAY, or on an ack-only PAY when no credit is held.
+   producer on the next PAY, or on an ack-only PAY when no credit is held -- only to a
+   giver whose terms have acks (:func:`~zio_spark.protocol.negotiate.pay_attrs`): a plain
+   giver never sees ``ack`` nor a PAY of 0. A plain giver that announces our whole offer
+   may be echoing it (a C++ reference server does, whatever its own window): its credit
+   goes as PAYs of 1, which a reference giver (one message taken per DAT sent) always
+   accepts. (A giver that writes its own BOT states its own credit: paid as usual.)
 
 A flow that fails (the peer disconnects, times out on BOT, or breaks the protocol) is
 closed, counted, and reopened after a back-off with a fresh BOT, so a restarted producer
-is picked up without restarting the query. Producer ids learned from BOTs are persisted
-in the spool folder (``peers.json``) so ``resume`` is right after a runner restart too.
+is picked up without restarting the query (with ``reconnect=False``, batch reads, it stays
+failed). A flow that brings no BOT within ``connectTimeout`` is reported with what the
+socket monitor saw: nothing listening, no BOT, or a failed ZMTP handshake -- socket kinds
+that cannot talk, which fails the receiver (``error``) naming both kinds and the fix,
+instead of reconnecting in silence. A plain giver's EOT is final: reopening would make a
+reference server give its whole stream again. Producer ids learned from BOTs are
+persisted in the spool folder (``peers.json``) so ``resume`` is right after a runner
+restart too.
+
+As the server taker (``bind``), one flow per client routing id: the client's BOT is its
+own statement (:func:`~zio_spark.protocol.negotiate.server_terms`); the reply states
+``resume``/``ack``/``encoding``/``batch`` to a zio-spark producer, and only the reversed
+direction and a credit no larger than the offer to a plain client. The partition id is
+the client's ``producer``, or ``origin:<n>`` from the BOT's coord for a plain client (see
+:meth:`Receiver._on_client_bot`). A client flow that ends or fails is dropped (the client
+opens a new one); a plain client that vanishes without EOT keeps its entry until the
+receiver stops (stock libzmq does not say which ROUTER peer left).
 """
 
 from __future__ import annotations
@@ -868,9 +888,12 @@ class Receiver:
         """The server's reply to our BOT: only what it states as its own counts."""
         terms = client_terms("taker", peer.sent, bot.attrs)
         self._start_flow(peer, terms.producer or peer.endpoint, terms)
-        # A plain giver that announces our whole offer may be echoing it (its real
-        # window unknown, possibly smaller): credit goes to it as PAYs of 1.
-        peer.pay_one = not terms.profile and bot.credit >= self.credit
+        # A plain giver that sent our BOT back (a reference server: every attribute of
+        # our offer returns) and announces our whole credit may be echoing that too, its
+        # real window unknown and possibly smaller: credit goes to it as PAYs of 1. A
+        # giver that wrote its own BOT states its own credit.
+        echoed = all(bot.attrs.get(k) == v for k, v in peer.sent.items())
+        peer.pay_one = not terms.profile and echoed and bot.credit >= self.credit
         if self._known_ids.get(peer.endpoint) != peer.producer:
             self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
             self._save_ids()
