@@ -78,7 +78,9 @@ class Proc:
             os.killpg(self.pid, sig)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM the group, SIGKILL whatever is left after ``timeout``."""
+        """SIGTERM the group, SIGKILL whatever is left after ``timeout``, then any
+        descendant in a group of its own (PySpark's worker daemons) still alive."""
+        below = [(pid, _start_time(pid)) for pid in descendants(self.pid)]
         self.signal_group(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout)
@@ -89,6 +91,10 @@ class Proc:
         while time.monotonic() < deadline and _group_alive(self.pid):
             self.signal_group(signal.SIGKILL)
             time.sleep(0.1)
+        for pid, started in below:
+            if started is not None and _start_time(pid) == started:  # not a reused pid
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
 
     def tail(self, lines: int = 40) -> str:
         try:
@@ -96,6 +102,13 @@ class Proc:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _group_alive(pgid: int) -> bool:
@@ -117,6 +130,37 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first found, then theirs)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid``, its process group and every descendant (some, like PySpark's
+    worker daemon, live in process groups of their own); return the pids signalled."""
+    tree = [pid, *descendants(pid)]
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    return tree
 
 
 def wait_tcp(port: int, proc: Proc, timeout: float, what: str) -> None:
