@@ -52,6 +52,37 @@ def test_notebook_is_stored_clean() -> None:
 def test_quickstart_runs_top_to_bottom(
     kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("ZIO_QUICKSTART_REMOTE", raising=False)
+    code = _run_and_check(kernel_name, tmp_path, monkeypatch)
+    assert "(local)" in _text(code[0])
+
+
+@pytest.mark.timeout(CELL_TIMEOUT + 420)
+def test_quickstart_runs_through_spark_connect(
+    kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same cells through a Spark Connect session (the notebook's parameter), as on
+    Databricks serverless: a server from pyspark's own distribution on loopback."""
+    from tests.cluster.spark_procs import start_connect_server
+
+    server, url = start_connect_server(tmp_path / "connect")
+    try:
+        monkeypatch.setenv("ZIO_QUICKSTART_REMOTE", url)
+        code = _run_and_check(kernel_name, tmp_path, monkeypatch)
+        assert f"(Connect {url})" in _text(code[0])
+    finally:
+        server.stop()
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+
+
+def _run_and_check(
+    kernel_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> list[nbformat.NotebookNode]:
+    """Run the notebook; check its plot, its exactly-once cell and its clean-up; return
+    its code cells as run."""
     run_dir = tmp_path / "run"
     temp = tmp_path / "tmp"
     run_dir.mkdir()
@@ -71,9 +102,7 @@ def test_quickstart_runs_top_to_bottom(
         resources={"metadata": {"path": str(run_dir)}},
     )
     client.execute()  # raises CellExecutionError on the first failing cell
-
-    def text(cell: nbformat.NotebookNode) -> str:
-        return "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    text = _text
 
     assert text(nb.cells[n_cells]) == sys.executable, "the kernel ran another interpreter"
     code = [c for c in nb.cells[:n_cells] if c.cell_type == "code"]
@@ -87,3 +116,4 @@ def test_quickstart_runs_top_to_bottom(
     assert png.is_file(), f"{png} was not written"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (work[0] / "spool").exists(), "the clean-up cell did not remove the spool"
+    return code
