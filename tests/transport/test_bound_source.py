@@ -252,5 +252,5 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
     got = _contents(spool, "pc")
     assert got == [(s, b"r%d" % s) for s in range(3001, 6001)]  # 1..3000 were committed
     assert r2.error is None and sum(s.duplicates for s in r2.status()) >= 0
-    replaced = [s for s in r2.status() if s.state == "failed"]
-    assert all("replaced" in str(s.last_error) for s in replaced)
+    # The first producer's flow (if r2 still had it) was replaced, not failed.
+    assert all(s.state != "failed" for s in r2.status()), r2.status()

@@ -396,7 +396,17 @@ class Receiver:
             self.ctx, mode=self.mode, linger_ms=0, send_timeout_ms=1000, sndhwm=0, **kwargs
         )
         try:
-            actual = port.bind(endpoint)
+            # A receiver of this process that just stopped may still hold the address
+            # for a moment (libzmq closes sockets in its I/O thread): retry briefly.
+            deadline = time.monotonic() + _REBIND_S
+            while True:
+                try:
+                    actual = port.bind(endpoint)
+                    break
+                except TransportError as e:
+                    if "in use" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
             monitor = port.socket.get_monitor_socket(_BOUND_EVENTS)
         except BaseException:
             port.close(linger_ms=0)
@@ -942,7 +952,15 @@ class Receiver:
         if terms.producer is not None:
             for other in list(peer.bound.flows.values()):
                 if other is not peer and other.producer == producer:
-                    self._fail(other, "replaced by a new flow of the same producer", now)
+                    log.info(
+                        "zio source: %s replaces the flow of producer %r from %s",
+                        peer.endpoint,
+                        producer,
+                        other.endpoint,
+                    )
+                    other.status.state = "ended"
+                    other.status.last_error = "replaced by a new flow of the same producer"
+                    self._end_flow(other, eot=True)
         self._start_flow(peer, producer, terms)
         attrs: dict[str, Any] = {}
         if terms.encoding is not None:
@@ -1091,6 +1109,7 @@ _CLIENT_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _BOUND_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_REBIND_S = 5.0  # how long a bind waits for an address a closing socket still holds
 # Client flows of a bound port that ended or failed, kept for status().
 _DONE_KEPT = 1000
 _LOG_STRAY_FIRST = 20

@@ -463,7 +463,10 @@ def _raise_failed(recv: Receiver, timeout: float) -> None:
     if recv.error is not None:
         raise recv.error
     problems = []
+    named = set(recv.endpoints())  # a bound port's client flows come and go: logged only
     for st in recv.status():
+        if st.endpoint not in named:
+            continue
         if st.state == "failed":
             problems.append(f"{st.endpoint}: {st.last_error}")
         elif st.state in ("connecting", "waiting"):
