@@ -254,3 +254,29 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
     assert r2.error is None and sum(s.duplicates for s in r2.status()) >= 0
     # The first producer's flow (if r2 still had it) was replaced, not failed.
     assert all(s.state != "failed" for s in r2.status()), r2.status()
+
+
+def test_bind_with_curve_takes_an_encrypted_producer_client(ctx, spool, things):
+    """CURVE on the bound port: our key pair; the client uses our public key."""
+    from zio_spark.transport.producer import Producer
+
+    server_pub, server_sec = zmq.curve_keypair()
+    client_pub, client_sec = zmq.curve_keypair()
+    _, endpoint = _bound(things, spool, ctx, curve=(server_pub, server_pub, server_sec))
+    prod = Producer(
+        connect=endpoint,
+        producer_id="sealed",
+        ctx=ctx,
+        linger_ms=0,
+        curve_server_key=server_pub,
+        curve_public_key=client_pub,
+        curve_secret_key=client_sec,
+    )
+    things.append(prod)
+    prod.send_many([b"s%d" % i for i in range(100)])
+    _wait(lambda: spool.next_seq("sealed") == 101, what="the records over CURVE")
+    assert _values(spool, "sealed") == [b"s%d" % i for i in range(100)]
+    # A client without the keys gets nothing through.
+    plain = _client(things, ctx, endpoint, [b"nope"], flavor="cpp", origin=9, deadline_s=1.0)
+    plain.wait(10)
+    assert not plain.done and "origin:9" not in spool.producers()
