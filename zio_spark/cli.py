@@ -310,6 +310,11 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        import zio_spark.spark  # noqa: F401  (checks for a Spark, an optional extra)
+    except ImportError as e:  # no pyspark, or one too old: the message says which and why
+        print(f"zio-spark demo: {e}", file=sys.stderr)
+        return EXIT_USAGE
     from zio_spark.demo import run_demo
 
     return run_demo(args)
