@@ -280,3 +280,24 @@ def test_bind_with_curve_takes_an_encrypted_producer_client(ctx, spool, things):
     plain = _client(things, ctx, endpoint, [b"nope"], flavor="cpp", origin=9, deadline_s=1.0)
     plain.wait(10)
     assert not plain.done and "origin:9" not in spool.producers()
+
+
+def test_plain_clients_sharing_an_origin_share_one_backlog(ctx, spool, things):
+    """Two plain clients with one origin feed one partition: maxBacklog bounds the
+    partition, not each flow (their credit out counts together)."""
+    r, endpoint = _bound(things, spool, ctx, credit=10, max_backlog=30)
+    a = _client(things, ctx, endpoint, [b"a%d" % i for i in range(60)], flavor="cpp", origin=5)
+    b = _client(things, ctx, endpoint, [b"b%d" % i for i in range(60)], flavor="cpp", origin=5)
+    _wait(lambda: len(r.status()) == 2 and spool.backlog().get("origin:5") == 30, what="full")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.5:  # it stays at the bound: no credit beyond it
+        assert spool.backlog()["origin:5"] <= 30
+        time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while not (a.finished and b.finished):
+        assert time.monotonic() < deadline, spool.backlog()
+        r.commit(spool.seal())
+        assert spool.backlog().get("origin:5", 0) <= 30
+        time.sleep(0.02)
+    assert a.done and b.done, (a.errors, b.errors)
+    assert sum(s.records for s in r.status()) == 120

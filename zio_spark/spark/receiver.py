@@ -651,9 +651,19 @@ class Receiver:
                 self._no_bot(peer, now)
         if appended:
             self.spool.flush()
-        for peer in self._flows():
-            if peer.flow is not None and (peer.port is not None or peer.bound is not None):
-                self._pay(peer, now)
+        flows = [
+            p
+            for p in self._flows()
+            if p.flow is not None and (p.port is not None or p.bound is not None)
+        ]
+        # Credit out per producer: plain clients of a bound port may share one, and
+        # maxBacklog bounds the partition, whichever flows feed it.
+        out: dict[str | None, int] = collections.Counter()
+        for peer in flows:
+            assert peer.flow is not None
+            out[peer.producer] += peer.flow.outstanding
+        for peer in flows:
+            self._pay(peer, now, out)
         if not ready and self._quiet_since is None:
             self._quiet_since = self.clock()
 
@@ -1051,7 +1061,7 @@ class Receiver:
             self._committed[producer] = max(self._committed.get(producer, 0), first)
         return self.spool.next_seq(producer) - 1
 
-    def _pay(self, peer: _Peer, now: float) -> None:
+    def _pay(self, peer: _Peer, now: float, out: dict[str | None, int]) -> None:
         flow = peer.flow
         assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
@@ -1065,7 +1075,7 @@ class Receiver:
             # Records a DAT may carry: up to ``batch`` (or what the producer was seen to
             # send) in Arrow, exactly one in a plain DAT.
             per_dat = max(self.batch, peer.dat_rows) if peer.arrow else 1
-            room = (self.max_backlog - backlog) // per_dat - flow.outstanding
+            room = (self.max_backlog - backlog) // per_dat - out[peer.producer]
             if peer.arrow and peer.dat_rows == 0:
                 room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
             n = max(0, min(held, room))
@@ -1087,6 +1097,7 @@ class Receiver:
         except TransportError as e:
             self._fail(peer, f"cannot send PAY: {e}", now)
             return
+        out[peer.producer] += n
         if attrs is not None:
             peer.acked = ack
             self.stats["acks_sent"] += 1
