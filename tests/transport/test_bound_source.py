@@ -301,3 +301,20 @@ def test_plain_clients_sharing_an_origin_share_one_backlog(ctx, spool, things):
         time.sleep(0.02)
     assert a.done and b.done, (a.errors, b.errors)
     assert sum(s.records for s in r.status()) == 120
+
+
+def test_a_dat_outside_any_flow_is_answered_with_an_eot(ctx, spool, things):
+    """A client whose flow this source does not know (it restarted, or dropped the flow)
+    is told once with an EOT, instead of waiting for credit forever."""
+    r, endpoint = _bound(things, spool, ctx)
+    with ctx.socket(zmq.DEALER) as d:
+        d.linger = 0
+        d.connect(endpoint)
+        for _ in range(3):
+            d.send_multipart([b"", b'ZIO0FLOW{"flow":"DAT"}', b"\0" * 24, b"lost"])
+        assert d.poll(10_000), "no answer to a DAT outside any flow"
+        _, prefix, _coord = d.recv_multipart()
+        assert not d.poll(300), "told more than once"
+    label = json.loads(prefix[len(b"ZIO0FLOW") :])
+    assert label["flow"] == "EOT" and "open a new one with a BOT" in label["reason"]
+    assert r.stats["stray_messages"] == 3 and r.status() == []

@@ -85,7 +85,13 @@ from zio_spark.protocol.flow import (
     Rejected,
     Role,
 )
-from zio_spark.protocol.message import DAT_LABEL, FLOW_FORM, Message
+from zio_spark.protocol.message import (
+    DAT_LABEL,
+    FLOW_FORM,
+    Message,
+    encode_flow_label,
+    parse_flow_label,
+)
 from zio_spark.protocol.negotiate import PLAIN, Terms, client_terms, pay_attrs, server_terms
 from zio_spark.queue.spool import WAL_SCHEMA, Record, Spool
 from zio_spark.records import ENCODING, decode_batch, plain_value
@@ -146,6 +152,7 @@ class _Bound:
     origin: int = 0
     monitor: zmq.Socket[bytes] | None = None
     accepted: int = 0  # connections accepted and not yet handshaken
+    told: dict[PeerId, None] = field(default_factory=dict)  # strays sent an EOT (bounded)
 
 
 @dataclass
@@ -763,10 +770,10 @@ class Receiver:
         try:
             event = flow.receive(msg)
         except ProtocolError as e:
-            self._stray(b, name, str(e))
+            self._stray(b, rid, name, msg, str(e))
             return None
         if not isinstance(event, BotReceived):
-            self._stray(b, name, f"{type(event).__name__} before any BOT")
+            self._stray(b, rid, name, msg, f"{type(event).__name__} before any BOT")
             return None
         peer = _Peer(name, PeerStatus(name), bound=b, rid=rid, flow=flow)
         with self._lock:
@@ -778,12 +785,32 @@ class Receiver:
             self._fail(peer, f"{type(e).__name__}: {e}", now)
         return peer
 
-    def _stray(self, b: _Bound, name: str, why: str) -> None:
-        # A client without a flow (ours failed it, or it never sent a BOT): nothing to
-        # answer; counted, and logged while rare.
+    def _stray(self, b: _Bound, rid: PeerId, name: str, msg: Message, why: str) -> None:
+        """A client without a flow here: ours failed it, or this receiver restarted while
+        the client's flow was open, or it never sent a BOT. Counted, logged while rare,
+        and a DAT or PAY is answered once with an EOT that says so: the client ends that
+        flow instead of waiting for credit that will never come."""
         self.stats["stray_messages"] += 1
         if self.stats["stray_messages"] <= _LOG_STRAY_FIRST:
             log.warning("zio source: %s sent a message outside any flow (%s); dropped", name, why)
+        try:
+            kind = parse_flow_label(msg.label).get("flow") if msg.form == FLOW_FORM else None
+        except RemoteProtocolError:
+            kind = None
+        if kind not in ("DAT", "PAY") or rid in b.told:
+            return
+        b.told[rid] = None
+        while len(b.told) > _DONE_KEPT:
+            del b.told[next(iter(b.told))]
+        label = encode_flow_label(
+            {
+                "flow": "EOT",
+                "reason": "no flow with you here (ended, or this source restarted): "
+                "open a new one with a BOT",
+            }
+        )
+        with contextlib.suppress(TransportError):
+            b.port.send(Message(FLOW_FORM, label, 0, b.origin, 0, 0, ()), rid, timeout_ms=100)
 
     def _on_bound_monitor(self, b: _Bound) -> None:
         assert b.monitor is not None
