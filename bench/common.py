@@ -224,6 +224,7 @@ class PlainGiver:
         from zio_spark.errors import ProtocolError
         from zio_spark.protocol.flow import BotReceived, EotReceived, Flow, FlowState, Role
         from zio_spark.protocol.message import DatCodec
+        from zio_spark.transport.port import UnknownPeerError
 
         port, codec, payload = self._port, DatCodec(0), (self.value,)
         flows: dict[Any, Flow] = {}
@@ -247,9 +248,12 @@ class PlainGiver:
                 k = min(flow.credit, self.n - self.sent)
                 if k > 0 and flow.state is FlowState.READY:
                     first = flow.send_dats(k)
-                    for i in range(k):
-                        port.send_dat(codec, first + i, payload, peer)
-                    self.sent += k
+                    try:
+                        for i in range(k):
+                            port.send_dat(codec, first + i, payload, peer)
+                            self.sent += 1
+                    except UnknownPeerError:  # the taker went away (its query ended)
+                        del flows[peer]
 
     def close(self) -> None:
         self._stop.set()

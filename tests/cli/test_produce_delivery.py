@@ -128,8 +128,18 @@ def test_a_full_window_is_reported_with_the_time_spent_waiting(capsys):
     """Nobody acknowledges: the 5-record window fills, the rest cannot even be queued, and
     the summary says how long produce waited for acknowledgements."""
     rc, _ = Run(
-        ["produce", "--bind", free_endpoint(), "--count", "20", "--window", "5"]
-        + ["--timeout", "500ms", "--json"]
+        [
+            "produce",
+            "--bind",
+            free_endpoint(),
+            "--count",
+            "20",
+            "--window",
+            "5",
+            "--timeout",
+            "500ms",
+            "--json",
+        ]
     ).result()
     assert rc == 1
     s, err = summary(capsys)
