@@ -8,16 +8,13 @@ summary on stdout; endpoints are 127.0.0.1 random ports; every wait has a deadli
 
 from __future__ import annotations
 
-import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
 
+from tests.cli_support import Run, free_endpoint, last_json
 from tests.peers.zio_reference import ReferenceClientTaker, ReferenceServer
 from zio_spark.cli import main
 
@@ -25,41 +22,11 @@ WAIT = 30.0
 HAVE_DRAFT = bool(zmq.has("draft") and zmq.DRAFT_API)
 
 
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-class Run:
-    """``main(argv)`` in a thread; ``result()`` joins it with a deadline."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.rc: int | None = None
-        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
-        self.started = time.monotonic()
-        self.thread.start()
-
-    def _run(self, argv: list[str]) -> None:
-        self.rc = main(argv)
-
-    def result(self, timeout: float = WAIT) -> tuple[int, float]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"produce still running after {timeout} s"
-        assert self.rc is not None
-        return self.rc, time.monotonic() - self.started
-
-
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context[Any]]:
     c: zmq.Context[Any] = zmq.Context()
     yield c
     c.term()
-
-
-def summary(capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str]:
-    out, err = capsys.readouterr()
-    return json.loads(out.strip().splitlines()[-1]), err
 
 
 @pytest.mark.parametrize("wait_ack", [False, True], ids=["default", "wait-ack"])
@@ -73,7 +40,7 @@ def test_connect_to_a_plain_reference_server_exits_0_after_delivery(ctx, capsys,
         assert rc == 0
         assert ref.received == [b"xxx"] * 700
         assert ref.eots_received == 1 and ref.errors == []
-    s, err = summary(capsys)
+    s, err = last_json(capsys)
     assert (s["queued"], s["sent"], s["acked"], s["confirmed"], s["delivered"]) == (
         700,
         700,
@@ -96,7 +63,7 @@ def test_bind_to_a_plain_reference_client_taker_exits_0_after_delivery(ctx, caps
         taker.close()
     assert rc == 0
     assert len(taker.received) == 300 and taker.eots_received == 1
-    s, _ = summary(capsys)
+    s, _ = last_json(capsys)
     assert (s["queued"], s["sent"], s["confirmed"], s["delivered"]) == (300, 300, 300, 300)
     assert s["acks"] is False and s["topology"] == "bind"
 
@@ -109,7 +76,7 @@ def test_to_nobody_exits_1_after_the_timeout_with_the_numbers(capsys, topology):
     ).result()
     assert rc == 1
     assert 0.7 <= took < 10.0
-    s, err = summary(capsys)
+    s, err = last_json(capsys)
     assert (s["queued"], s["sent"], s["acked"], s["confirmed"], s["delivered"]) == (
         10,
         0,
@@ -142,7 +109,7 @@ def test_a_full_window_is_reported_with_the_time_spent_waiting(capsys):
         ]
     ).result()
     assert rc == 1
-    s, err = summary(capsys)
+    s, err = last_json(capsys)
     assert s["window"]["records"] == 5 and s["window"]["bytes"] == 256 << 20
     assert s["queued"] == 5 and s["delivered"] == 0
     assert s["blocked_seconds"] >= 0.5
@@ -160,7 +127,7 @@ def test_a_plain_taker_that_ends_early_is_a_shortfall(ctx, capsys):
     finally:
         taker.close()
     assert rc == 1
-    s, err = summary(capsys)
+    s, err = last_json(capsys)
     assert s["confirmed"] == 0 and s["delivered"] == 0 and s["sent"] >= 40
     assert "delivered 0 of 100 records" in err
 

@@ -9,9 +9,6 @@ side is in ``tests/cli/test_produce_delivery.py``). The commands run in a thread
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,35 +16,10 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.cli_support import Run, free_endpoint, last_json
 from tests.peers.zio_reference import ReferenceClientGiver, ReferenceClientTaker, ReferenceServer
-from zio_spark.cli import main
 
 WAIT = 30.0
-
-
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-class Run:
-    """``main(argv)`` in a thread; ``result()`` joins it with a deadline."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.rc: int | None = None
-        self.thread = threading.Thread(target=self._run, args=(argv,), daemon=True)
-        self.started = time.monotonic()
-        self.thread.start()
-
-    def _run(self, argv: list[str]) -> None:
-        self.rc = main(argv)
-
-    def result(self, timeout: float = WAIT) -> tuple[int, float]:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"command still running after {timeout} s"
-        assert self.rc is not None
-        return self.rc, time.monotonic() - self.started
 
 
 @pytest.fixture
@@ -55,11 +27,6 @@ def zctx() -> Iterator[zmq.Context[Any]]:
     c: zmq.Context[Any] = zmq.Context()
     yield c
     c.term()
-
-
-def last_json(capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], str]:
-    out, err = capsys.readouterr()
-    return json.loads(out.strip().splitlines()[-1]), err
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
