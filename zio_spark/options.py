@@ -211,7 +211,7 @@ class SourceOptions:
     spool_path: str = ""
     spool_path_given: bool = False
     spool_access: str = "auto"
-    spool_server_host: str = "0.0.0.0"
+    spool_server_host: str | None = None  # None: the driver's Spark host address
     fail_on_data_loss: bool = True
     connect_timeout: float = 30.0
     socket: str = "auto"
@@ -280,7 +280,11 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         lambda n, v: parse_choice(n, v, ("auto", "local", "remote")),
         "how executors read the spool",
     ),
-    "spoolServerHost": (None, "address the driver's segment server binds and advertises"),
+    "spoolServerHost": (
+        lambda n, v: _server_host(n, v),
+        "address the driver's segment server binds and advertises "
+        "(default: the driver's Spark host address)",
+    ),
     "failOnDataLoss": (parse_bool, "fail the query when records are known lost"),
     "maxRecords": (lambda n, v: parse_int(n, v, minimum=1), "batch read: stop after this many"),
     "timeout": (parse_duration, "batch read: stop after this long"),
@@ -306,6 +310,24 @@ def _bind_endpoints(name: str, value: str) -> tuple[str, ...]:
                 name, p, "an endpoint other processes can connect to: tcp:// or ipc://"
             )
     return parts
+
+
+_HOST_NAME = re.compile(r"^(\*|[A-Za-z0-9_\-.]+|\[?[0-9A-Fa-f:.]+\]?)$")
+
+
+def _server_host(name: str, value: str | None) -> str | None:
+    """A host to listen on: a name, an IPv4/IPv6 address, or 0.0.0.0 (every interface)."""
+    if value is None or not value.strip():
+        return None  # unset: the driver's Spark host address
+    v = value.strip()
+    if not _HOST_NAME.match(v) or v.count(":") == 1:
+        raise ConfigError(
+            name,
+            value,
+            "a host name or IP address of the driver, without scheme or port "
+            "(e.g. 10.0.0.5; 0.0.0.0 for every interface)",
+        )
+    return v
 
 
 _PORT_NAME = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -424,9 +446,8 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
         or default_spool_path(stream, endpoints + bind, zre.group if zre else None),
         spool_path_given=spool is not None,
         spool_access=opts.get("spoolAccess", "auto"),
-        spool_server_host=opts.get(
-            "spoolServerHost", os.environ.get("ZIO_SPOOL_SERVER_HOST", "0.0.0.0")
-        ),
+        spool_server_host=opts.get("spoolServerHost")
+        or _server_host("ZIO_SPOOL_SERVER_HOST", os.environ.get("ZIO_SPOOL_SERVER_HOST")),
         fail_on_data_loss=opts.get("failOnDataLoss", True),
         connect_timeout=opts.get("connectTimeout", 30.0),
         socket=opts.get("socket", "auto"),

@@ -6,22 +6,36 @@ The runner exposes a :class:`SegmentServer` (a ROUTER in a thread). A request is
 ``[b"ERR", kind, text]`` where ``kind`` is ``missing`` (a :class:`DataLossError`) or
 ``bad`` (a malformed request). Reads are the same :func:`read_sealed` the local path
 uses, so remote and local reads return identical batches.
+
+The server is locked (issue #15): it binds one address, by default the driver's Spark
+host address (:func:`driver_host`), never every interface unless told so, and speaks
+CURVE only. Each server draws a fresh key pair for itself and one for its readers
+(:class:`SegmentKeys`); the partitions carry the server's public key and the reader key
+pair to the executors, and a ZAP handler on the server's private context admits that
+reader key alone. A reader without it gets no answer, and no record crosses the wire in
+clear.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import os
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import pyarrow as pa
 import zmq
+import zmq.utils.monitor
 
 from zio_spark.errors import DataLossError, RemoteProtocolError, TransportError
 from zio_spark.queue.spool import read_sealed
+from zio_spark.transport.port import CurveAuthenticator, start_authenticator
 
-__all__ = ["SegmentServer", "fetch_range"]
+__all__ = ["SegmentKeys", "SegmentServer", "driver_host", "fetch_range"]
 
 log = logging.getLogger("zio_spark.source")
 
@@ -33,16 +47,157 @@ def _ipc(batch: pa.RecordBatch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-class SegmentServer:
-    """Serve sealed ranges of the spool at ``path`` on ``bind`` (a thread owns the socket)."""
+_LOOPBACK = "127.0.0.1"
 
-    def __init__(self, path: str, bind: str = "tcp://127.0.0.1:*") -> None:
+
+def _spark_conf_value(key: str, env: Mapping[str, str]) -> tuple[str, str] | None:
+    """``key`` from ``spark-defaults.conf`` ($SPARK_CONF_DIR, else $SPARK_HOME/conf)."""
+    conf_dir = env.get("SPARK_CONF_DIR") or (
+        os.path.join(env["SPARK_HOME"], "conf") if env.get("SPARK_HOME") else None
+    )
+    if not conf_dir:
+        return None
+    path = os.path.join(conf_dir, "spark-defaults.conf")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2 and parts[0] == key and not parts[0].startswith("#"):
+            found = parts[1].strip()  # the last one wins, as in Spark
+    return (found, f"{key} in {path}") if found else None
+
+
+def _detected_address() -> str:
+    """The address Spark's driver would pick with nothing configured.
+
+    Spark (``Utils.findLocalInetAddress``) takes the address of this host's name, and if
+    that is a loopback address, an address of a network interface. The interface here is
+    the one of the default route (a UDP ``connect`` sends nothing); no route: loopback.
+    """
+    with contextlib.suppress(OSError):
+        addr = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # TEST-NET-1: never routed anywhere real
+        addr = str(s.getsockname()[0])
+        if addr != "0.0.0.0":
+            return addr
+    return _LOOPBACK
+
+
+def driver_host(env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The driver's Spark host address as the source runner can know it, and whence.
+
+    The runner is a Python process the driver's JVM starts: it does not see the session's
+    SparkConf, only the environment and the Spark configuration files. In Spark's order
+    for ``spark.driver.host``: the value in ``spark-defaults.conf``, then
+    ``SPARK_LOCAL_HOSTNAME``, then ``SPARK_LOCAL_IP``, then the address Spark itself would
+    detect (:func:`_detected_address`). Never every interface: a ``spark.driver.host`` set
+    only in code is invisible here, so ``spoolServerHost`` names it then.
+    """
+    env = os.environ if env is None else env
+    conf = _spark_conf_value("spark.driver.host", env)
+    if conf is not None:
+        return conf
+    for var in ("SPARK_LOCAL_HOSTNAME", "SPARK_LOCAL_IP"):
+        if env.get(var, "").strip():
+            return env[var].strip(), var
+    return _detected_address(), "this host's address (as Spark detects it)"
+
+
+def _everywhere(host: str) -> bool:
+    return host in ("*", "0.0.0.0", "::", "[::]")
+
+
+def _tcp(host: str) -> str:
+    """``host`` as the host part of a tcp endpoint (IPv6 literals in brackets)."""
+    bare = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(bare).version == 6:
+            return f"[{bare}]"
+    return host
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentKeys:
+    """The CURVE keys of one segment server run (Z85 text; pickled into partitions).
+
+    ``server_public``: the server's public key, which readers check. ``reader_public`` and
+    ``reader_secret``: the one key pair the server admits. The server's secret key stays
+    in the runner.
+    """
+
+    server_public: str
+    reader_public: str
+    reader_secret: str
+
+    def __repr__(self) -> str:  # never print a secret in a log or a Spark plan
+        return f"SegmentKeys(server_public={self.server_public!r}, reader_public=...)"
+
+
+def _require_curve() -> None:
+    if not zmq.has("curve"):
+        raise TransportError(
+            "the segment server needs CURVE but this libzmq has none: install the pyzmq "
+            "wheel from PyPI (or a libzmq built with libsodium), or set spoolAccess=local "
+            "with a spoolPath every executor can read"
+        )
+
+
+class SegmentServer:
+    """Serve sealed ranges of the spool at ``path`` on ``host`` (a thread owns the socket).
+
+    ``host`` is an address of this machine (or a name resolving to one); ``"0.0.0.0"``
+    (every interface) only when asked for. CURVE is always on: :attr:`keys` are this run's
+    server public key and the only reader key pair admitted. :attr:`endpoint` is what
+    readers connect to (the host as given; every interface: this host's name).
+    """
+
+    def __init__(self, path: str, host: str = _LOOPBACK) -> None:
+        _require_curve()
         self.path = path
-        self.ctx = zmq.Context.instance()
+        server_public, server_secret = zmq.curve_keypair()
+        reader_public, reader_secret = zmq.curve_keypair()
+        self.keys = SegmentKeys(
+            server_public.decode("ascii"),
+            reader_public.decode("ascii"),
+            reader_secret.decode("ascii"),
+        )
+        # A private context: ZAP handlers are one per context, and the runner's receiver
+        # may run its own for a CURVE-protected bind.
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._auth: CurveAuthenticator | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.linger = 0
-        self.sock.bind(bind)
-        self.endpoint: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.sock.linger = 0
+            self.sock.curve_server = True
+            self.sock.curve_secretkey = server_secret
+            self.sock.zap_domain = b"zio-segments"
+            self._auth = start_authenticator(self.ctx, [reader_public], domain="zio-segments")
+            where = _tcp(host)
+            if ":" in where:
+                self.sock.ipv6 = True
+            try:
+                self.sock.bind(f"tcp://{where}:*")
+            except zmq.ZMQError as e:
+                raise TransportError(
+                    f"the segment server cannot listen on {host!r}: {e}; set the source "
+                    "option spoolServerHost to an address of this machine that executors "
+                    "can reach",
+                    endpoint=f"tcp://{where}:*",
+                ) from e
+        except BaseException:
+            self._close()
+            raise
+        self.bound: str = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        port = self.bound.rsplit(":", 1)[1]
+        advertised = socket.gethostname() if _everywhere(host) else where
+        self.endpoint: str = f"tcp://{advertised}:{port}"
         self.requests = 0
         self.bad_requests = 0
         self._stop = threading.Event()
@@ -52,16 +207,23 @@ class SegmentServer:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._close()
+
+    def _close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.ctx.term()
 
     def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self.sock.poll(100):
-                    continue
-                frames = self.sock.recv_multipart()
-                self._serve(frames)
-        finally:
-            self.sock.close(0)
+        while not self._stop.is_set():
+            if not self.sock.poll(100):
+                continue
+            frames = self.sock.recv_multipart()
+            self._serve(frames)
 
     def _serve(self, frames: list[bytes]) -> None:
         ident, req = frames[0], frames[1:]
@@ -88,28 +250,62 @@ class SegmentServer:
         self.sock.send_multipart([ident, b"END"])
 
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
 def fetch_range(
-    endpoint: str, producer: str, start: int, end: int, timeout: float = 60.0
+    endpoint: str,
+    keys: SegmentKeys,
+    producer: str,
+    start: int,
+    end: int,
+    timeout: float = 60.0,
 ) -> Iterator[pa.RecordBatch]:
-    """Fetch ``[start, end)`` of ``producer`` from a :class:`SegmentServer`.
+    """Fetch ``[start, end)`` of ``producer`` from a :class:`SegmentServer`, over CURVE.
+
+    ``keys`` are the server's (carried in the partition): the reader authenticates with
+    them and checks the server's public key.
 
     Raises
     ------
     DataLossError
         If the range is no longer (or not yet) in the spool.
     TransportError
-        On timeout or a malformed answer.
+        On timeout, a refused CURVE handshake (keys of another run) or a malformed answer.
     """
+    _require_curve()
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
     try:
+        sock.curve_serverkey = keys.server_public.encode("ascii")
+        sock.curve_publickey = keys.reader_public.encode("ascii")
+        sock.curve_secretkey = keys.reader_secret.encode("ascii")
+        if endpoint.startswith("tcp://["):
+            sock.ipv6 = True
         sock.connect(endpoint)
         sock.send_multipart([b"READ", producer.encode(), str(start).encode(), str(end).encode()])
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
-            if not sock.poll(int(timeout * 1000)):
+            ready = dict(poller.poll(int(timeout * 1000)))
+            if not ready:
                 raise TransportError(
                     f"no answer from the segment server within {timeout} s", endpoint=endpoint
+                )
+            if monitor in ready:
+                event = zmq.utils.monitor.recv_monitor_message(monitor)
+                raise TransportError(
+                    "the segment server refused our CURVE handshake (event "
+                    f"{event['event']!r}, errno {event['value']}): this partition's keys are "
+                    "not those of the server's run (a restarted query? a stale task?)",
+                    endpoint=endpoint,
                 )
             parts = sock.recv_multipart()
             kind = parts[0] if parts else b""
@@ -128,5 +324,9 @@ def fetch_range(
                 f"bad answer from the segment server: {parts[:1]!r}", endpoint=endpoint
             )
     finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        with contextlib.suppress(zmq.ZMQError):
+            monitor.close(0)
         with contextlib.suppress(zmq.ZMQError):
             sock.close(0)

@@ -45,7 +45,7 @@ from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions, parse_source_options
 from zio_spark.queue.spool import SPARK_SCHEMA, Spool, project, read_sealed
 from zio_spark.spark.receiver import Receiver
-from zio_spark.spark.segments import SegmentServer, fetch_range
+from zio_spark.spark.segments import SegmentKeys, SegmentServer, driver_host, fetch_range
 from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]
@@ -97,6 +97,8 @@ class ZioPartition(InputPartition):  # type: ignore[misc]
     access: str
     fail_on_data_loss: bool
     columns: tuple[str, ...]
+    # The segment server's CURVE keys for this run (None with no server).
+    keys: SegmentKeys | None = None
 
 
 def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
@@ -104,10 +106,10 @@ def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
         p.access == "auto" and p.host == socket.gethostname() and os.path.isdir(p.spool_path)
     )
     try:
-        if local or p.server is None:
+        if local or p.server is None or p.keys is None:
             batches = read_sealed(p.spool_path, p.producer, p.start, p.end)
         else:
-            batches = fetch_range(p.server, p.producer, p.start, p.end)
+            batches = fetch_range(p.server, p.keys, p.producer, p.start, p.end)
         for batch in batches:
             yield project(batch, p.columns) if len(p.columns) != len(SPARK_SCHEMA) else batch
     except DataLossError:
@@ -202,18 +204,31 @@ class _Runtime:
         self.receiver = self.inlet.receiver
         self.server: SegmentServer | None = None
         if opts.spool_access != "local":
-            # Executors on other hosts must reach it: by default listen on every
-            # interface and advertise the host name (server_endpoint).
-            self.server = SegmentServer(opts.spool_path, f"tcp://{opts.spool_server_host}:*")
+            # Executors on other hosts must reach it, and no one else: it listens on the
+            # driver's Spark host address unless spoolServerHost says otherwise, and
+            # admits only this run's reader key (carried in the partitions).
+            if opts.spool_server_host:
+                host, why = opts.spool_server_host, "spoolServerHost"
+            else:
+                host, why = driver_host()
+            try:
+                self.server = SegmentServer(opts.spool_path, host)
+            except BaseException:
+                self.inlet.stop()
+                self.spool.close()
+                raise
+            log.info(
+                "zio source: segment server on %s (host from %s), CURVE on",
+                self.server.endpoint,
+                why,
+            )
         self.stopped = False
 
     def server_endpoint(self) -> str | None:
-        if self.server is None:
-            return None
-        ep = self.server.endpoint
-        if ep.startswith("tcp://0.0.0.0:"):
-            return f"tcp://{socket.gethostname()}:{ep.rsplit(':', 1)[1]}"
-        return ep
+        return None if self.server is None else self.server.endpoint
+
+    def server_keys(self) -> SegmentKeys | None:
+        return None if self.server is None else self.server.keys
 
     def stop(self) -> None:
         if self.stopped:
@@ -348,6 +363,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                         self.opts.spool_access,
                         self.opts.fail_on_data_loss,
                         self.columns,
+                        rt.server_keys(),
                     )
                 )
         return out
