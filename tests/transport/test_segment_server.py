@@ -169,4 +169,4 @@ def test_bad_spool_server_host_names_the_option(bad: str) -> None:
 
 def test_unusable_host_fails_naming_the_option(spool_path: str) -> None:
     with pytest.raises(TransportError, match="spoolServerHost"):
-        SegmentServer(spool_path, "192.0.2.1")  # TEST-NET-1: not an address of this host
+        SegmentServer(spool_path, "203.0.113.77")  # TEST-NET-3: not an address here
