@@ -31,8 +31,10 @@ from zio_spark.protocol.flow import (
     FlowPair,
     FlowState,
     ProfileBot,
+    ProfileDat,
     Rejected,
     Role,
+    dat_profile,
     pay_ack,
     profile_bot,
 )
@@ -926,6 +928,53 @@ def test_pay_ack_invalid(ack: object) -> None:
         pay_ack({"ack": ack})
     assert info.value.field == "ack"
     assert info.value.value == ack
+
+
+def test_dat_profile_absent() -> None:
+    assert dat_profile({}) == ProfileDat(None, None)
+    assert dat_profile({"seq": 3, "other": "x"}) == ProfileDat(None, None)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "want"),
+    [
+        ({"more": False}, ProfileDat(False, None)),
+        ({"more": True}, ProfileDat(True, None)),
+        ({"blocked_ms": 0}, ProfileDat(None, 0)),
+        ({"blocked_ms": 2**63, "more": False}, ProfileDat(False, 2**63)),
+    ],
+)
+def test_dat_profile_valid(attrs: dict[str, Any], want: ProfileDat) -> None:
+    assert dat_profile(attrs) == want
+
+
+@pytest.mark.parametrize(
+    ("attrs", "field"),
+    [
+        ({"more": "false"}, "more"),
+        ({"more": 0}, "more"),
+        ({"blocked_ms": -1}, "blocked_ms"),
+        ({"blocked_ms": "5"}, "blocked_ms"),
+        ({"blocked_ms": True}, "blocked_ms"),
+        ({"blocked_ms": 1.5}, "blocked_ms"),
+    ],
+)
+def test_dat_profile_invalid(attrs: dict[str, Any], field: str) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        dat_profile(attrs)
+    assert info.value.field == field
+    assert info.value.value == attrs[field]
+
+
+def test_dat_profile_from_the_wire() -> None:
+    pair = ready_pair(EXTRACT, 4)  # the client gives
+    pair.to_client(pair.server.pay(2))
+    event = pair.to_server(pair.client.send_dat((b"x",), {"more": False, "blocked_ms": 7}))
+    assert isinstance(event, Data)
+    assert dat_profile(event.attrs) == ProfileDat(False, 7)
+    bare = pair.to_server(pair.client.send_dat((b"y",)))
+    assert isinstance(bare, Data)
+    assert dat_profile(bare.attrs) == ProfileDat(None, None)
 
 
 def test_pay_ack_from_the_wire() -> None:

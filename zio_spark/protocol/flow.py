@@ -29,7 +29,10 @@ giver keeps records until acknowledged); in PAY, ``ack`` (the highest record seq
 number whose delivery is final). A PAY with ``credit`` 0 is legal only when it carries
 ``ack``: the taker must be able to acknowledge while it holds no credit (all of it out
 with a giver that has nothing to send), and a reference giver just adds 0 to its credit.
-A PAY of 0 without ``ack`` stays a violation. :func:`profile_bot` and :func:`pay_ack`
+A PAY of 0 without ``ack`` stays a violation. In an Arrow DAT (and the giver's BOT),
+``more`` (false: the giver holds nothing more to send right now) and ``blocked_ms`` (the
+giver's total time blocked waiting for acks, in ms) state the giver's own state, now and
+then, never on every DAT. :func:`profile_bot`, :func:`pay_ack` and :func:`dat_profile`
 read and check them.
 
 The machine does no I/O: :meth:`Flow.receive` takes a decoded
@@ -74,8 +77,10 @@ __all__ = [
     "FlowPair",
     "FlowState",
     "ProfileBot",
+    "ProfileDat",
     "Rejected",
     "Role",
+    "dat_profile",
     "pay_ack",
     "profile_bot",
 ]
@@ -708,6 +713,47 @@ def pay_ack(attrs: Mapping[str, Any]) -> int | None:
             f"PAY ack must be an integer >= 0, got {ack!r}", field="ack", value=ack
         )
     return ack
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileDat:
+    """The zio-spark profile state a giver states in a DAT or its BOT (absent: None)."""
+
+    more: bool | None = None  # False: nothing more to send right now (all sent)
+    blocked_ms: int | None = None  # total time the giver was blocked waiting for acks
+
+
+_NO_STATE = ProfileDat()
+
+
+def dat_profile(attrs: Mapping[str, Any]) -> ProfileDat:
+    """Read and check the giver's stated state (``more``, ``blocked_ms``) in DAT or BOT
+    extras; other attributes are ignored.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If ``more`` is not a boolean or ``blocked_ms`` not an integer >= 0.
+    """
+    if not attrs:
+        return _NO_STATE
+    more = attrs.get("more")
+    if more is not None and not isinstance(more, bool):
+        raise RemoteProtocolError(
+            f"DAT more must be true or false, got {more!r}", field="more", value=more
+        )
+    blocked = attrs.get("blocked_ms")
+    if blocked is not None and (
+        isinstance(blocked, bool) or not isinstance(blocked, int) or blocked < 0
+    ):
+        raise RemoteProtocolError(
+            f"DAT blocked_ms must be an integer >= 0, got {blocked!r}",
+            field="blocked_ms",
+            value=blocked,
+        )
+    if more is None and blocked is None:
+        return _NO_STATE
+    return ProfileDat(more, blocked)
 
 
 # ------------------------------------------------------------------------ test pair
