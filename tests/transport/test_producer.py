@@ -68,6 +68,7 @@ class Taker:
         self.ep = FlowEndpoint(port, Role.CLIENT)
         self.rows: list[dict[str, Any]] = []
         self.dat_sizes: list[int] = []
+        self.dat_attrs: list[dict[str, Any]] = []  # each DAT's profile attributes
         self.last = 0  # highest seq held
 
     def open(
@@ -101,6 +102,7 @@ class Taker:
             batch = decode_batch(data.message.payload[0], expected_first=self.last + 1)
             rows = batch.to_pylist()
             self.dat_sizes.append(len(rows))
+            self.dat_attrs.append(dict(data.attrs))
             self.rows.extend(rows)
             self.last = rows[-1]["seq"]
         return self.rows[want - n :]
@@ -614,6 +616,50 @@ def test_the_window_counts_value_bytes_and_the_time_send_is_blocked(
     assert waiting.result() == 11
     assert not producer.window_full
     assert producer.stats["blocked"] == 2
+
+
+def test_the_dat_that_empties_the_queue_says_more_false(make_producer, taker, wire_mode):
+    """``more: false`` on the DAT after which nothing is left to send, and only there."""
+    producer = make_producer(wire_mode, batch=10)
+    send_columns(producer, columns(25))
+    t = taker(producer, wire_mode)
+    bot = t.open(credit=20)
+    assert "more" not in bot.attrs  # it has records to send
+    t.take(25, ack=False)
+    assert t.dat_sizes == [10, 10, 5]
+    assert t.dat_attrs == [{}, {}, {"more": False}]
+    producer.send_many([b"a", b"b", b"c"])  # a new burst: its last DAT says so again
+    t.take(3, ack=False)
+    assert t.dat_attrs[3:] == [{"more": False}]
+    assert producer.stats["blocked"] == 0  # and no blocked_ms: it never blocked
+
+
+def test_a_producer_with_nothing_to_send_says_so_in_its_bot(make_producer, taker, wire_mode):
+    producer = make_producer(wire_mode)
+    t = taker(producer, wire_mode)
+    assert t.open(credit=4).attrs["more"] is False
+    producer.send(b"late")
+    t.take(1, ack=False)
+    assert t.dat_attrs == [{"more": False}]
+
+
+def test_the_time_send_was_blocked_is_stated_to_the_taker(make_producer, taker, background):
+    """After a block, the next DAT carries the producer's total blocked time (ms)."""
+    producer = make_producer(max_unacked=4, batch=10)
+    producer.send_many([b"1", b"2", b"3", b"4"])
+    t = taker(producer)
+    t.open(credit=20)
+    t.take(4, ack=False)
+    assert "blocked_ms" not in t.dat_attrs[0]
+    waiting = background(producer.send_many, [b"5", b"6"], timeout=WAIT)
+    poll_until(lambda: producer.blocked_seconds >= SHORT, what="send blocked for a while")
+    t.ack(4)
+    assert waiting.result() == 6
+    t.take(2, ack=False)
+    stated = [a["blocked_ms"] for a in t.dat_attrs if "blocked_ms" in a]
+    assert stated, t.dat_attrs
+    assert SHORT * 1000 <= stated[-1] <= producer.blocked_seconds * 1000 + 1
+    assert t.dat_attrs[-1]["more"] is False
 
 
 def test_the_default_window_holds_more_than_the_sources_default_backlog():

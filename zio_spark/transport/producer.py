@@ -96,6 +96,7 @@ DEFAULT_WINDOW_BYTES = 256 << 20
 _PLAIN_RUN = 1000  # client mode, plain taker: most bare DATs queued in one call
 _CLIENT_SEND_TIMEOUT_MS = 1000  # client mode: longest wait to queue one message
 _TICK = 0.05  # client mode: longest poll wait, seconds
+_BLOCKED_EVERY = 0.5  # while send() is blocked: most often its blocked time is stated
 _BACKOFF_MIN, _BACKOFF_MAX = 0.2, 5.0  # client mode: seconds before reconnecting
 _monitor_ids = itertools.count()
 
@@ -139,6 +140,10 @@ class _Giving:
         self.records = 0  # records put on the wire on this flow
         self.conn = conn  # server mode: to remove the flow when a new taker replaces it
         self.handler = handler
+        # The blocked time last stated to this taker (see :meth:`_state`): the window's
+        # finished total then, and when.
+        self.told_base = 0.0
+        self.told_at = 0.0
 
     @property
     def acks(self) -> bool:
@@ -169,7 +174,7 @@ class _Giving:
                 return
             if self.arrow:
                 payload = encode_records(got.first, got.values, got.keys, got.granules, got.headers)
-                conn.send_dat((payload,))
+                conn.send_dat((payload,), self._state(got.last))
             else:
                 attrs: dict[str, Any] = {"seq": got.first}
                 key = None if got.keys is None else got.keys[0]
@@ -183,6 +188,32 @@ class _Giving:
                     attrs["granule"] = granule
                 conn.send_dat((got.values[0],), attrs)
             self._sent(got.first, got.last, len(got.values), 1, release)
+
+    def _state(self, last: int) -> dict[str, Any] | None:
+        """The profile state for an Arrow DAT ending at ``last`` (None, the common case:
+        a bare label). ``more: false`` when it empties the queue (the taker need not wait
+        for more); ``blocked_ms`` when the time :meth:`Producer.send` spent blocked on a
+        full window changed since last stated (at most every ``_BLOCKED_EVERY`` s while a
+        block lasts). Unlocked reads first: the common case costs two attribute reads."""
+        p = self.producer
+        attrs: dict[str, Any] | None = None
+        if last >= p._records.next_seq - 1:
+            attrs = {"more": False}
+        if p._blocked_since is None and p._blocked_s == self.told_base:
+            return attrs
+        now = time.monotonic()
+        with p._cond:
+            base, since = p._blocked_s, p._blocked_since
+        if since is not None and now - self.told_at < _BLOCKED_EVERY:
+            return attrs
+        if since is None and base == self.told_base:
+            return attrs
+        self.told_base, self.told_at = base, now
+        ms = int((base + (0.0 if since is None else max(0.0, now - since))) * 1000)
+        if attrs is None:
+            attrs = {}
+        attrs["blocked_ms"] = ms
+        return attrs
 
     def _sent(self, first: int, last: int, n: int, dats: int, release: bool) -> None:
         self.next_seq = last + 1
@@ -216,6 +247,8 @@ class _Taker(FlowHandler):
         attrs: dict[str, Any] = {"producer": p.producer_id, "stream": p.stream, "ack": True}
         if giving.arrow:
             attrs["encoding"] = ENCODING
+            if p._records.next_seq <= giving.next_seq:
+                attrs["more"] = False  # nothing to send: no DAT will say so
         conn.accept(None, attrs)
 
     def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
@@ -512,6 +545,8 @@ class _ClientGiver:
             "ack": True,
             "encoding": [ENCODING],
         }
+        if len(p._records) == 0:
+            attrs["more"] = False  # nothing to send: no DAT will say so
         self.sent_attrs = attrs
         try:
             conn.send(conn.flow.send_bot(Direction.EXTRACT, self.credit, attrs))
