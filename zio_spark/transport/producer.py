@@ -545,8 +545,6 @@ class _ClientGiver:
             "ack": True,
             "encoding": [ENCODING],
         }
-        if len(p._records) == 0:
-            attrs["more"] = False  # nothing to send: no DAT will say so
         self.sent_attrs = attrs
         try:
             conn.send(conn.flow.send_bot(Direction.EXTRACT, self.credit, attrs))
