@@ -646,3 +646,121 @@ def test_a_spool_append_error_fails_that_flow_not_the_receiver(ctx, spool, closi
     (st,) = r.status()
     assert st.failures >= 1 and "cannot store records" in (st.last_error or "")
     assert [s for s, _ in _contents(spool, "p1")] == list(range(1, n + 1))
+
+
+# -- the producer's stated state (more: false, blocked_ms) and who holds whom back -------
+
+
+class ProfileGiver(RawGiver):
+    """A zio-spark producer written by hand: Arrow DATs whose labels carry the extra
+    attributes each ``(extra, records)`` in ``dats`` says."""
+
+    def __init__(self, ctx: zmq.Context, dats: list[tuple[dict, int]]) -> None:
+        self.dats = dats
+        self.sent = 0
+        self.next_seq = 1
+        self.credit: dict[bytes, int] = {}
+        super().__init__(ctx)
+
+    def on_bot(self, ident: bytes, label: dict) -> None:
+        self.credit[ident] = 0
+        attrs = {"producer": "raw", "stream": "zio", "ack": True, "encoding": "arrow"}
+        self.send(ident, {"flow": "BOT", "direction": "extract", "credit": 5, **attrs})
+
+    def on_pay(self, ident: bytes, label: dict) -> None:
+        self.credit[ident] += label["credit"]
+        while self.credit[ident] > 0 and self.sent < len(self.dats):
+            extra, n = self.dats[self.sent]
+            payload = encode_records(self.next_seq, [b"v"] * n)
+            self.send(ident, {"flow": "DAT", **extra}, (payload,))
+            self.credit[ident] -= 1
+            self.sent += 1
+            self.next_seq += n
+
+
+def test_a_producer_is_idle_once_it_said_more_false_and_all_it_sent_is_stored(ctx, spool, closing):
+    prod = _producer(ctx, closing, "p1")
+    n = 20_000
+    prod.send_many([b"r%d" % i for i in range(n)])
+    r = _receiver(closing, spool, [prod.endpoint], ctx, credit=10)
+    seen_busy = False
+    deadline = time.monotonic() + 20
+    while True:  # idle never shows before the last record is in the spool
+        (st,) = r.status()
+        if st.idle:
+            assert _held(spool, "p1") == n
+            break
+        seen_busy |= st.state == "receiving"
+        assert time.monotonic() < deadline, "never idle"
+        time.sleep(0.001)  # sampling period, not a wait for a condition
+    assert seen_busy
+    prod.send_many([b"more"] * 1500)
+    _wait(lambda: _held(spool, "p1") == n + 1500 and r.status()[0].idle, what="idle again")
+
+
+def test_a_producer_with_nothing_to_send_is_idle_at_once(ctx, spool, closing):
+    prod = _producer(ctx, closing, "empty")
+    r = _receiver(closing, spool, [prod.endpoint], ctx)
+    _wait(lambda: r.status()[0].state == "receiving", what="the flow")
+    (st,) = r.status()
+    assert st.idle and st.records == 0  # said in its BOT
+
+
+def test_idle_follows_the_last_dat_of_a_hand_written_producer(ctx, spool, closing):
+    giver = ProfileGiver(ctx, [({}, 3), ({"more": False}, 2), ({}, 4)])
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
+    _wait(lambda: _held(spool, "raw") == 9, what="9 records")
+    assert not r.status()[0].idle  # its last DAT did not say more: false
+
+
+def test_a_bad_state_attribute_fails_the_flow_naming_it(ctx, spool, closing):
+    giver = ProfileGiver(ctx, [({"more": "no"}, 2)])
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
+    _wait(lambda: r.status()[0].state == "failed", what="the flow to fail")
+    (st,) = r.status()
+    assert "DAT more must be true or false, got 'no'" in (st.last_error or "")
+    assert not st.idle and _held(spool, "raw") == 0
+
+
+def test_the_producers_stated_blocked_time_is_reported(ctx, spool, closing):
+    giver = ProfileGiver(ctx, [({"blocked_ms": 1234}, 2), ({}, 1)])
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
+    _wait(lambda: _held(spool, "raw") == 3, what="3 records")
+    assert r.holdups()["raw"]["blockedMs"] == 1234  # kept until it states another
+
+
+def test_a_blocked_producer_and_the_withheld_credit_are_reported(ctx, spool, closing):
+    """A producer whose window fills states its blocked time; a receiver whose backlog
+    fills counts the time it withheld credit, and stops counting once commits free it."""
+    prod = Producer(
+        ctx=ctx, producer_id="w", linger_ms=0, bind="tcp://127.0.0.1:*", max_unacked=200
+    )
+    closing.append(prod)
+    r = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=100)
+    sending = threading.Thread(target=prod.send_many, args=([b"x"] * 300,), daemon=True)
+    sending.start()
+    _wait(lambda: prod.window_full and prod.blocked_seconds >= 0.3, what="a blocked producer")
+    _wait(lambda: r.holdups().get("w", {}).get("withheldMs", 0) >= 300, what="credit withheld")
+    while _held(spool, "w") < 300:  # Spark's commits, as fast as the records come
+        ends = spool.seal()
+        r.commit(ends)
+        _wait(lambda e=ends["w"]: _held(spool, "w") >= min(e, 300), what="more records")
+    sending.join(10)
+    r.commit(spool.seal())
+    _wait(lambda: r.holdups()["w"].get("blockedMs", 0) >= 300, what="the stated blocked time")
+    assert r.holdups()["w"]["blockedMs"] <= prod.blocked_seconds * 1000 + 1
+    done = _wait_quiet(lambda: r.holdups()["w"]["withheldMs"], quiet=0.3, what="withheld time")
+    assert done >= 300
+
+
+def test_a_giver_client_of_a_bound_receiver_says_idle_too(ctx, spool, closing):
+    r = _receiver(closing, spool, [], ctx, bind=["tcp://127.0.0.1:*"])
+    (endpoint,) = r.bound_endpoints()
+    prod = Producer(ctx=ctx, producer_id="c1", linger_ms=0, connect=endpoint)
+    closing.append(prod)
+    prod.send_many([b"c%d" % i for i in range(5000)])
+    _wait(lambda: any(s.idle for s in r.status()), what="the client flow idle")
+    assert _held(spool, "c1") == 5000

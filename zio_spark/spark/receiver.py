@@ -84,6 +84,7 @@ from zio_spark.protocol.flow import (
     FlowState,
     Rejected,
     Role,
+    dat_profile,
 )
 from zio_spark.protocol.message import (
     DAT_LABEL,
@@ -124,6 +125,9 @@ class PeerStatus:
     failures: int = 0
     last_error: str | None = None
     at_most_once: bool = False  # plain peer: records in flight before the spool may be lost
+    # The producer said it has nothing more to send (``more: false`` in a DAT or its
+    # BOT), and all it sent before is in the spool: no need to wait for quiet.
+    idle: bool = False
 
 
 @dataclass
@@ -188,6 +192,8 @@ class _Peer:
     # really sends, and one credit at a time until its first DAT shows the size.
     dat_rows: int = 0
     pending: _Pending = field(default_factory=_Pending)
+    # The last DAT (or the BOT) said ``more: false``; ``status.idle`` once it is stored.
+    said_idle: bool = False
 
 
 class Receiver:
@@ -264,6 +270,12 @@ class Receiver:
         self.fatal: DataLossError | None = None
         self._pending: dict[str, _Pending] = {}
         self._quiet_since: float | None = None
+        # Per producer: time credit was withheld because of maxBacklog (finished spells,
+        # and since when for one going on), and the blocked time it stated (blocked_ms).
+        self._withheld_s: dict[str, float] = {}
+        self._withheld_since: dict[str, float] = {}
+        self._held_now: set[str] = set()
+        self._blocked_ms: dict[str, int] = {}
         self._bound: list[_Bound] = []
         self._done: collections.deque[PeerStatus] = collections.deque(maxlen=_DONE_KEPT)
         # A flow the receiver could never start (no BOT within connectTimeout on a fresh
@@ -348,6 +360,24 @@ class Receiver:
         an append that takes long is not a quiet flow)."""
         since = self._quiet_since
         return 0.0 if since is None else max(0.0, self.clock() - since)
+
+    def holdups(self) -> dict[str, dict[str, int]]:
+        """Per producer: ``withheldMs``, how long the source withheld credit because of
+        ``maxBacklog`` (it held the producer back), and ``blockedMs``, the time the
+        producer itself stated it was blocked waiting for acks (only producers that
+        state it: zio-spark producers, in ``blocked_ms`` DAT attributes)."""
+        now = self.clock()
+        with self._lock:
+            out: dict[str, dict[str, int]] = {}
+            for p in self._withheld_s.keys() | self._withheld_since.keys():
+                total = self._withheld_s.get(p, 0.0)
+                since = self._withheld_since.get(p)
+                if since is not None:
+                    total += max(0.0, now - since)
+                out.setdefault(p, {})["withheldMs"] = int(total * 1000)
+            for p, ms in self._blocked_ms.items():
+                out.setdefault(p, {})["blockedMs"] = ms
+            return out
 
     def bound_endpoints(self) -> list[str]:
         """The endpoints bound for giver clients, as bound (``tcp://0.0.0.0:5555``)."""
@@ -671,8 +701,21 @@ class Receiver:
             out[peer.producer] += peer.flow.outstanding
         for peer in flows:
             self._pay(peer, now, out)
+        if self._held_now or self._withheld_since:
+            self._count_withheld()
         if not ready and self._quiet_since is None:
             self._quiet_since = self.clock()
+
+    def _count_withheld(self) -> None:
+        """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
+        held, now = self._held_now, self.clock()
+        with self._lock:
+            for p in [p for p in self._withheld_since if p not in held]:
+                since = self._withheld_since.pop(p)
+                self._withheld_s[p] = self._withheld_s.get(p, 0.0) + max(0.0, now - since)
+            for p in held:
+                self._withheld_since.setdefault(p, now)
+        held.clear()
 
     def _take(self, peer: _Peer, msg: Message, now: float) -> bool:
         """Take one message of ``peer``'s flow; False once that flow ended or failed."""
@@ -729,7 +772,10 @@ class Receiver:
                     budget = 0
                     break
         # What arrived before a failure was valid and in order: it is kept.
-        return self._append_pending(peer, now) or appended
+        appended = self._append_pending(peer, now) or appended
+        if peer.said_idle and peer.flow is not None:
+            peer.status.idle = True
+        return appended
 
     def _drain_bound(self, b: _Bound, now: float) -> bool:
         """Take what giver clients sent to a bound port; a client that breaks the protocol
@@ -761,6 +807,9 @@ class Receiver:
         appended = False
         for peer in touched.values():
             appended |= self._append_pending(peer, now)
+        for peer in touched.values():
+            if peer.said_idle and peer.flow is not None:
+                peer.status.idle = True  # what it sent before is stored (appended above)
         return appended
 
     def _new_client(self, b: _Bound, rid: PeerId, msg: Message, now: float) -> _Peer | None:
@@ -941,6 +990,8 @@ class Receiver:
         # giver that wrote its own BOT states its own credit.
         echoed = all(bot.attrs.get(k) == v for k, v in peer.sent.items())
         peer.pay_one = not terms.profile and echoed and bot.credit >= self.credit
+        if terms.profile:
+            self._on_state(peer, bot.attrs)
         if self._known_ids.get(peer.endpoint) != peer.producer:
             self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
             self._save_ids()
@@ -956,6 +1007,7 @@ class Receiver:
         st.ack_capable, st.at_most_once = terms.ack, not terms.ack
         st.encoding = "arrow" if peer.arrow else "plain"
         peer.acked = self._committed.get(producer, 1) - 1
+        peer.said_idle = st.idle = False
 
     def _on_client_bot(self, peer: _Peer, bot: BotReceived, msg: Message, now: float) -> None:
         """A giver client opened a flow on a bound port: answer with our statements.
@@ -999,6 +1051,8 @@ class Receiver:
                     other.status.last_error = "replaced by a new flow of the same producer"
                     self._end_flow(other, eot=True)
         self._start_flow(peer, producer, terms)
+        if terms.profile:
+            self._on_state(peer, bot.attrs)
         attrs: dict[str, Any] = {}
         if terms.encoding is not None:
             attrs["encoding"] = terms.encoding
@@ -1026,6 +1080,10 @@ class Receiver:
         ts = self.wall_clock_us()
         origin = data.message.origin
         if peer.arrow:
+            if data.attrs:  # now and then: the producer states its state
+                self._on_state(peer, data.attrs)
+            elif peer.said_idle:
+                peer.said_idle = peer.status.idle = False
             if len(data.message.payload) != 1:
                 raise RemoteProtocolError(
                     f"Arrow DAT must have 1 payload frame, got {len(data.message.payload)}",
@@ -1074,6 +1132,22 @@ class Receiver:
         pend.dats += 1
         pend.last = held + 1
 
+    def _on_state(self, peer: _Peer, attrs: Any) -> None:
+        """A zio-spark producer's stated state, in a DAT or its BOT (:func:`dat_profile`).
+
+        A bad value fails the flow like any other bad attribute (``RemoteProtocolError``
+        naming it): only producers that negotiated the profile send these, so a wrong
+        type is a broken producer, not a plain peer's own attribute (plain DATs'
+        attributes are headers and are never read here).
+        """
+        state = dat_profile(attrs)
+        peer.said_idle = state.more is False
+        if not peer.said_idle:
+            peer.status.idle = False
+        if state.blocked_ms is not None and peer.producer is not None:
+            with self._lock:
+                self._blocked_ms[peer.producer] = state.blocked_ms
+
     def _start_at(self, producer: str, first: int) -> int:
         """First contact with a producer whose records start at ``first > 1``.
 
@@ -1103,6 +1177,8 @@ class Receiver:
             # send) in Arrow, exactly one in a plain DAT.
             per_dat = max(self.batch, peer.dat_rows) if peer.arrow else 1
             room = (self.max_backlog - backlog) // per_dat - out[peer.producer]
+            if room <= 0:  # maxBacklog holds this producer back
+                self._held_now.add(peer.producer)
             if peer.arrow and peer.dat_rows == 0:
                 room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
             n = max(0, min(held, room))
