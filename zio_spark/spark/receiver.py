@@ -1177,7 +1177,8 @@ class Receiver:
             # send) in Arrow, exactly one in a plain DAT.
             per_dat = max(self.batch, peer.dat_rows) if peer.arrow else 1
             room = (self.max_backlog - backlog) // per_dat - out[peer.producer]
-            if room <= 0:  # maxBacklog holds this producer back
+            if room <= 0 and out[peer.producer] == 0:
+                # It holds no credit and maxBacklog lets us pay none: held back.
                 self._held_now.add(peer.producer)
             if peer.arrow and peer.dat_rows == 0:
                 room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
