@@ -310,3 +310,65 @@ def test_a_full_backlog_already_read_by_spark_does_not_stall_the_query(spark, pr
     finally:
         second.stop()
     assert sorted(seqs) == list(range(1, 3001))
+
+
+# -- availableNow's end and the holdups report (runner methods, no Spark session) -----------
+
+
+def _runner(endpoint, tmp_path, **options):
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
+    opts.update({k: str(v) for k, v in options.items()})
+    return ZioStreamReader(parse_source_options(opts), ("seq", "value"))
+
+
+def test_available_now_ends_when_every_producer_said_it_has_nothing_more(producers, tmp_path):
+    """No quiet wait for a zio-spark producer: it says ``more: false``; the quiet rule
+    alone could not end before 0.5 s without a new record."""
+    prod = producers("said")
+    n = 2000
+    prod.send_many([b"a%d" % i for i in range(n)])
+    reader = _runner(prod.endpoint, tmp_path, connectTimeout="30s")
+    try:
+        reader.prepareForTriggerAvailableNow()
+        # The quiet rule returns only after 0.5 s without input; this ended at once.
+        quiet = reader._rt.receiver.quiet_for()
+        assert quiet < 0.5, f"returned {quiet:.2f} s after the last input: waited for quiet"
+        assert reader._target == {"said": n + 1}
+        report = reader.reportLatestOffset()
+        assert report["backlog"] == {"said": n}
+        assert report["heldBackMs"] == {"said": 0}
+        assert "producerBlockedMs" not in report  # it never blocked, so never said so
+    finally:
+        reader.stop()
+
+
+def test_available_now_with_an_idle_producer_that_has_nothing_ends_at_once(producers, tmp_path):
+    prod = producers("nothing")
+    reader = _runner(prod.endpoint, tmp_path, connectTimeout="30s")
+    try:
+        t0 = time.monotonic()
+        reader.prepareForTriggerAvailableNow()
+        assert time.monotonic() - t0 < 0.5  # idle from its BOT: no quiet wait
+        assert reader._target == {}
+    finally:
+        reader.stop()
+
+
+def test_the_report_shows_the_source_holding_a_producer_back(producers, tmp_path):
+    prod = producers("held")
+    prod.send_many([b"h"] * 500)
+    reader = _runner(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
+    try:
+        reader.initialOffset()
+        _wait(
+            lambda: reader.reportLatestOffset()["heldBackMs"].get("held", 0) >= 200,
+            timeout=20,
+            what="credit withheld for maxBacklog",
+        )
+        report = reader.reportLatestOffset()
+        assert report["backlog"] == {"held": 100}
+    finally:
+        reader.stop()

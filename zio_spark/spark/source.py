@@ -295,7 +295,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Target = what producers have delivered once the flows went quiet (bounded)."""
+        """Target = what producers have delivered, once every producer said it has
+        nothing more (``more: false``, zio-spark producers) or ended its flow, or else
+        once the flows went quiet for 0.5 s (plain peers); bounded by connectTimeout."""
         rt = self._runtime()
         deadline = time.monotonic() + self.opts.connect_timeout
         last, quiet_since = -1, time.monotonic()
@@ -304,6 +306,10 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             status = rt.receiver.status()
             count = sum(s.records for s in status)
             connected = all(s.state in ("receiving", "ended") for s in status)
+            if status and all(
+                s.state == "ended" or (s.state == "receiving" and s.idle) for s in status
+            ):
+                break  # every producer said so, and what it sent is in the spool
             if count != last:
                 last, quiet_since = count, time.monotonic()
             elif (
@@ -340,7 +346,17 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._rt is None:
             return {}
-        report: dict[str, Any] = {"backlog": self._rt.spool.backlog()}
+        backlog = self._rt.spool.backlog()
+        report: dict[str, Any] = {"backlog": backlog}
+        # Who holds whom back, per producer (ms): the source withholding credit for
+        # maxBacklog, and the producer's own wait for acks (as it states it).
+        holdups = self._rt.receiver.holdups()
+        report["heldBackMs"] = {
+            p: holdups.get(p, {}).get("withheldMs", 0) for p in sorted(backlog.keys() | holdups)
+        }
+        blocked = {p: h["blockedMs"] for p, h in sorted(holdups.items()) if "blockedMs" in h}
+        if blocked:
+            report["producerBlockedMs"] = blocked
         if self._rt.server is not None:  # remote executors: reads served so far
             report["segmentRequests"] = self._rt.server.requests
         return report
