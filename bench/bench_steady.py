@@ -315,7 +315,7 @@ def _bind(spark: Any, work: Path, seconds: float, clients: int) -> dict[str, Any
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="20 s per case, 1 round")
+    ap.add_argument("--quick", action="store_true", help="12 s per case, 1 round")
     ap.add_argument("--seconds", type=float, default=None, help="per case (default 60)")
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 3)")
     ap.add_argument("--window", type=int, default=0, help="producer max_unacked (0: default)")
@@ -333,7 +333,7 @@ def main() -> None:
     if a.plain_child:
         _plain_client_child(a.plain_child, a.origin)
         return
-    seconds = a.seconds or (20.0 if a.quick else 60.0)
+    seconds = a.seconds or (12.0 if a.quick else 60.0)
     runs = a.runs or (1 if a.quick else 3)
     if a.quick:  # small batches: a loaded machine still completes several per case
         a.synthetic_batch = min(a.synthetic_batch, 200_000)
