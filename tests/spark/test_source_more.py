@@ -9,6 +9,7 @@ import time
 
 import pytest
 import zmq
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from zio_spark.transport.producer import Producer
 
@@ -288,28 +289,39 @@ def test_a_full_backlog_already_read_by_spark_does_not_stall_the_query(spark, pr
     """Spark calls commit() for a batch only when it plans the next one, and never for the
     last batch of an availableNow run. A later run starts after that batch, so the
     records it covered are done: they must not count as backlog. (Found by the chaos
-    suite: with the backlog at maxBacklog, no credit, no data, no batch, no commit().)"""
+    suite: with the backlog at maxBacklog, no credit, no data, no batch, no commit().)
+
+    The availableNow run reads the 3000 records in batches of a full backlog each (a
+    batch as soon as maxBacklog holds the producer back), so its last batch leaves the
+    backlog at maxBacklog, uncommitted: the next run must still get the next records."""
     prod = producers("stall")
     prod.send_many([b"r%d" % i for i in range(1, 3001)])
     seqs: list[int] = []
+    sizes: list[int] = []
     ckpt = str(tmp_path / "ckpt")
+
+    def batch(b, _i):
+        got = [r.seq for r in b.select("seq").collect()]
+        seqs.extend(got)
+        sizes.append(len(got))
 
     def run(**trigger):
         df = _stream(spark, prod.endpoint, tmp_path, maxBacklog=1000, credit=10).load()
-        w = df.writeStream.foreachBatch(
-            lambda b, _i: seqs.extend(r.seq for r in b.select("seq").collect())
-        )
+        w = df.writeStream.foreachBatch(batch)
         return w.option("checkpointLocation", ckpt).trigger(**trigger).start()
 
     first = run(availableNow=True)
     assert first.awaitTermination(120)
-    assert 0 < len(seqs) <= 1000
+    assert first.exception() is None
+    assert sorted(seqs) == list(range(1, 3001))
+    assert sizes == [1000, 1000, 1000]
+    prod.send_many([b"r%d" % i for i in range(3001, 5001)])
     second = run(processingTime="200 milliseconds")
     try:
-        _wait(lambda: len(seqs) >= 3000, 90, "the rest of the records after a full backlog")
+        _wait(lambda: len(seqs) >= 5000, 90, "the next records after a full backlog")
     finally:
         second.stop()
-    assert sorted(seqs) == list(range(1, 3001))
+    assert sorted(seqs) == list(range(1, 5001))
 
 
 # -- availableNow's end and the holdups report (runner methods, no Spark session) -----------
@@ -332,15 +344,18 @@ def test_available_now_ends_when_every_producer_said_it_has_nothing_more(produce
     prod.send_many([b"a%d" % i for i in range(n)])
     reader = _runner(prod.endpoint, tmp_path, connectTimeout="30s")
     try:
+        start = reader.initialOffset()
         reader.prepareForTriggerAvailableNow()
+        end = reader.latestOffset(start, ReadAllAvailable())
         # The quiet rule returns only after 0.5 s without input; this ended at once.
         quiet = reader._rt.receiver.quiet_for()
         assert quiet < 0.5, f"returned {quiet:.2f} s after the last input: waited for quiet"
-        assert reader._target == {"said": n + 1}
+        assert end == {"said": n + 1}
         report = reader.reportLatestOffset()
         assert report["backlog"] == {"said": n}
         assert report["heldBackMs"] == {"said": 0}
         assert "producerBlockedMs" not in report  # it never blocked, so never said so
+        assert reader.latestOffset(end, ReadAllAvailable()) == end  # the run ends there
     finally:
         reader.stop()
 
@@ -351,8 +366,33 @@ def test_available_now_with_an_idle_producer_that_has_nothing_ends_at_once(produ
     try:
         t0 = time.monotonic()
         reader.prepareForTriggerAvailableNow()
+        assert reader.latestOffset({}, ReadAllAvailable()) == {}
         assert time.monotonic() - t0 < 0.5  # idle from its BOT: no quiet wait
-        assert reader._target == {}
+    finally:
+        reader.stop()
+
+
+def test_available_now_takes_more_than_max_backlog_in_steps(producers, tmp_path):
+    """A producer holding more than maxBacklog: each batch is what the backlog holds, its
+    commit lets more in, and the run ends with all of it (not at the first full backlog,
+    which would look quiet)."""
+    prod = producers("steps")
+    n = 500
+    prod.send_many([b"s%d" % i for i in range(n)])
+    reader = _runner(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
+    try:
+        start = reader.initialOffset()
+        reader.prepareForTriggerAvailableNow()
+        ends = []
+        while True:  # what Spark does: the next batch starts at the last one's end
+            end = reader.latestOffset(start, ReadAllAvailable())
+            if end == start:
+                break
+            assert end["steps"] - start.get("steps", 1) <= 100
+            ends.append(end["steps"])
+            start = end
+            assert len(ends) <= n // 10, ends
+        assert ends[-1] == n + 1 and len(ends) >= 5, ends
     finally:
         reader.stop()
 

@@ -379,6 +379,12 @@ class Receiver:
                 out.setdefault(p, {})["blockedMs"] = ms
             return out
 
+    def held_back(self) -> list[str]:
+        """Producers the source holds back right now: maxBacklog reached, and they hold
+        no credit."""
+        with self._lock:
+            return sorted(self._withheld_since)
+
     def bound_endpoints(self) -> list[str]:
         """The endpoints bound for giver clients, as bound (``tcp://0.0.0.0:5555``)."""
         return [b.actual for b in self._bound]

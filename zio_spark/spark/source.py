@@ -240,6 +240,11 @@ class _Runtime:
         self.spool.close()
 
 
+# availableNow: records waiting beyond the last batch that make a batch of their own
+# while the producers are still sending (see ZioStreamReader._available).
+_STEP = 1_000_000
+
+
 def _dump(offsets: dict[str, int]) -> dict[str, int]:
     return dict(sorted(offsets.items()))
 
@@ -252,9 +257,16 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self.columns = columns
         self._rt: _Runtime | None = None
         self._target: dict[str, int] | None = None
+        self._available_now = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"opts": self.opts, "columns": self.columns, "_rt": None, "_target": None}
+        return {
+            "opts": self.opts,
+            "columns": self.columns,
+            "_rt": None,
+            "_target": None,
+            "_available_now": False,
+        }
 
     def _runtime(self) -> _Runtime:
         if self._rt is None:
@@ -295,21 +307,36 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Target = what producers have delivered, once every producer said it has
-        nothing more (``more: false``, zio-spark producers) or ended its flow, or else
-        once the flows went quiet for 0.5 s (plain peers); bounded by connectTimeout."""
-        rt = self._runtime()
+        """An availableNow run: each ``latestOffset`` waits for the producers
+        (:meth:`_available`) instead of returning what is there."""
+        self._runtime()
+        self._available_now = True
+        self._target = None
+
+    def _available(self, rt: _Runtime) -> dict[str, int]:
+        """availableNow: the end of the next batch, once the producers let us know it.
+
+        The run's end is what is stored once every producer said it has nothing more
+        (``more: false``, zio-spark producers) or ended its flow, or else (plain givers
+        cannot say so) once the flows were quiet for 0.5 s; each wait is bounded by
+        connectTimeout. Until then, once ``_STEP`` records wait beyond the last batch,
+        or maxBacklog holds a producer back, what is stored is a batch of its own: Spark
+        processes it while the rest arrives, and its commit frees the backlog.
+        """
         deadline = time.monotonic() + self.opts.connect_timeout
         last, quiet_since = -1, time.monotonic()
         while time.monotonic() < deadline:
             self._check(rt)
             status = rt.receiver.status()
-            count = sum(s.records for s in status)
-            connected = all(s.state in ("receiving", "ended") for s in status)
             if status and all(
                 s.state == "ended" or (s.state == "receiving" and s.idle) for s in status
             ):
                 break  # every producer said so, and what it sent is in the spool
+            waiting = sum(rt.spool.backlog().values())
+            if waiting >= _STEP or (waiting and rt.receiver.held_back()):
+                return rt.spool.seal()  # a step on the way, not the end
+            count = sum(s.records for s in status)
+            connected = all(s.state in ("receiving", "ended") for s in status)
             if count != last:
                 last, quiet_since = count, time.monotonic()
             elif (
@@ -318,8 +345,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 and rt.receiver.quiet_for() >= 0.5  # not merely busy storing what came
             ):
                 break
-            time.sleep(0.05)  # the runner waits for producers; not a test wait
+            time.sleep(0.02)  # the runner waits for producers; not a test wait
         self._target = rt.spool.seal()
+        return dict(self._target)
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         rt = self._runtime()
@@ -330,7 +358,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         # below it could fill maxBacklog: no credit, no data, no batch, no commit().
         if start:
             rt.receiver.commit({p: int(v) for p, v in start.items()})
-        ends = rt.spool.seal() if self._target is None else dict(self._target)
+        if self._target is not None:
+            ends = dict(self._target)
+        elif self._available_now:
+            ends = self._available(rt)
+        else:
+            ends = rt.spool.seal()
         out = {p: max(int(v), ends.get(p, 0)) for p, v in start.items()}
         for p, e in ends.items():
             out[p] = max(out.get(p, 0), e, self._base(rt, p, start))
