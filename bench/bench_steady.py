@@ -221,8 +221,27 @@ def _rows(q: Any) -> int:
     return sum(p["numInputRows"] for p in q.recentProgress)
 
 
+def _warm_up(df: Any, work: Path, timeout: float = 180.0) -> None:
+    """Run ``df`` until its first rows are in (Python workers started and imports done)."""
+    q = (
+        df.writeStream.format("noop")
+        .option("checkpointLocation", str(work / f"ckpt-{time.time_ns()}"))
+        .start()
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while _rows(q) == 0:
+            if q.exception() is not None:
+                raise RuntimeError(q.exception())
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"warm-up query read nothing in {timeout:g} s")
+            time.sleep(0.05)
+    finally:
+        q.stop()
+
+
 def _measure(
-    spark: Any, df: Any, work: Path, seconds: float, children: list[int], need_rows: bool = True
+    spark: Any, df: Any, work: Path, seconds: float, children: list[int]
 ) -> dict[str, Any]:
     jvm = jvm_pid(spark)
     t0 = time.perf_counter()
@@ -253,8 +272,6 @@ def _measure(
     assert mid is not None
     t_mid, rows_mid, cpu_mid = mid
     rows = rows_end - rows_mid
-    if rows <= 0 and not need_rows:
-        return {}
     if rows <= 0:
         raise RuntimeError(f"no rows in the second half ({rows_end} in all)")
     per_m = {
@@ -270,7 +287,7 @@ def _measure(
     }
 
 
-def _zio(spark: Any, work: Path, seconds: float, window: int) -> dict[str, Any]:
+def _zio(spark: Any, work: Path, seconds: float, window: int, max_backlog: int) -> dict[str, Any]:
     ep_file = str(work / f"producer-{time.time_ns()}.ep")
     proc = _spawn("--producer-child", ep_file, "--window", str(window))
     try:
@@ -281,13 +298,14 @@ def _zio(spark: Any, work: Path, seconds: float, window: int) -> dict[str, Any]:
             time.sleep(0.02)
         endpoint = Path(ep_file).read_text()
         df = (
-            spark.readStream.format("zio")
+            spark.readStream.format("zio")  # a reader: options are added below, then load()
             .option("endpoints", endpoint)
             .option("spoolPath", str(work / f"spool-{time.time_ns()}"))
             .option("spoolAccess", "local")
-            .load()
         )
-        return _measure(spark, df, work, seconds, [proc.pid])
+        if max_backlog:
+            df = df.option("maxBacklog", str(max_backlog))
+        return _measure(spark, df.load(), work, seconds, [proc.pid])
     finally:
         _stop([proc])
 
@@ -315,13 +333,14 @@ def _bind(spark: Any, work: Path, seconds: float, clients: int) -> dict[str, Any
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="12 s per case, 1 round")
+    ap.add_argument("--quick", action="store_true", help="30 s per case, 1 round")
     ap.add_argument("--seconds", type=float, default=None, help="per case (default 60)")
     ap.add_argument("--runs", type=int, default=None, help="rounds (default 3)")
     ap.add_argument("--window", type=int, default=0, help="producer max_unacked (0: default)")
     ap.add_argument("--bind-clients", type=int, default=8, help="plain clients (0: skip)")
     ap.add_argument("--synthetic-batch", type=int, default=2_000_000)
     ap.add_argument("--rate-batch", type=int, default=2_000_000)
+    ap.add_argument("--max-backlog", type=int, default=0, help="zio maxBacklog (0: default)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--producer-child", help=argparse.SUPPRESS)
     ap.add_argument("--plain-child", help=argparse.SUPPRESS)
@@ -333,11 +352,12 @@ def main() -> None:
     if a.plain_child:
         _plain_client_child(a.plain_child, a.origin)
         return
-    seconds = a.seconds or (12.0 if a.quick else 60.0)
+    seconds = a.seconds or (30.0 if a.quick else 60.0)
     runs = a.runs or (1 if a.quick else 3)
     if a.quick:  # small batches: a loaded machine still completes several per case
         a.synthetic_batch = min(a.synthetic_batch, 200_000)
         a.rate_batch = min(a.rate_batch, 200_000)
+        a.max_backlog = a.max_backlog or 200_000
     cases = ["synthetic", "rate", "zio"] + (["bind8"] if a.bind_clients else [])
     res: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
     conf = {"spark.sql.streaming.numRecentProgressUpdates": "100000"}
@@ -346,7 +366,7 @@ def main() -> None:
         # Warm-up, not counted: the first use of the Python data source machinery (worker
         # start, imports) would land on whichever case runs first.
         warm = spark.readStream.format("zio_bench_steady").option("maxBatch", "10000").load()
-        _measure(spark, warm, work, 2.0, [], need_rows=False)
+        _warm_up(warm, work)
         for i in range(runs):
             syn = (
                 spark.readStream.format("zio_bench_steady")
@@ -360,7 +380,7 @@ def main() -> None:
                 .load()
             )
             res["rate"].append(_measure(spark, rate, work, seconds, []))
-            res["zio"].append(_zio(spark, work, seconds, a.window))
+            res["zio"].append(_zio(spark, work, seconds, a.window, a.max_backlog))
             if a.bind_clients:
                 res["bind8"].append(_bind(spark, work, seconds, a.bind_clients))
             print(
