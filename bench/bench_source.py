@@ -204,7 +204,13 @@ def _zio_bound(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
         finally:
             for c in clients:
                 c.close()
-    prod = Producer(connect=endpoint, producer_id="bench-client", linger_ms=0, max_unacked=n + 1)
+    prod = Producer(
+        connect=endpoint,
+        producer_id="bench-client",
+        linger_ms=0,
+        max_unacked=n + 1,
+        max_unacked_bytes=(n + 1) * len(VALUE),  # the whole preload is held until acked
+    )
     try:
         for lo in range(0, n, 100_000):
             prod.send_many([VALUE] * min(100_000, n - lo))
@@ -222,7 +228,12 @@ def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
             return _run(zio_stream(spark, giver, work, maxBacklog=str(max(n, 1_000_000))), work, n)
         finally:
             giver.close()
-    common = {"producer_id": f"bench-{kind}", "linger_ms": 0, "max_unacked": n + 1}
+    common = {
+        "producer_id": f"bench-{kind}",
+        "linger_ms": 0,
+        "max_unacked": n + 1,
+        "max_unacked_bytes": (n + 1) * len(VALUE),  # the whole preload is held until acked
+    }
     prod = Producer(batch=1000 if kind == "arrow" else 1, **common)
     try:
         for lo in range(0, n, 100_000):
