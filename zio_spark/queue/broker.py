@@ -1226,8 +1226,6 @@ class QueueBroker:
     def _receive_consumers(self, store: MessageStore) -> None:
         tx = self._tx
         counters = self.counters
-        inflight = self._inflight
-        keys = self._keys
         consumers = self._consumers
         for _ in range(self._max_batch):
             try:
@@ -1251,18 +1249,8 @@ class QueueBroker:
                     continue
                 message_id, ok = ack.message_id, ack.ok
             consumer = consumers.get(ident) or self._hello(ident)
-            key = keys.pop(message_id, None)
-            if key is None:
-                counters["unknown_acks"] += 1  # late (already requeued), repeated, unknown
+            if not self._settle(store, message_id, ok):
                 continue
-            if ok:
-                inflight.ack(message_id)
-                store.ack(key)
-                counters["acked"] += 1
-            else:
-                inflight.nack(message_id)
-                store.release(key)
-                counters["nacked"] += 1
             # The slot freed is usually the acker's; if another consumer held the message
             # (a late ack from an earlier holder), _tick makes that one ready again.
             if not consumer.ready:
@@ -1270,13 +1258,28 @@ class QueueBroker:
             if message_id in self._deferred:
                 self._release_deferred(store, message_id)
 
+    def _settle(self, store: MessageStore, message_id: bytes, ok: bool) -> bool:
+        """Apply a consumer's ack (``ok``) or nack to the store and the in-flight table;
+        False for an id not in flight (late, already requeued, repeated, unknown)."""
+        key = self._keys.pop(message_id, None)
+        if key is None:
+            self.counters["unknown_acks"] += 1
+            return False
+        if ok:
+            self._inflight.ack(message_id)
+            store.ack(key)
+            self.counters["acked"] += 1
+        else:
+            self._inflight.nack(message_id)
+            store.release(key)
+            self.counters["nacked"] += 1
+        return True
+
     def _receive_dealer_acks(self, store: MessageStore) -> None:
         """dealer mode: acks arrive without the consumer's identity (none is needed:
         the in-flight table knows each id)."""
         tx = self._tx
         counters = self.counters
-        inflight = self._inflight
-        keys = self._keys
         deferred = self._deferred
         for _ in range(self._max_batch):
             try:
@@ -1297,19 +1300,7 @@ class QueueBroker:
                     log.debug("queue: bad consumer message: %s", e)
                     continue
                 message_id, ok = ack.message_id, ack.ok
-            key = keys.pop(message_id, None)
-            if key is None:
-                counters["unknown_acks"] += 1  # late (already requeued), repeated, unknown
-                continue
-            if ok:
-                inflight.ack(message_id)
-                store.ack(key)
-                counters["acked"] += 1
-            else:
-                inflight.nack(message_id)
-                store.release(key)
-                counters["nacked"] += 1
-            if message_id in deferred:
+            if self._settle(store, message_id, ok) and message_id in deferred:
                 self._release_deferred(store, message_id)
 
     def _consumer_links(self, store: MessageStore) -> None:
