@@ -6,7 +6,7 @@ Cases (each in two processes over loopback tcp, or ipc):
   prefix, coord, payload), a ROUTER receives them with ``recv_multipart``; no flow control.
 - ``flow1``: one record per DAT through our stack: a client giver (``FlowEndpoint.put``)
   and a server taker (``ServerPort.recv`` + ``Flow.receive`` + PAY), at credit window W.
-- ``batched``: 1000 records per DAT packed as Arrow (``zio_spark.records``), window W;
+- ``batched``: 1000 records per DAT packed as Arrow (``zio_spark.codec.records``), window W;
   compared in bytes/s with raw PUSH/PULL of the same payload bytes. The taker counts
   records (batch size x DATs, the first batch decoded as a check) rather than decoding
   every batch, as the anchor does not decode either: this measures the flow.
@@ -155,9 +155,9 @@ def raw_cs(transport: str, n: int, frame: bytes):
 
 
 def _flow_sender(ep: str, n: int, window: int, batch: int, mode: str, many: bool, cpu_q) -> None:
+    from zio_spark.codec.records import encode_records
     from zio_spark.protocol.flow import Direction, Role
-    from zio_spark.records import encode_records
-    from zio_spark.transport.flow import FlowEndpoint
+    from zio_spark.transport.flow_endpoint import FlowEndpoint
     from zio_spark.transport.port import ClientPort
 
     ctx = zmq.Context()
@@ -186,8 +186,8 @@ def flow(
 ):
     """Our giver (``FlowEndpoint.put_many``, or ``put`` per DAT) to a taker
     (``ServerPort.recv_many``, or ``recv`` per message, + ``Flow``)."""
+    from zio_spark.codec.records import decode_batch
     from zio_spark.protocol.flow import BotReceived, Data, EotReceived, Flow, Role
-    from zio_spark.records import decode_batch
     from zio_spark.transport.port import ServerPort
 
     ctx = zmq.Context()
@@ -300,8 +300,8 @@ def main() -> None:
     runs = 1 if a.quick else 3
     n1 = 50_000 if a.quick else 200_000
     nb = 200_000 if a.quick else 2_000_000
+    from zio_spark.codec.records import encode_records
     from zio_spark.protocol.message import Message, encode_frames, encode_single
-    from zio_spark.records import encode_records
 
     dat = [b"", *encode_frames(Message("FLOW", '{"flow": "DAT"}', payload=(RECORD,)))]
     block = encode_records(1, [RECORD] * 1000)

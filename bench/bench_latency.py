@@ -114,7 +114,7 @@ def _figures(sink: _Collector, t_from: float) -> dict[str, Any]:
 
 
 def run_zio(spark: Any, work: Path, rate: float, seconds: float, warmup: float) -> dict[str, Any]:
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     prod = Producer(producer_id=f"latency-{time.time_ns()}", linger_ms=0, max_unacked=1_000_000)
     sink = _Collector("value")

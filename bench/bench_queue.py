@@ -1,7 +1,7 @@
 """Benchmark of the PZQ-style queue (not a test).
 
 Durable, acknowledged throughput of 1 KiB messages through a queue broker running in its
-own process (``python -m zio_spark.queue.broker``), with raw pyzmq clients written from
+own process (``python -m zio_spark.pzq.broker``), with raw pyzmq clients written from
 the spec in other processes:
 
 - ``produce``: producers (DEALER, a window of unacked messages each) into an empty queue
@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json  # noqa: E402
 
-from zio_spark.queue.store import MessageStore  # noqa: E402
+from zio_spark.storage.store import MessageStore  # noqa: E402
 
 # ---------------------------------------------------------------------- broker process
 
@@ -60,7 +60,7 @@ def start_broker(store: Path, inflight: int, hwm: int) -> tuple[subprocess.Popen
     cmd = [
         sys.executable,
         "-m",
-        "zio_spark.queue.broker",
+        "zio_spark.pzq.broker",
         "--store",
         str(store),
         "--receive",

@@ -53,7 +53,7 @@ class _Count:
 def _run(
     spark: Any, work: Path, case: str, rate: float, seconds: float, interval: float
 ) -> dict[str, Any]:
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     sink = _Count()
     prod = sender = None

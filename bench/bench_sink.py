@@ -1,6 +1,6 @@
 """Throughput of the zio sink against Spark's Arrow writer floor (not a test).
 
-rate-micro-batch -> ``df.writeStream.format("zio")`` -> :class:`~zio_spark.queue.consumer.Consumer`
+rate-micro-batch -> ``df.writeStream.format("zio")`` -> :class:`~zio_spark.sink.consumer.Consumer`
 (in this process, fsync on), next to rate-micro-batch -> a ``DataSourceStreamArrowWriter``
 that discards its input, in the same run and Spark session. The two alternate
 (noop, zio, noop, zio, ...) so both see the same machine (these VMs drift by 10-25 %).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import fmt_spread, machine, md_table, ratio_spread, spark_run, spread, write_json
 
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 
 
 @dataclass

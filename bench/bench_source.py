@@ -192,7 +192,7 @@ def _bound_stream(spark: Any, work: Path, endpoint: str, **options: str) -> Any:
 def _zio_bound(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
     """The source binds; the clients are started first and connect as soon as it does
     (the availableNow run takes what they give until its flows go quiet)."""
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     backlog = str(max(n, 1_000_000))
@@ -220,7 +220,7 @@ def _zio_bound(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
 
 
 def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     if kind == "plain":
         giver = PlainGiver(n, VALUE)

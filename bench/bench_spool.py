@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json
 
-from zio_spark.queue.spool import Record, Spool
+from zio_spark.storage.spool import Record, Spool
 
 
 def run(

@@ -100,7 +100,7 @@ class _SteadyReader(DataSourceStreamReader):  # type: ignore[misc]
     def read(self, partition):  # type: ignore[no-untyped-def]
         a, b = partition.value
         n = ROWS_PER_ARROW_BATCH
-        from zio_spark.queue.spool import SPARK_SCHEMA  # the zio source's Arrow schema
+        from zio_spark.storage.spool import SPARK_SCHEMA  # the zio source's Arrow schema
 
         ts = pa.scalar(time.time_ns() // 1000, pa.timestamp("us", tz="UTC"))
         template = pa.RecordBatch.from_arrays(
@@ -130,7 +130,7 @@ class _SteadyReader(DataSourceStreamReader):  # type: ignore[misc]
 
 def _producer_child(endpoint_file: str, window: int) -> None:
     """Our Producer in its own process, sending 100 B records as fast as it may."""
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     kw: dict[str, Any] = {"producer_id": "steady", "linger_ms": 0}
     if window > 0:

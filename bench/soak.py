@@ -3,7 +3,7 @@
 Processes (all on this host, loopback only):
 
 - **producer**: a child process (this script with ``--role producer``) running a
-  :class:`~zio_spark.transport.producer.Producer`. It offers records of ``--value-bytes``
+  :class:`~zio_spark.source.producer.Producer`. It offers records of ``--value-bytes``
   as fast as the flow lets it (its buffer holds at most ``--max-unacked`` records), so the
   query's pace, not the producer's, sets the rate: backpressure is exercised end to end
   (slow foreachBatch -> receiver backlog at ``maxBacklog`` -> no PAY -> producer blocks).
@@ -153,7 +153,7 @@ def growth(values: list[float], warmup: float) -> dict[str, Any]:
 
 
 def run_producer(args: argparse.Namespace) -> int:
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from zio_spark.cli import main
+from zio_spark.cli.main import main
 
 WAIT = 30.0
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from zio_spark.bench import BENCHES
+from zio_spark.cli.bench import BENCHES
 
 # bench -> the JSON files it writes (flow: one per socket mode; CLIENT/SERVER runs on the
 # draft build, which the test command makes before the suite)
@@ -52,7 +52,16 @@ def _png_size(data: bytes) -> tuple[int, int]:
 def test_bench_quick_runs_every_bench_and_reports(tmp_path):
     out = tmp_path / "results"
     r = subprocess.run(
-        [sys.executable, "-m", "zio_spark.cli", "bench", "--quick", "--out", str(out), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "zio_spark.cli.main",
+            "bench",
+            "--quick",
+            "--out",
+            str(out),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=880,

@@ -9,16 +9,16 @@ import threading
 
 import zmq
 
-from zio_spark.cli import main
+from zio_spark.cli.main import main
+from zio_spark.codec.records import decode_batch
 from zio_spark.protocol.flow import Direction, Role
-from zio_spark.records import decode_batch
-from zio_spark.transport.flow import FlowEndpoint
+from zio_spark.transport.flow_endpoint import FlowEndpoint
 from zio_spark.transport.port import ClientPort
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "zio_spark.cli", *args],
+        [sys.executable, "-m", "zio_spark.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -115,7 +115,7 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
     """`consume` publishes a committed batch to JSONL, text values as text, binary as b64."""
     import pyarrow as pa
 
-    from zio_spark.queue.consumer import StagingWriter, send_command
+    from zio_spark.sink.consumer import StagingWriter, send_command
 
     with zmq.Context() as probe:
         s = probe.socket(zmq.ROUTER)

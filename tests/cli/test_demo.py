@@ -13,7 +13,7 @@ def test_demo_delivers_every_frame_exactly_once(tmp_path):
         [
             sys.executable,
             "-m",
-            "zio_spark.cli",
+            "zio_spark.cli.main",
             "demo",
             "--records",
             "20000",

@@ -16,7 +16,7 @@ import zmq
 
 from tests.cli_support import Run, free_endpoint, last_json
 from tests.peers.zio_reference import ReferenceClientTaker, ReferenceServer
-from zio_spark.cli import main
+from zio_spark.cli.main import main
 
 WAIT = 30.0
 HAVE_DRAFT = bool(zmq.has("draft") and zmq.DRAFT_API)

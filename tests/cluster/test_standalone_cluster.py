@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from tests.cluster.spark_procs import ROOT, Proc, descendants, kill_tree, spark_env
-from zio_spark.queue.consumer import Consumer
-from zio_spark.transport.producer import Producer
+from zio_spark.sink.consumer import Consumer
+from zio_spark.source.producer import Producer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 

@@ -5,12 +5,12 @@ Already at >= 100k under ``-m fuzz`` elsewhere: the ZIO message codecs
 and every PZQ codec (``tests/unit/test_pzq.py``). Here, seeded ``random.Random`` loops of
 ``CASES`` inputs each, half random bytes and half mutations of valid encodings:
 
-- :func:`zio_spark.records.decode_batch` (Arrow record batches in DATs, from a peer):
+- :func:`zio_spark.codec.records.decode_batch` (Arrow record batches in DATs, from a peer):
   only ``RemoteProtocolError``, and whatever decodes satisfies the documented checks;
 - the spool's WAL record decoder ``_decode_wal_record`` (mutated payloads carrying a
   *valid* CRC, so the decoder behind the checksum is reached): ``None`` or a record,
   never an exception;
-- the spool's sealed-segment reader :func:`~zio_spark.queue.spool.read_sealed` on
+- the spool's sealed-segment reader :func:`~zio_spark.storage.spool.read_sealed` on
   corrupted segment files: ``CorruptSegmentError`` (a ``DataLossError``) or fully valid
   batches of exactly the requested sequence numbers;
 - the queue store's record payload decoder ``_parse_message``: only ``ValueError`` /
@@ -36,13 +36,13 @@ import pyarrow as pa
 import pytest
 
 from tests.fuzz_live.live_fuzz_support import mutate, report
+from zio_spark.codec.records import WIRE_SCHEMA, decode_batch, encode_batch, encode_records
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError
 from zio_spark.protocol.flow import Direction, Flow, Role, pay_ack, profile_bot
 from zio_spark.protocol.message import Message
-from zio_spark.queue import spool as spool_mod
-from zio_spark.queue import store as store_mod
-from zio_spark.queue.spool import Record, Spool, read_sealed
-from zio_spark.records import WIRE_SCHEMA, decode_batch, encode_batch, encode_records
+from zio_spark.storage import spool as spool_mod
+from zio_spark.storage import store as store_mod
+from zio_spark.storage.spool import Record, Spool, read_sealed
 
 CASES = 100_000
 SMOKE = 300

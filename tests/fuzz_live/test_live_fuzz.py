@@ -48,11 +48,11 @@ from zio_spark.protocol.zre import (
     encode_command,
     encode_identity,
 )
-from zio_spark.queue.broker import QueueBroker
-from zio_spark.transport.flow import FlowEndpoint
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.source.producer import Producer
+from zio_spark.transport.flow_endpoint import FlowEndpoint
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ClientPort, ServerPort
-from zio_spark.transport.producer import Producer
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.zre_node import ZreNode
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -1053,7 +1053,7 @@ def test_queue_producer_not_reading_acks_does_not_block_other_producers(
 @pytest.mark.timeout(120)
 def test_flow_server_slow_reader_does_not_stall_other_clients(ctx: zmq.Context[Any]) -> None:
     done: dict[str, list[bytes]] = {}
-    port = ServerPort(ctx, linger_ms=0)  # default send timeout, as zio_spark.queue.consumer
+    port = ServerPort(ctx, linger_ms=0)  # default send timeout, as zio_spark.sink.consumer
     endpoint = port.bind(LOOPBACK)
     server = FlowServer(port, lambda: CollectingHandler(done), ctx=ctx).start()
     slow: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)

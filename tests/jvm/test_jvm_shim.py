@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pyspark
 import pytest
 
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "jvm-shim"

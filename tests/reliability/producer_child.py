@@ -6,7 +6,7 @@ connects to it; ``connect``: the producer is a flow client of a source that bind
 ENDPOINT (``Producer(connect=...)``), reconnecting after the source's driver dies.
 
 Record ``s`` (1-based) is always ``b"r<s>"``, as from an instrument that can re-read
-its data. The :class:`~zio_spark.transport.producer.Producer` keeps unacknowledged records
+its data. The :class:`~zio_spark.source.producer.Producer` keeps unacknowledged records
 in memory only, so a killed producer loses what it held; on restart (same id, same
 endpoint) it waits for the taker's ``resume`` (in the taker's BOT, or in the server
 taker's reply to ours), which moves its numbering on to the last record the source
@@ -26,7 +26,7 @@ import time
 import zmq
 
 from zio_spark.errors import TransportError
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
 
 CHUNK = 1000
 BIND_RETRY_S = 15.0

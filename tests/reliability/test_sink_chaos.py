@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.helpers import Child, KillPlan, chaos_rng, run_with_kills, wait_until
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 
 STREAM = "chaos"  # as driver_child.py
 FAIL_PROB = 0.25  # share of tasks whose first attempt fails

@@ -29,7 +29,7 @@ def _wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
 
 
 def test_source_reads_every_record_once_over_clientserver(spark, tmp_path):
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     ctx = zmq.Context()
     n = 3000
@@ -61,7 +61,7 @@ def test_source_reads_every_record_once_over_clientserver(spark, tmp_path):
 
 
 def test_sink_publishes_every_row_once_over_clientserver(spark, tmp_path):
-    from zio_spark.queue.consumer import Consumer
+    from zio_spark.sink.consumer import Consumer
 
     rows = 300
     consumer = Consumer(

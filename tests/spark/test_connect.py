@@ -26,9 +26,9 @@ import pytest
 
 from tests.cluster.spark_procs import start_connect_server
 from tests.reliability.helpers import ParquetProgress
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
+from zio_spark.source.producer import Producer
 from zio_spark.spark.compat import check_session
-from zio_spark.transport.producer import Producer
 
 FORMATS = ["zio", "zio_explicit"]
 

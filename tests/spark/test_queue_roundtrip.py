@@ -1,6 +1,6 @@
 """Spark sink -> the queue -> Spark source, on local Spark: every row exactly once.
 
-The queue runs in-process with both flow ports (zio_spark/queue/flows.py). A file
+The queue runs in-process with both flow ports (zio_spark/pzq/flow_ports.py). A file
 stream (three files, one per micro-batch) is written with ``format("zio")`` into the
 queue's flow consumer port; a second query reads the queue's flow producer port with
 ``readStream.format("zio")``. A message from a plain PZQ producer then makes the source
@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from zio_spark.protocol import pzq
-from zio_spark.queue.broker import QueueBroker
+from zio_spark.pzq.broker import QueueBroker
 
 FILES, LINES = 3, 300
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import zmq
 
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 
 ROWS = 400  # per micro-batch
 ROOT = str(Path(__file__).resolve().parents[2])

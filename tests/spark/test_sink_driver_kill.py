@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 
 ROWS = 400  # per micro-batch
 STREAM = "kill"

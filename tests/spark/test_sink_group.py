@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from zio_spark.errors import TransportError
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 from zio_spark.spark import sink as sink_mod
 from zio_spark.spark.sink import SinkColumns, ZioStreamWriter, resolve_targets, sink_options
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import zmq
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
 
 
 @pytest.fixture

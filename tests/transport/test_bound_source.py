@@ -19,8 +19,8 @@ import zmq
 
 from tests.peers.zio_reference import ReferenceClientGiver
 from zio_spark.errors import TransportError
-from zio_spark.queue.spool import Spool
-from zio_spark.spark.receiver import Receiver
+from zio_spark.source.receiver import Receiver
+from zio_spark.storage.spool import Spool
 
 FLAVORS = ["cpp", "python"]
 
@@ -217,7 +217,7 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
     """Producer(connect) into a bound receiver: acknowledged, Arrow DATs; the receiver
     restarts on the same endpoint and spool, the producer restarts with the same id;
     every record once, in order."""
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     spool = Spool(tmp_path / "spool", sync=False)
     things.append(spool)
@@ -258,7 +258,7 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
 
 def test_bind_with_curve_takes_an_encrypted_producer_client(ctx, spool, things):
     """CURVE on the bound port: our key pair; the client uses our public key."""
-    from zio_spark.transport.producer import Producer
+    from zio_spark.source.producer import Producer
 
     server_pub, server_sec = zmq.curve_keypair()
     client_pub, client_sec = zmq.curve_keypair()

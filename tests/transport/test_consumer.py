@@ -15,8 +15,8 @@ import zmq
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.queue import consumer as consumer_mod
-from zio_spark.queue.consumer import (
+from zio_spark.sink import consumer as consumer_mod
+from zio_spark.sink.consumer import (
     CONSUMER_SCHEMA,
     CommandError,
     Consumer,
@@ -25,7 +25,7 @@ from zio_spark.queue.consumer import (
     encode_payload,
     send_command,
 )
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
 HEADERS = CONSUMER_SCHEMA.field("headers").type

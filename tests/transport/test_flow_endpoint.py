@@ -1,4 +1,4 @@
-"""Loopback tests of zio_spark.transport.flow.FlowEndpoint over real ports, both wire modes.
+"""Loopback tests of FlowEndpoint (zio_spark.transport.flow_endpoint) over real ports, both modes.
 
 The client end runs over a :class:`ClientPort`; the server end over a :class:`ServerPort`
 seen through :class:`OneClient` (one client's view of the port, the ``Channel`` a
@@ -20,7 +20,7 @@ import zmq
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import Credit, Data, Direction, Flow, FlowState, Role
 from zio_spark.protocol.message import DatCodec, Message, encode_frames, encode_single
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import BadMessage, ClientPort, PeerId, ServerPort
 
 WAIT = 5.0  # deadline for what must happen (returns as soon as it does)

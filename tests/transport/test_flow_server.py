@@ -1,4 +1,4 @@
-"""Loopback tests of zio_spark.transport.server.FlowServer: one handler per client.
+"""Loopback tests of zio_spark.transport.flow_server.FlowServer: one handler per client.
 
 Clients are :class:`FlowEndpoint` s over :class:`ClientPort` s (several at once run in
 threads), or raw pyzmq sockets for what a well-behaved endpoint cannot send. The handler
@@ -32,9 +32,9 @@ from zio_spark.protocol.flow import (
     Role,
 )
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ClientPort, ServerPort, format_peer
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
 WAIT = 5.0  # deadline for what must happen (returns as soon as it does)
 SHORT = 0.2  # timeouts that are meant to run out

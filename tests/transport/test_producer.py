@@ -1,8 +1,8 @@
-"""Loopback tests of zio_spark.transport.producer.Producer, the ack-capable ZIO giver.
+"""Loopback tests of zio_spark.source.producer.Producer, the ack-capable ZIO giver.
 
 Takers are what the Spark receiver is on the wire: a :class:`FlowEndpoint` client sending
 ``BOT{stream, ack: true, resume, encoding: ["arrow"], batch}``, decoding Arrow DATs with
-:func:`zio_spark.records.decode_batch` and acknowledging in its PAYs; or a plain ZIO
+:func:`zio_spark.codec.records.decode_batch` and acknowledging in its PAYs; or a plain ZIO
 taker written with raw pyzmq frames per specs/zio-wire.md. Every wait has a deadline;
 endpoints are 127.0.0.1 random ports; linger 0; the ``ctx`` fixture fails on a leak.
 """
@@ -22,12 +22,12 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceClientTaker
+from zio_spark.codec.records import decode_batch
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import BotReceived, Direction, FlowState, Role
-from zio_spark.records import decode_batch
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.source.producer import Producer
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
-from zio_spark.transport.producer import Producer
 
 WAIT = 5.0  # deadline for what must happen (returns as soon as it does)
 SHORT = 0.2  # timeouts that are meant to run out
@@ -665,7 +665,7 @@ def test_the_time_send_was_blocked_is_stated_to_the_taker(make_producer, taker, 
 def test_the_default_window_holds_more_than_the_sources_default_backlog():
     """The source's default maxBacklog is 1M records: a default producer must not cap it."""
     from zio_spark.options import parse_source_options
-    from zio_spark.transport.producer import DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES
+    from zio_spark.source.producer import DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES
 
     backlog = parse_source_options({"endpoints": "tcp://127.0.0.1:1"}).max_backlog
     assert 2 * backlog <= DEFAULT_WINDOW

@@ -22,13 +22,13 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceServer
+from zio_spark.codec.records import decode_batch
 from zio_spark.errors import ConfigError
 from zio_spark.protocol.flow import BotReceived, Data
 from zio_spark.protocol.negotiate import server_terms
-from zio_spark.records import decode_batch
+from zio_spark.source.producer import Producer, silent_peer_hint
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
-from zio_spark.transport.producer import Producer, silent_peer_hint
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
 WAIT = 10.0  # deadline for what must happen (returns as soon as it does)
 

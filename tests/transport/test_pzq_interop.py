@@ -3,7 +3,7 @@
 The clients are the stand-ins of :mod:`pzq_clients` (the reference's PHP client library
 and examples, in Python, quirks included): a consumer that connects a ROUTER and never
 speaks first, a synchronous producer, the monitor. The queue runs as a process
-(``python -m zio_spark.queue.broker``, stock pyzmq) and is SIGKILLed by pid where a test
+(``python -m zio_spark.pzq.broker``, stock pyzmq) and is SIGKILLed by pid where a test
 says so. Every wait polls with a deadline.
 """
 
@@ -34,8 +34,8 @@ from test_queue import (  # the queue_process fixture is shared by importing it
 )
 
 from zio_spark.protocol import pzq
-from zio_spark.queue import store as store_mod
-from zio_spark.queue.broker import QueueBroker
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.storage import store as store_mod
 
 WAIT_S = 10.0
 Start = Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]]
@@ -349,7 +349,7 @@ def test_pzq_option_names_and_microsecond_ack_timeout(
 def test_an_implausible_ack_timeout_is_refused_naming_both_readings(
     tmp_path: Path, value: str, words: list[str]
 ) -> None:
-    cmd = [sys.executable, "-m", "zio_spark.queue.broker", "--store", str(tmp_path / "q")]
+    cmd = [sys.executable, "-m", "zio_spark.pzq.broker", "--store", str(tmp_path / "q")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [*cmd, "--ack-timeout", value], capture_output=True, env=env, timeout=60, check=False

@@ -1,4 +1,4 @@
-"""The queue's ZIO flow ports on loopback, no Spark (see zio_spark/queue/flows.py).
+"""The queue's ZIO flow ports on loopback, no Spark (see zio_spark/pzq/flow_ports.py).
 
 - PZQ producer -> queue -> zio-spark taker (the source's Receiver and a Spool): every
   message once, in store order, numbered 1, 2, 3, ...; messages leave the store only when
@@ -35,17 +35,17 @@ from test_queue import (  # the queue_process fixture is shared by importing it
 
 from zio_spark.protocol import pzq
 from zio_spark.protocol.message import join_single
-from zio_spark.queue.broker import QueueBroker
-from zio_spark.queue.consumer import (
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.pzq.flow_ports import FlowLog, bridge_message_id
+from zio_spark.sink.consumer import (
     CONSUMER_SCHEMA,
     Consumer,
     StagingWriter,
     send_command,
 )
-from zio_spark.queue.flows import FlowLog, bridge_message_id
-from zio_spark.queue.spool import Spool
-from zio_spark.queue.store import MessageStore
-from zio_spark.spark.receiver import Receiver
+from zio_spark.source.receiver import Receiver
+from zio_spark.storage.spool import Spool
+from zio_spark.storage.store import MessageStore
 
 Sock = zmq.Socket[bytes]
 HEADERS = CONSUMER_SCHEMA.field("headers").type
@@ -200,7 +200,7 @@ def test_takers_without_ack_are_refused_and_pzq_consumers_keep_the_messages(
     ctx: zmq.Context[Any],
 ) -> None:
     from zio_spark.protocol.flow import Direction, Role
-    from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+    from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
     from zio_spark.transport.port import ClientPort
 
     b = make_broker(flow_producer="tcp://127.0.0.1:*")

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
-from zio_spark.queue.spool import Spool
-from zio_spark.records import encode_records
-from zio_spark.spark.receiver import Receiver
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
+from zio_spark.source.receiver import Receiver
+from zio_spark.storage.spool import Spool
 
 # -- helpers -------------------------------------------------------------------------------
 
@@ -493,7 +493,7 @@ def test_producer_restart_same_id_continues(ctx, spool, closing, how):
 
 _CHILD_PRODUCER = """
 import sys
-from zio_spark.transport.producer import Producer
+from zio_spark.source.producer import Producer
 p = Producer(producer_id="same", linger_ms=0, bind="tcp://127.0.0.1:*")
 p.send_many([b"old-%d" % i for i in range(int(sys.argv[1]))])
 print(p.endpoint, flush=True)

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from tests.peers.zio_reference import ReferenceServer
-from zio_spark.queue.spool import Spool
-from zio_spark.spark.receiver import Receiver
+from zio_spark.source.receiver import Receiver
+from zio_spark.storage.spool import Spool
 
 FLAVORS = ["cpp", "python"]
 

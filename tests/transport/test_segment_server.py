@@ -14,8 +14,8 @@ import zmq
 from tests.transport.conftest import RecordingProxy
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import parse_source_options
-from zio_spark.queue.spool import Record, Spool, read_sealed
-from zio_spark.spark.segments import SegmentKeys, SegmentServer, _ipc, driver_host, fetch_range
+from zio_spark.source.spool_server import SegmentKeys, SegmentServer, _ipc, driver_host, fetch_range
+from zio_spark.storage.spool import Record, Spool, read_sealed
 
 MARKER = b"PLAINTEXT-MARKER-7f3a9c"
 N = 500

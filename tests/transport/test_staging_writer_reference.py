@@ -20,12 +20,12 @@ import zmq
 from tests.peers.zio_reference import ReferenceServer
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.protocol.flow import Direction, Role
-from zio_spark.queue.consumer import (
+from zio_spark.sink.consumer import (
     CONSUMER_SCHEMA,
     Consumer,
     StagingWriter,
 )
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
 SOCKETS = [

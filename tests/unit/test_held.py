@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from zio_spark.transport.held import HeldRecords
+from zio_spark.source.held import HeldRecords
 
 
 class HeldMachine(RuleBasedStateMachine):

@@ -109,7 +109,7 @@ def test_transport_imports_without_pyspark() -> None:
     """Only the Spark data source needs Spark: flows, producer and queue do not."""
     code = (
         "import sys; sys.modules['pyspark'] = None\n"
-        "import zio_spark.transport.producer, zio_spark.queue.consumer\n"
+        "import zio_spark.source.producer, zio_spark.sink.consumer\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

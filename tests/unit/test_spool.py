@@ -1,4 +1,4 @@
-"""The spool (zio_spark.queue.spool): durable, replayable per-producer log.
+"""The spool (zio_spark.storage.spool): durable, replayable per-producer log.
 
 Everything runs under ``tmp_path``; nothing sleeps. The crash test kills a real child
 process with SIGKILL right after its flush returned. The property test drives random
@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from zio_spark.errors import ConfigError, DataLossError
-from zio_spark.queue.spool import (
+from zio_spark.storage.spool import (
     SPARK_SCHEMA,
     CorruptSegmentError,
     MissingRangeError,
@@ -605,7 +605,7 @@ def test_commit_cut_short_is_finished_on_open(tmp_path: Path) -> None:
 
 CHILD = r"""
 import sys
-from zio_spark.queue.spool import Record, Spool
+from zio_spark.storage.spool import Record, Spool
 
 path, n = sys.argv[1], int(sys.argv[2])
 sp = Spool(path)
@@ -893,7 +893,7 @@ def test_random_operations_match_the_model(
 
 
 def _wal_batch(start: int, stop: int, tag: str = "v") -> pa.RecordBatch:
-    from zio_spark.queue.spool import WAL_SCHEMA
+    from zio_spark.storage.spool import WAL_SCHEMA
 
     n = stop - start
     return pa.RecordBatch.from_arrays(

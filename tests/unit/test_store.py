@@ -1,4 +1,4 @@
-"""Tests for zio_spark.queue.store: the PZQ-style queue's durable message store.
+"""Tests for zio_spark.storage.store: the PZQ-style queue's durable message store.
 
 No sockets. "Crash" means the store's files are closed without a commit or a close (what
 SIGKILL leaves behind); torn tails are made by truncating or overwriting segment bytes.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from zio_spark.errors import ConfigError
-from zio_spark.queue import store as store_mod
-from zio_spark.queue.store import (
+from zio_spark.storage import store as store_mod
+from zio_spark.storage.store import (
     MAX_ID_BYTES,
     MessageRejected,
     MessageStore,

@@ -1,7 +1,7 @@
 """``df.writeStream.format("zio")`` and ``df.write.format("zio")``: the sink's writers.
 
 Protocol (the consumer's side, with the on-disk layout and crash repair, is in
-:mod:`zio_spark.queue.consumer`):
+:mod:`zio_spark.sink.consumer`):
 
 1. **Task** (executor, :meth:`write`): one ZIO flow per task, the task being the
    *client giver*: ``BOT{direction:"extract", credit, stream, batch, partition,
@@ -33,7 +33,7 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
 
 Group targets (option ``group`` instead of ``endpoint``): the writer object, made on the
 driver, resolves the consumers advertised in the ZRE group (port ``flow``, see
-:meth:`Consumer.advertise <zio_spark.queue.consumer.Consumer.advertise>`) through one
+:meth:`Consumer.advertise <zio_spark.sink.consumer.Consumer.advertise>`) through one
 :class:`~zio_spark.transport.zre_node.ZreNode` per (group, beacon port, broadcast,
 interface), cached in the driver's Python worker and reused across micro-batches. It
 waits up to ``connectTimeout`` for at least one (a fresh node first listens for about
@@ -109,7 +109,7 @@ from pyspark.sql.types import StructType
 
 from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
-from zio_spark.queue.consumer import (
+from zio_spark.sink.consumer import (
     CONSUMER_SCHEMA,
     BatchId,
     StagingWriter,

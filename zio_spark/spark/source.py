@@ -43,9 +43,9 @@ from pyspark.sql.types import StructType
 
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions, parse_source_options
-from zio_spark.queue.spool import SPARK_SCHEMA, Spool, project, read_sealed
-from zio_spark.spark.receiver import Receiver
-from zio_spark.spark.segments import SegmentKeys, SegmentServer, driver_host, fetch_range
+from zio_spark.source.receiver import Receiver
+from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
+from zio_spark.storage.spool import SPARK_SCHEMA, Spool, project, read_sealed
 from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]

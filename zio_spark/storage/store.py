@@ -87,7 +87,7 @@ durable are dropped and every later :meth:`MessageStore.put`/commit raises
 one process may open a folder (:class:`StoreLockedError`).
 
 Pins. A caller that records store keys durably elsewhere (the queue's flow producer
-port, :mod:`zio_spark.queue.flows`) takes with ``take(pin=True)``: compaction never
+port, :mod:`zio_spark.pzq.flow_ports`) takes with ``take(pin=True)``: compaction never
 moves a pinned message, so its key stays valid across restarts (keys are
 ``segment << 32 | slot`` and replay rebuilds the same slots). After a restart such a
 caller re-takes exactly those messages with :meth:`MessageStore.claim`. A pin ends with

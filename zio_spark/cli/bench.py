@@ -9,7 +9,7 @@ then draws the PNG plots (``bench/plots.py``: throughput vs credit window, laten
 RSS over time, throughput bars; median with min-max everywhere) into ``<out>``.
 
 ``--quick`` picks small sizes so the whole run takes about two minutes; it checks that the
-harness works, not the targets. ``python -m zio_spark.bench`` takes the same arguments.
+harness works, not the targets. ``python -m zio_spark.cli.bench`` takes the same arguments.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ BENCHES: dict[str, tuple[str, list[str], list[str]]] = {
 
 # Benches that need another interpreter: CLIENT/SERVER sockets need a draft pyzmq, which
 # scripts/build-draft-pyzmq.sh builds into .venv-draft (the stock wheel has no drafts).
-_DRAFT_PYTHON = Path(__file__).resolve().parent.parent / ".venv-draft" / "bin" / "python"
+_DRAFT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-draft" / "bin" / "python"
 _INTERPRETER: dict[str, Path] = {"flow-clientserver": _DRAFT_PYTHON}
 
 
 def _bench_dir() -> Path:
-    here = Path(__file__).resolve().parent.parent / "bench"
+    here = Path(__file__).resolve().parents[2] / "bench"
     if not here.is_dir():
         raise FileNotFoundError(
             f"benchmarks not found at {here}: run `zio-spark bench` from a source checkout"
@@ -187,8 +187,8 @@ def _plots(bench: Path, out: Path) -> tuple[int, list[str], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m zio_spark.bench``: the ``zio-spark bench`` command, every bench name."""
-    p = argparse.ArgumentParser(prog="python -m zio_spark.bench", description=__doc__)
+    """``python -m zio_spark.cli.bench``: the ``zio-spark bench`` command, every bench name."""
+    p = argparse.ArgumentParser(prog="python -m zio_spark.cli.bench", description=__doc__)
     p.add_argument("--quick", action="store_true", help="about two minutes; checks the harness")
     p.add_argument("--out", default="bench/results", help="folder for JSON, Markdown, PNG")
     p.add_argument("--only", nargs="+", choices=tuple(BENCHES), help="run only these")

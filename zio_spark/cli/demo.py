@@ -76,8 +76,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    from zio_spark.queue.consumer import Consumer
-    from zio_spark.transport.producer import Producer
+    from zio_spark.sink.consumer import Consumer
+    from zio_spark.source.producer import Producer
 
     console = Console(stderr=True)
     # The runner goes away with the query, so the producer's closing EOT has nobody to

@@ -21,7 +21,7 @@ and kept in memory until acknowledged:
 - A zio-spark taker states ``ack: true`` and ``resume: R`` (the last sequence number it
   holds durably). The producer then resends from ``R + 1`` and forgets a record only when
   a PAY carries ``ack >= seq``. Records go many to a DAT, packed as one Arrow IPC frame
-  (see :mod:`zio_spark.records`) when the ``arrow`` encoding is agreed.
+  (see :mod:`zio_spark.codec.records`) when the ``arrow`` encoding is agreed.
 - A plain ZIO taker (no acknowledgements: a reference taker, or a reference server that
   echoes our BOT) gets one record per DAT, the payload being the value, and a record is
   forgotten once sent: at most once, as plain ZIO promises. As a server we add ``seq``
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
+from zio_spark.codec.records import ENCODING, encode_records
 from zio_spark.errors import ConfigError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -70,8 +71,8 @@ from zio_spark.protocol.flow import (
 )
 from zio_spark.protocol.message import DatCodec
 from zio_spark.protocol.negotiate import Terms, client_terms, server_terms
-from zio_spark.records import ENCODING, encode_records
-from zio_spark.transport.held import HeldRecords, Taken
+from zio_spark.source.held import HeldRecords, Taken
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -80,7 +81,6 @@ from zio_spark.transport.port import (
     SocketMode,
     socket_type_name,
 )
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
 if TYPE_CHECKING:
     from zio_spark.transport.zre_node import ZreNode

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from zio_spark.bench import BENCHES
+from zio_spark.cli.bench import BENCHES
 from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 
 __all__ = ["main"]
@@ -117,8 +117,8 @@ class _Stop:
 def cmd_produce(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from zio_spark.source.producer import Producer, silent_peer_hint
     from zio_spark.transport.port import PortKind
-    from zio_spark.transport.producer import Producer, silent_peer_hint
 
     if args.connect and args.bind:
         raise ConfigError(
@@ -298,13 +298,13 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_consume(args: argparse.Namespace) -> int:
-    from zio_spark.queue.consume_cli import run_consume
+    from zio_spark.cli.consume import run_consume
 
     return int(run_consume(args) or 0)
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
-    from zio_spark.transport.peers_cli import run_peers
+    from zio_spark.cli.peers import run_peers
 
     return int(run_peers(args) or 0)
 
@@ -315,13 +315,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except ImportError as e:  # no pyspark, or one too old: the message says which and why
         print(f"zio-spark demo: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from zio_spark.demo import run_demo
+    from zio_spark.cli.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from zio_spark.bench import run_bench
+    from zio_spark.cli.bench import run_bench
 
     return run_bench(args)
 
@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list[:1] == ["queue"]:
         # The queue has its own option parser (run_queue); hand it everything after
         # `queue`, so `zio-spark queue --store X` works as written.
-        from zio_spark.queue.broker import run_queue
+        from zio_spark.pzq.broker import run_queue
 
         return int(run_queue(args_list[1:]) or 0)
     parser = build_parser()

@@ -4,7 +4,7 @@ Theory of operation (spec: ``specs/pzq-sockets-and-formats.txt``; DESIGN.md "The
 PZQ-style queue"; frames: :mod:`zio_spark.protocol.pzq`)
 ---------------------------------------------------------------------------------------
 One thread owns the three sockets and the store; a second thread only runs the store's
-``write`` + ``fdatasync`` (a :class:`~zio_spark.queue.store.CommitTicket`), so the first
+``write`` + ``fdatasync`` (a :class:`~zio_spark.storage.store.CommitTicket`), so the first
 keeps receiving, delivering and answering while the disk syncs.
 
 *receive* (ROUTER, producers connect with DEALER): ``[id, *extra, "", *body]``. Each
@@ -14,7 +14,7 @@ since the last one). Only when that commit has ended does each producer get its 
 ``[id, "1", "", ""]``. A duplicate id (one in the store's duplicate window) is not
 stored again and is acked ``1`` once its original is durable. Failures get
 ``[id, "0", "", reason]``: bad frames whose id is readable, ids over
-:data:`~zio_spark.queue.store.MAX_ID_BYTES`, oversized messages, a failed store. Frames
+:data:`~zio_spark.storage.store.MAX_ID_BYTES`, oversized messages, a failed store. Frames
 without a readable id are dropped and counted (``bad_frames``). Acks never get dropped
 silently: a producer over its high-water mark gets them later (``ROUTER_MANDATORY``
 turns the would-be drop into ``EAGAIN``, per peer), from a backlog of its own, so a
@@ -77,7 +77,7 @@ Bad input never stops the server: decode errors are counted and answered or drop
 above, and an unexpected exception while handling one message is logged with its
 traceback and counted (``errors``), and the loop goes on.
 
-*flow ports* (optional, :mod:`zio_spark.queue.flows`): ``flow_producer`` is a ZIO giver
+*flow ports* (optional, :mod:`zio_spark.pzq.flow_ports`): ``flow_producer`` is a ZIO giver
 for Spark sources (messages leave the store when the source acks them after Spark's
 commit), ``flow_consumer`` a sink consumer whose published batches are moved into the
 store. Counted as ``flow_given``, ``flow_acked``, ``flow_stored``.
@@ -124,13 +124,13 @@ from zio_spark.protocol.pzq import (
     encode_monitor_reply,
     encode_producer_ack,
 )
-from zio_spark.queue.flows import (
+from zio_spark.pzq.flow_ports import (
     DEFAULT_FLOW_WINDOW,
     FlowConsumerPort,
     FlowProducerPort,
     QueueFlows,
 )
-from zio_spark.queue.store import (
+from zio_spark.storage.store import (
     DEFAULT_DEDUP_WINDOW,
     DEFAULT_SEGMENT_BYTES,
     CommitTicket,
@@ -343,12 +343,12 @@ class QueueBroker:
     max_batch
         Most messages taken from one socket per loop turn.
     dedup_window, segment_bytes, sync
-        Passed to :class:`~zio_spark.queue.store.MessageStore`.
+        Passed to :class:`~zio_spark.storage.store.MessageStore`.
     linger_ms
         ZMQ_LINGER of the sockets at stop (so the last acks can leave).
     flow_producer
         Bind a ZIO flow producer port here for Spark sources (None: off); see
-        :mod:`zio_spark.queue.flows`.
+        :mod:`zio_spark.pzq.flow_ports`.
     flow_consumer
         Bind a ZIO flow consumer port here for Spark sinks (None: off).
     flow_window
@@ -1726,7 +1726,7 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
 
 
 def main() -> None:
-    """``python -m zio_spark.queue.broker ...``."""
+    """``python -m zio_spark.pzq.broker ...``."""
     sys.exit(run_queue(sys.argv[1:]))
 
 

@@ -3,13 +3,13 @@
 Theory of operation (DESIGN.md "The PZQ-style queue"; FACTS.md "PySpark" for when
 Spark commits)
 ------------------------------------------------------------------------------------
-Both ports run inside the broker (:class:`~zio_spark.queue.broker.QueueBroker`, options
+Both ports run inside the broker (:class:`~zio_spark.pzq.broker.QueueBroker`, options
 ``flow_producer`` / ``flow_consumer``), and everything that touches the
-:class:`~zio_spark.queue.store.MessageStore` runs in the broker's thread.
+:class:`~zio_spark.storage.store.MessageStore` runs in the broker's thread.
 
 **Flow producer port** (:class:`FlowProducerPort`; Spark sources connect to it:
 ``readStream.format("zio").option("endpoints", <port>)``). An ack-capable ZIO giver in
-the zio-spark profile, like :class:`~zio_spark.transport.producer.Producer`, but backed by
+the zio-spark profile, like :class:`~zio_spark.source.producer.Producer`, but backed by
 the store instead of memory:
 
 - Its producer id is ``queue:<queue id>`` (the id kept in the store folder), stable
@@ -20,7 +20,7 @@ the store instead of memory:
   stays valid). The assignment ``seq -> store key`` is appended to a side log,
   ``flow-producer.log`` in the store folder, and the log is ``fdatasync``'d (one sync
   per batch of assignments, group commit) *before* any DAT carrying it is sent.
-- DAT payload: one Arrow IPC frame (:func:`zio_spark.records.encode_records`): value =
+- DAT payload: one Arrow IPC frame (:func:`zio_spark.codec.records.encode_records`): value =
   the PZQ body, key = the PZQ message id. A multi-part body is joined with czmq's
   framing (:func:`~zio_spark.protocol.message.join_single`) and the record gets the
   header ``zio.frames: <parts>`` (what the source does for multi-frame plain DATs), so
@@ -30,7 +30,7 @@ the store instead of memory:
 - BOT ``resume: R`` (what the taker's spool already holds): sending starts at
   ``max(R, acked) + 1``; assignments up to R stay until a PAY acks them.
 - Restart: the side log is replayed; every assigned key is taken back with
-  :meth:`~zio_spark.queue.store.MessageStore.claim` before the broker serves anybody.
+  :meth:`~zio_spark.storage.store.MessageStore.claim` before the broker serves anybody.
   Seqs above the logged ack are given again to a resuming taker (which drops what it
   holds); seqs at or below it whose store tombstone was lost in the crash are acked
   again. The side log is rewritten (temporary file, synced, renamed) to hold only the
@@ -50,7 +50,7 @@ the store instead of memory:
 
 **Flow consumer port** (:class:`FlowConsumerPort`; Spark sinks write to it:
 ``writeStream.format("zio").option("endpoint", <port>)``). It runs a sink
-:class:`~zio_spark.queue.consumer.Consumer` (staging, commit command, committed batch ids,
+:class:`~zio_spark.sink.consumer.Consumer` (staging, commit command, committed batch ids,
 atomic publish) on its own folder ``<store>/flow-consumer``, and a *bridge* in the
 broker thread that moves each published batch into the store, oldest first: record
 ``n`` (in the consumer's read order, which is deterministic) becomes the message
@@ -62,7 +62,7 @@ stays committed, so a batch Spark re-delivers is ``ok``'d and not published agai
 crash between the store commit and that ack re-moves the batch after the restart; the
 store's duplicate window drops the ids already stored, so the move is idempotent for
 batches up to ``dedup_window`` records (ids longer than
-:data:`~zio_spark.queue.store.MAX_ID_BYTES` are shortened to a hash of
+:data:`~zio_spark.storage.store.MAX_ID_BYTES` are shortened to a hash of
 ``<stream>/<batch>`` plus ``/<n>``).
 
 Monitor counters: ``flow_given`` (messages assigned to the flow), ``flow_acked``
@@ -87,6 +87,7 @@ from typing import Any, Final
 
 import zmq
 
+from zio_spark.codec.records import ENCODING, encode_records
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -98,11 +99,10 @@ from zio_spark.protocol.flow import (
     profile_bot,
 )
 from zio_spark.protocol.message import join_single, split_single
-from zio_spark.queue.consumer import BatchId, Consumer
-from zio_spark.queue.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
-from zio_spark.records import ENCODING, encode_records
+from zio_spark.sink.consumer import BatchId, Consumer
+from zio_spark.storage.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
 __all__ = [
     "DEFAULT_FLOW_WINDOW",
@@ -812,7 +812,7 @@ def _rows(consumer: Consumer, stream: str, batch: BatchId) -> Iterator[tuple[byt
 class FlowConsumerPort:
     """The queue's taker port for Spark sinks, and the bridge into the store.
 
-    The :class:`~zio_spark.queue.consumer.Consumer` serves flows in its own thread;
+    The :class:`~zio_spark.sink.consumer.Consumer` serves flows in its own thread;
     :meth:`pump` (the bridge) runs in the broker's thread.
 
     Parameters
@@ -822,7 +822,7 @@ class FlowConsumerPort:
     endpoint
         Endpoint to bind.
     after_durable
-        The broker's :meth:`~zio_spark.queue.broker.QueueBroker.after_durable`.
+        The broker's :meth:`~zio_spark.pzq.broker.QueueBroker.after_durable`.
     wake
         Called (from the consumer's thread) when a batch was published.
     max_put
@@ -833,7 +833,7 @@ class FlowConsumerPort:
     Raises
     ------
     ConsumerStateError, TransportError
-        As :class:`~zio_spark.queue.consumer.Consumer`.
+        As :class:`~zio_spark.sink.consumer.Consumer`.
     """
 
     def __init__(

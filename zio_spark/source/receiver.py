@@ -73,6 +73,7 @@ import pyarrow.compute as pc
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from zio_spark.codec.records import ENCODING, decode_batch, plain_value
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -94,8 +95,7 @@ from zio_spark.protocol.message import (
     parse_flow_label,
 )
 from zio_spark.protocol.negotiate import PLAIN, Terms, client_terms, pay_attrs, server_terms
-from zio_spark.queue.spool import WAL_SCHEMA, Record, Spool
-from zio_spark.records import ENCODING, decode_batch, plain_value
+from zio_spark.storage.spool import WAL_SCHEMA, Record, Spool
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,

@@ -100,8 +100,9 @@ Threads: the flow server thread owns staging and runs commands; application call
 the same lock as commands, briefly. A commit (links and fsyncs) and an EOT (one fsync)
 run in the server thread, so they delay other flows for their duration.
 
-Layering note: unlike the spool, this module runs a :class:`~zio_spark.transport.server.FlowServer`,
-so it imports the transport layer (and ``zmq``) on top of durability.
+Layering note: unlike the spool, this module runs a
+:class:`~zio_spark.transport.flow_server.FlowServer`, so it imports the transport layer
+(and ``zmq``) on top of durability.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import pyarrow as pa
 import zmq
 
+from zio_spark.codec.records import plain_value
 from zio_spark.errors import (
     ConfigError,
     LocalProtocolError,
@@ -135,10 +137,9 @@ from zio_spark.errors import (
 )
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived, Role
 from zio_spark.protocol.negotiate import client_terms, server_terms
-from zio_spark.records import plain_value
-from zio_spark.transport.flow import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ClientPort, ServerPort
-from zio_spark.transport.server import FlowHandler, FlowServer, ServerFlow
 
 if TYPE_CHECKING:
     from zio_spark.transport.zre_node import ZreNode

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from zio_spark.queue.consumer import Consumer
+from zio_spark.sink.consumer import Consumer
 
 __all__ = ["run_consume"]
 
@@ -38,9 +38,9 @@ def _text(field: str, data: bytes | None, out: dict[str, Any]) -> None:
 
 
 def run_consume(args: argparse.Namespace) -> int:
-    from zio_spark.cli import EXIT_CHECK_FAILED, EXIT_OK, _socket_mode, _Stop
+    from zio_spark.cli.main import EXIT_CHECK_FAILED, EXIT_OK, _socket_mode, _Stop
+    from zio_spark.source.producer import silent_peer_hint
     from zio_spark.transport.port import PortKind
-    from zio_spark.transport.producer import silent_peer_hint
 
     mode = _socket_mode(getattr(args, "socket", "auto"))
     stop = _Stop()

@@ -32,7 +32,7 @@ import zmq
 import zmq.utils.monitor
 
 from zio_spark.errors import DataLossError, RemoteProtocolError, TransportError
-from zio_spark.queue.spool import read_sealed
+from zio_spark.storage.spool import read_sealed
 from zio_spark.transport.port import CurveAuthenticator, start_authenticator
 
 __all__ = ["SegmentKeys", "SegmentServer", "driver_host", "fetch_range"]

@@ -1,0 +1,1 @@
+"""The ``zio-spark`` command line: one module per command, ``main`` dispatches."""

@@ -1,0 +1,1 @@
+"""The PZQ-compatible durable queue: the broker and its ZIO flow ports."""
