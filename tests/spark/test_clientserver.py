@@ -8,24 +8,12 @@ skip: CLIENT/SERVER sockets cannot be used without the draft API (FACTS.md).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import zmq
 
+from tests.support import wait_until
+
 pytestmark = pytest.mark.requires_draft
-
-
-def _wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_source_reads_every_record_once_over_clientserver(spark, tmp_path):
@@ -86,7 +74,7 @@ def test_sink_publishes_every_row_once_over_clientserver(spark, tmp_path):
             .start()
         )
         try:
-            _wait(
+            wait_until(
                 lambda: q.exception() is not None or len(consumer.published("cs")) >= 2,
                 90,
                 "2 published batches",

@@ -16,9 +16,9 @@ know it through that call).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +26,15 @@ import pytest
 
 from tests.cluster.spark_procs import start_connect_server
 from tests.reliability.helpers import ParquetProgress
+from tests.support import wait_until
 from zio_spark.sink.consumer import Consumer
 from zio_spark.source.producer import Producer
 from zio_spark.spark.compat import check_session
 
 FORMATS = ["zio", "zio_explicit"]
 
-
-def _wait(cond: Callable[[], Any], timeout: float = 90.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+# Each poll asks the Connect server: not too often.
+_wait = functools.partial(wait_until, interval=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +101,15 @@ def test_stream_read_into_parquet_exactly_once(remote: Any, fmt: str, tmp_path: 
                 raise AssertionError(f"query failed: {q.exception()}")
             return committed()
 
-        _wait(lambda: rows() >= n1, what=f"{n1} rows of the first wave")
+        _wait(lambda: rows() >= n1, what=f"{n1} rows of the first wave", timeout=90.0)
         prod.send_many([f"rec-{i}".encode() for i in range(n1, n1 + n2)])
-        _wait(lambda: rows() >= n1 + n2, what=f"{n1 + n2} rows")
+        _wait(lambda: rows() >= n1 + n2, what=f"{n1 + n2} rows", timeout=90.0)
         # The source acknowledges a batch once the next one is planned: all of them soon.
-        _wait(lambda: prod.acked == n1 + n2, what="the producer to hear every record acked")
+        _wait(
+            lambda: prod.acked == n1 + n2,
+            what="the producer to hear every record acked",
+            timeout=90.0,
+        )
         assert q.exception() is None
         got = remote.read.parquet(out).select("seq", "value", "producer").collect()
         assert sorted(r.seq for r in got) == list(range(1, n1 + n2 + 1))
@@ -152,6 +150,7 @@ def test_stream_write_to_consumer_exactly_once(remote: Any, fmt: str, tmp_path: 
         _wait(
             lambda: q.exception() is not None or len(consumer.published("rate")) >= 3,
             what="3 published batches",
+            timeout=90.0,
         )
         assert q.exception() is None, q.exception()
         q.stop()

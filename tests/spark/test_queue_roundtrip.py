@@ -9,27 +9,17 @@ run one more batch, which commits (and so acknowledges) the earlier ones.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.protocol import pzq
 from zio_spark.pzq.broker import QueueBroker
 
 FILES, LINES = 3, 300
-
-
-def _wait(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -88,9 +78,10 @@ def test_sink_to_queue_to_source_every_row_once(spark, queue: QueueBroker, tmp_p
             .start()
         )
         total = FILES * LINES
-        _wait(
+        wait_until(
             lambda: len(got) >= total or source_q.exception() or sink_q.exception(),
             what=f"{total} rows through the queue",
+            timeout=60.0,
         )
         assert sink_q.exception() is None, sink_q.exception()
         assert source_q.exception() is None, source_q.exception()
@@ -100,8 +91,12 @@ def test_sink_to_queue_to_source_every_row_once(spark, queue: QueueBroker, tmp_p
         producer.send_multipart([b"pzq-1", b"", b"from a PZQ producer"])
         assert producer.poll(10_000), "no ack from the queue"
         assert pzq.decode_producer_ack(producer.recv_multipart()).ok
-        _wait(lambda: len(got) > total, what="the PZQ message")
-        _wait(lambda: int(queue.stats()["flow_acked"]) >= total, what="acks for committed rows")
+        wait_until(lambda: len(got) > total, what="the PZQ message", timeout=60.0)
+        wait_until(
+            lambda: int(queue.stats()["flow_acked"]) >= total,
+            what="acks for committed rows",
+            timeout=60.0,
+        )
         assert source_q.exception() is None, source_q.exception()
     finally:
         for q in (sink_q, source_q):

@@ -15,27 +15,18 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.sink.consumer import Consumer
 
 ROWS = 400  # per micro-batch
 ROOT = str(Path(__file__).resolve().parents[2])
-
-
-def _wait(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -70,7 +61,7 @@ def _start(df, consumer: Consumer, ckpt: Path, **options: str):
 
 def _run_until(q, consumer: Consumer, batches: int, timeout: float = 60.0) -> None:
     try:
-        _wait(
+        wait_until(
             lambda: q.exception() is not None or len(consumer.published("rate")) >= batches,
             timeout,
             f"{batches} published batches",
@@ -120,7 +111,7 @@ def test_failed_commit_fails_query_and_restart_publishes_once(spark, consumer, t
     ckpt = tmp_path / "ckpt"
     q = _start(df, consumer, ckpt)
     try:
-        _wait(lambda: q.exception() is not None, 60, "the query to fail")
+        wait_until(lambda: q.exception() is not None, 60, "the query to fail")
         assert "injected: disk went away" in str(q.exception())
     finally:
         q.stop()
@@ -147,7 +138,7 @@ def test_bad_columns_fail_on_the_driver_naming_the_column(spark, consumer, tmp_p
     df = _rate(spark)  # timestamp, value bigint
     q = _start(df, consumer, tmp_path / "ckpt")
     try:
-        _wait(lambda: q.exception() is not None, 60, "the query to fail")
+        wait_until(lambda: q.exception() is not None, 60, "the query to fail")
     finally:
         q.stop()
     msg = str(q.exception())

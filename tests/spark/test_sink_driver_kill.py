@@ -29,12 +29,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support import wait_until
 from zio_spark.sink.consumer import Consumer
 
 ROWS = 400  # per micro-batch
@@ -43,16 +43,6 @@ KILL_BATCH = 2
 MORE = 3  # batches the restarted driver must publish beyond the kill point
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).with_name("sink_driver_child.py")
-
-
-def _wait(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 # ------------------------------------------------------------------- process tree
@@ -146,7 +136,9 @@ class Driver:
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        _wait(lambda: not any(_alive(p) for p in self.tree), 30, "the driver's children to die")
+        wait_until(
+            lambda: not any(_alive(p) for p in self.tree), 30, "the driver's children to die"
+        )
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds; always reaps everything."""
@@ -186,9 +178,11 @@ def test_driver_sigkill_then_restart_publishes_every_row_once(tmp_path: Path, po
             consumer.fault_hook = fault
         first = holder["first"] = Driver(consumer, ckpt, tmp_path / "driver-1.log")
         drivers.append(first)
-        _wait(first.started, 90, "the first driver's query to start")
+        wait_until(first.started, 90, "the first driver's query to start")
         if point == "anytime":
-            _wait(lambda: len(consumer.published(STREAM)) >= KILL_BATCH, 60, "published batches")
+            wait_until(
+                lambda: len(consumer.published(STREAM)) >= KILL_BATCH, 60, "published batches"
+            )
             seed = random.randrange(1 << 30)
             delay = random.Random(seed).uniform(0.0, 1.0)
             print(f"anytime: seed {seed}, kill {delay:.3f} s after batch {KILL_BATCH - 1}")
@@ -196,7 +190,7 @@ def test_driver_sigkill_then_restart_publishes_every_row_once(tmp_path: Path, po
             first.signal(signal.SIGKILL)
             killed.set()
         else:
-            _wait(
+            wait_until(
                 lambda: killed.is_set() or first.proc.poll() is not None,
                 60,
                 f"the kill at {point} of batch {KILL_BATCH}",
@@ -209,9 +203,9 @@ def test_driver_sigkill_then_restart_publishes_every_row_once(tmp_path: Path, po
 
         second = Driver(consumer, ckpt, tmp_path / "driver-2.log")
         drivers.append(second)
-        _wait(second.started, 90, "the second driver's query to start")
+        wait_until(second.started, 90, "the second driver's query to start")
         target = max(at_kill, default=-1) + 1 + MORE
-        _wait(
+        wait_until(
             lambda: second.proc.poll() is not None or len(consumer.published(STREAM)) >= target,
             60,
             f"{target} published batches after the restart",

@@ -9,12 +9,13 @@ from __future__ import annotations
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support import wait_until
 from zio_spark.errors import TransportError
 from zio_spark.sink.consumer import Consumer
 from zio_spark.spark import sink as sink_mod
@@ -27,16 +28,6 @@ def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], Any], timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -85,7 +76,7 @@ def test_group_resolves_sorted_consumers_and_spreads_partitions(consumers, port,
         t = resolve_targets(opts)
         return t if [e for e, _ in t] == want else None
 
-    targets = _wait(both, 20, "both consumers discovered")
+    targets = wait_until(both, 20, "both consumers discovered")
     assert all(mode == "routerdealer" for _, mode in targets)
     w = ZioStreamWriter(opts, SinkColumns("value"))  # reuses the cached node
     assert len(sink_mod._NODES) == 1
@@ -120,7 +111,7 @@ def test_stream_to_group_publishes_every_row_once_across_consumers(
         w = w.option(k, v)
     q = w.start()
     try:
-        _wait(
+        wait_until(
             lambda: (
                 q.exception() is not None or all(len(c.published("rate")) >= 3 for c in consumers)
             ),
@@ -152,7 +143,7 @@ def test_stream_to_group_publishes_every_row_once_across_consumers(
 def test_batch_write_to_group_spreads_partitions(spark, consumers, port):
     want = sorted(c.endpoint for c in consumers)
     # Discovery in this process first, so the writer (in a Spark worker) has peers to hear.
-    _wait(
+    wait_until(
         lambda: [e for e, _ in resolve_targets(sink_options(_group_opts(port)))] == want,
         20,
         "both consumers advertised",

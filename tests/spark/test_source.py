@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.source.producer import Producer
 
 
@@ -15,15 +14,6 @@ def ctx():
     c = zmq.Context()
     yield c
     c.term()
-
-
-def _wait(cond, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_stream_all_records_once(spark, ctx, tmp_path):
@@ -83,9 +73,11 @@ def test_commit_acknowledges_producer(spark, ctx, tmp_path):
         try:
             for wave in range(3):
                 prod.send_many([b"x"] * 1000)
-                _wait(lambda w=wave: len(got) >= 1000 * (w + 1), what=f"wave {wave}")
+                wait_until(
+                    lambda w=wave: len(got) >= 1000 * (w + 1), what=f"wave {wave}", timeout=60.0
+                )
             # Commits lag one batch: the first two waves must be acknowledged.
-            _wait(lambda: prod.acked >= 2000, what="acks for committed batches")
+            wait_until(lambda: prod.acked >= 2000, what="acks for committed batches", timeout=60.0)
             assert q.exception() is None
         finally:
             q.stop()
@@ -131,7 +123,9 @@ def test_group_discovers_producers_that_join_later(spark, ctx, tmp_path):
             prods.append(prod)
             prod.advertise("daq", beacon_port=port, interval=0.1)
             prod.send_many([b"frame"] * 500)
-            _wait(lambda k=k: len(got) >= 500 * (k + 1), what=f"records of producer {k}")
+            wait_until(
+                lambda k=k: len(got) >= 500 * (k + 1), what=f"records of producer {k}", timeout=60.0
+            )
         assert q.exception() is None
     finally:
         q.stop()

@@ -11,6 +11,7 @@ import pytest
 import zmq
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
+from tests.support import wait_until
 from zio_spark.source.producer import Producer
 
 
@@ -34,15 +35,6 @@ def producers(ctx):
     yield make
     for p in made:
         p.close(flush=False, timeout=5)
-
-
-def _wait(cond, timeout=60.0, what="condition", interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _stream(spark, endpoint, tmp_path, **options):
@@ -81,7 +73,7 @@ def test_restart_exactly_once_into_parquet(spark, producers, tmp_path):
     prod.send_many(values[:3000])
     q1 = start()
     try:
-        _wait(lambda: _input_rows(q1) >= 3000, what="first query's records")
+        wait_until(lambda: _input_rows(q1) >= 3000, what="first query's records", timeout=60.0)
         prod.send_many(values[3000:4000])  # in flight while the query stops
         assert q1.exception() is None
     finally:
@@ -90,10 +82,11 @@ def test_restart_exactly_once_into_parquet(spark, producers, tmp_path):
     q2 = start()
     try:
         prod.send_many(values[6000:])
-        _wait(
+        wait_until(
             lambda: spark.read.parquet(out).count() >= 9000,
             what="all records in the output",
             interval=0.5,
+            timeout=60.0,
         )
         assert q2.exception() is None
     finally:
@@ -154,9 +147,11 @@ def test_remote_spool_access_fetches_through_segment_server(spark, producers, tm
     try:
         for wave in range(2):
             prod.send_many([b"f"] * 1500)
-            _wait(lambda w=wave: len(got) >= 1500 * (w + 1), what=f"wave {wave}")
+            wait_until(lambda w=wave: len(got) >= 1500 * (w + 1), what=f"wave {wave}", timeout=60.0)
         # Executors fetched their ranges from the runner's segment server, not the folder.
-        _wait(lambda: served() >= 2, what="segment requests in the progress report")
+        wait_until(
+            lambda: served() >= 2, what="segment requests in the progress report", timeout=60.0
+        )
         assert q.exception() is None
     finally:
         q.stop()
@@ -181,7 +176,7 @@ def test_batch_read_max_records_then_the_rest(spark, producers, tmp_path):
         return sorted((r.seq, bytes(r.value)) for r in df.select("seq", "value").collect())
 
     assert read() == [(i + 1, f"b{i}".encode()) for i in range(1000)]
-    _wait(lambda: prod.acked == 1000, what="the first read acknowledged")
+    wait_until(lambda: prod.acked == 1000, what="the first read acknowledged", timeout=60.0)
     # The next read continues where the first stopped (records 1..1000 were acked).
     assert read() == [(i + 1, f"b{i}".encode()) for i in range(1000, 2000)]
     assert prod.pending == 500
@@ -193,7 +188,7 @@ def test_batch_read_until_eot(spark, producers, tmp_path):
     prod.send_many([f"e{i}".encode() for i in range(700)])
 
     def close_when_sent() -> None:
-        _wait(lambda: prod.stats["records_sent"] >= 700, what="records sent")
+        wait_until(lambda: prod.stats["records_sent"] >= 700, what="records sent", timeout=60.0)
         prod.close(flush=False, timeout=5)
 
     closer = threading.Thread(target=close_when_sent, daemon=True)
@@ -318,7 +313,7 @@ def test_a_full_backlog_already_read_by_spark_does_not_stall_the_query(spark, pr
     prod.send_many([b"r%d" % i for i in range(3001, 5001)])
     second = run(processingTime="200 milliseconds")
     try:
-        _wait(lambda: len(seqs) >= 5000, 90, "the next records after a full backlog")
+        wait_until(lambda: len(seqs) >= 5000, 90, "the next records after a full backlog")
     finally:
         second.stop()
     assert sorted(seqs) == list(range(1, 5001))
@@ -403,7 +398,7 @@ def test_the_report_shows_the_source_holding_a_producer_back(producers, tmp_path
     reader = _runner(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
     try:
         reader.initialOffset()
-        _wait(
+        wait_until(
             lambda: reader.reportLatestOffset()["heldBackMs"].get("held", 0) >= 200,
             timeout=20,
             what="credit withheld for maxBacklog",
