@@ -1,7 +1,7 @@
 """Benchmark of the PZQ-style queue (not a test).
 
 Durable, acknowledged throughput of 1 KiB messages through a queue broker running in its
-own process (``python -m zio_spark.pzq.broker``), with raw pyzmq clients written from
+own process (``python -m zio_spark.cli.queue``), with raw pyzmq clients written from
 the spec in other processes:
 
 - ``produce``: producers (DEALER, a window of unacked messages each) into an empty queue
@@ -60,7 +60,7 @@ def start_broker(store: Path, inflight: int, hwm: int) -> tuple[subprocess.Popen
     cmd = [
         sys.executable,
         "-m",
-        "zio_spark.pzq.broker",
+        "zio_spark.cli.queue",
         "--store",
         str(store),
         "--receive",

@@ -1,4 +1,4 @@
-"""Queue under chaos: the PZQ queue process (``python -m zio_spark.pzq.broker``) is
+"""Queue under chaos: the PZQ queue process (``python -m zio_spark.cli.queue``) is
 SIGKILLed under load at random (seeded) moments and restarted on the same store and
 endpoints, while a producer (raw pyzmq, as ``tests/transport/test_queue.py``) and a
 consumer keep running: no message the queue acknowledged is lost, every message is delivered,

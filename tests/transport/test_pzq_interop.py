@@ -3,7 +3,7 @@
 The clients are the stand-ins of :mod:`pzq_clients` (the reference's PHP client library
 and examples, in Python, quirks included): a consumer that connects a ROUTER and never
 speaks first, a synchronous producer, the monitor. The queue runs as a process
-(``python -m zio_spark.pzq.broker``, stock pyzmq) and is SIGKILLed by pid where a test
+(``python -m zio_spark.cli.queue``, stock pyzmq) and is SIGKILLed by pid where a test
 says so. Every wait polls with a deadline.
 """
 
@@ -349,7 +349,7 @@ def test_pzq_option_names_and_microsecond_ack_timeout(
 def test_an_implausible_ack_timeout_is_refused_naming_both_readings(
     tmp_path: Path, value: str, words: list[str]
 ) -> None:
-    cmd = [sys.executable, "-m", "zio_spark.pzq.broker", "--store", str(tmp_path / "q")]
+    cmd = [sys.executable, "-m", "zio_spark.cli.queue", "--store", str(tmp_path / "q")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [*cmd, "--ack-timeout", value], capture_output=True, env=env, timeout=60, check=False

@@ -3,7 +3,7 @@
 
 Consumers set ``ZMQ_PROBE_ROUTER`` so the queue learns them on connect (see the broker's
 module docstring). Every wait polls with a deadline; the crash tests run the queue in a
-subprocess (``python -m zio_spark.pzq.broker``) and kill it by pid.
+subprocess (``python -m zio_spark.cli.queue``) and kill it by pid.
 """
 
 from __future__ import annotations
@@ -535,7 +535,7 @@ def test_restart_redelivers_unacked_with_the_same_ids(
 
 
 def _start_queue(store: Path, *args: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    cmd = [sys.executable, "-m", "zio_spark.pzq.broker", "--store", str(store)]
+    cmd = [sys.executable, "-m", "zio_spark.cli.queue", "--store", str(store)]
     for name in ("receive", "send", "monitor"):
         cmd += [f"--{name}", "tcp://127.0.0.1:*"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))

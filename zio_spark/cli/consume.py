@@ -22,6 +22,7 @@ import sys
 import time
 from typing import Any
 
+from zio_spark.cli.common import EXIT_CHECK_FAILED, EXIT_OK, Stop, socket_mode
 from zio_spark.sink.consumer import Consumer
 
 __all__ = ["run_consume"]
@@ -38,12 +39,11 @@ def _text(field: str, data: bytes | None, out: dict[str, Any]) -> None:
 
 
 def run_consume(args: argparse.Namespace) -> int:
-    from zio_spark.cli.main import EXIT_CHECK_FAILED, EXIT_OK, _socket_mode, _Stop
     from zio_spark.source.producer import silent_peer_hint
     from zio_spark.transport.port import PortKind
 
-    mode = _socket_mode(getattr(args, "socket", "auto"))
-    stop = _Stop()
+    mode = socket_mode(getattr(args, "socket", "auto"))
+    stop = Stop()
     store = args.store or os.path.abspath(args.out) + ".store"
     consumer = Consumer(args.bind, store, mode=mode)
     socket_type = consumer.server.port.socket_type

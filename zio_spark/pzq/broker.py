@@ -89,13 +89,10 @@ knows the key may connect (see :func:`zio_spark.transport.start_authenticator`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -105,11 +102,9 @@ from types import TracebackType
 from typing import Any, Final
 
 import zmq
-from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
-from zio_spark.options import parse_duration
 from zio_spark.protocol.pzq import (
     ACK_FAILURE,
     ACK_SUCCESS,
@@ -147,8 +142,6 @@ __all__ = [
     "EXTRA_MONITOR_KEYS",
     "SEND_MODES",
     "QueueBroker",
-    "main",
-    "run_queue",
 ]
 
 log = logging.getLogger(__name__)
@@ -258,18 +251,7 @@ def _check_count(option: str, value: object, minimum: int) -> int:
 
 def _curve_keys(secret: str | bytes) -> tuple[bytes, bytes]:
     """(secret, public) Z85 keys from a Z85 (40 chars) or raw (32 bytes) secret key."""
-    if not zmq.has("curve"):
-        raise TransportError("CURVE requested but this libzmq has no CURVE support")
-    key = secret.encode("ascii", "replace") if isinstance(secret, str) else secret
-    if isinstance(key, bytes) and len(key) == 32:
-        key = z85.encode(key)
-    ok = False
-    if isinstance(key, bytes) and len(key) == 40:
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            ok = len(z85.decode(key)) == 32
-    if not ok:
-        raise ConfigError("curve_secret_key", "<hidden>", "a Z85 key (40 characters) or 32 bytes")
-    return key, zmq.curve_public(key)
+    return key_pair(secret)
 
 
 class _AckBacklog:
@@ -1562,173 +1544,3 @@ class QueueBroker:
         }
         assert tuple(stats) == MONITOR_KEYS + REFERENCE_MONITOR_KEYS + EXTRA_MONITOR_KEYS
         return stats
-
-
-# ---------------------------------------------------------------------- command line
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="zio-spark queue",
-        description="Run the PZQ-style durable queue (receive/send/monitor sockets).",
-    )
-    # PZQ's own option names are accepted as aliases (--receive-dsn, ...).
-    p.add_argument(
-        "--receive", "--receive-dsn", default=DEFAULT_RECEIVE, metavar="EP",
-        help="producers' endpoint",
-    )  # fmt: skip
-    p.add_argument(
-        "--send", "--send-dsn", default=DEFAULT_SEND, metavar="EP", help="consumers' endpoint"
-    )
-    p.add_argument(
-        "--monitor", "--monitor-dsn", default=DEFAULT_MONITOR, metavar="EP",
-        help="monitor endpoint ('none': off)",
-    )  # fmt: skip
-    p.add_argument("--store", "--database", required=True, metavar="PATH", help="store folder")
-    p.add_argument(
-        "--ack-timeout", default="5s", metavar="DURATION",
-        help="consumer ack timeout: 5s, 500ms, 5000000us; a bare number is microseconds, "
-        "as PZQ reads it (default 5s)",
-    )  # fmt: skip
-    p.add_argument(
-        "--send-mode", choices=SEND_MODES, default="dealer",
-        help="send socket: dealer (serves every PZQ consumer; default) or router "
-        "(exact per-consumer limits; consumers must announce themselves)",
-    )  # fmt: skip
-    p.add_argument(
-        "--dedup", choices=DEDUP_RULES, default="resend",
-        help="which repeated producer ids are acked and not stored again: resend (only "
-        "what can be a resend of a missed ack; default), global (any id in the window, "
-        "across restarts), off",
-    )  # fmt: skip
-    p.add_argument(
-        "--dedup-grace", default=f"{DEFAULT_DEDUP_GRACE:g}s", metavar="DURATION",
-        help="under --dedup resend: how long after start ids found on disk count as "
-        "resends (default 60s; a bare number is seconds)",
-    )  # fmt: skip
-    p.add_argument("--hwm", type=int, default=10_000, metavar="N", help="socket high-water mark")
-    p.add_argument("--inflight", type=int, default=1000, metavar="N", help="per-consumer limit")
-    p.add_argument(
-        "--ack-backlog", type=int, default=DEFAULT_ACK_BACKLOG, metavar="N",
-        help="most acks kept for a producer that reads none (older ones are dropped)",
-    )  # fmt: skip
-    p.add_argument(
-        "--curve-secret",
-        metavar="KEY",
-        help="CURVE secret key (Z85), or @FILE to read it from a file (keeps it out of ps)",
-    )
-    p.add_argument(
-        "--dedup-window", type=int, default=DEFAULT_DEDUP_WINDOW, metavar="N",
-        help="message ids remembered to drop duplicates",
-    )  # fmt: skip
-    p.add_argument("--queue-id", metavar="ID", help="routing id consumers see (default: stored)")
-    p.add_argument(
-        "--flow-producer", metavar="EP",
-        help="ZIO flow producer port for Spark sources (default: off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--flow-consumer", metavar="EP",
-        help="ZIO flow consumer port for Spark sinks (default: off)",
-    )  # fmt: skip
-    p.add_argument(
-        "--flow-window", type=int, default=DEFAULT_FLOW_WINDOW, metavar="N",
-        help="most messages given to the flow producer port and not yet acked",
-    )  # fmt: skip
-    p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
-    return p
-
-
-def run_queue(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: run a queue until SIGTERM/SIGINT. Returns the exit status.
-
-    Prints ``name: value`` lines (``receive``, ``send``, ``monitor``, ``queue_id``,
-    ``curve_public_key`` with CURVE), then ``ready``, on stdout once serving.
-
-    Parameters
-    ----------
-    argv
-        Arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns
-    -------
-    int
-        0 after a clean stop, 1 if the queue could not start, 2 for bad arguments.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # `zio-spark queue -- --store ...` passes the separator on
-        argv = argv[1:]
-    args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    secret: str | None = args.curve_secret
-    try:
-        if secret is not None and secret.startswith("@"):
-            secret = Path(secret[1:]).read_text("ascii").strip()
-        broker = QueueBroker(
-            args.store,
-            receive=args.receive,
-            send=args.send,
-            monitor=None if args.monitor.lower() == "none" else args.monitor,
-            ack_timeout=parse_duration(
-                "--ack-timeout",
-                args.ack_timeout,
-                bare="us",
-                minimum=1e-3,
-                maximum=MAX_ACK_TIMEOUT_S,
-            ),
-            send_mode=args.send_mode,
-            dedup=args.dedup,
-            dedup_grace=0.0
-            if args.dedup_grace.strip() in ("0", "0s")
-            else parse_duration("--dedup-grace", args.dedup_grace, maximum=7 * 86400),
-            hwm=args.hwm,
-            ack_backlog=args.ack_backlog,
-            inflight=args.inflight,
-            curve_secret_key=secret,
-            queue_id=args.queue_id.encode() if args.queue_id else None,
-            dedup_window=args.dedup_window,
-            flow_producer=args.flow_producer,
-            flow_consumer=args.flow_consumer,
-            flow_window=args.flow_window,
-        )
-    except (ConfigError, OSError) as e:
-        print(f"zio-spark queue: {e}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        try:
-            broker.start()
-        except (StoreError, TransportError, OSError) as e:
-            print(f"zio-spark queue: cannot start: {e}", file=sys.stderr)
-            return 1
-        for name, endpoint in broker.endpoints.items():
-            print(f"{name}: {endpoint}")
-        print(f"queue_id: {broker.queue_id.decode('utf-8', 'replace')}")
-        if broker.curve_public_key is not None:
-            print(f"curve_public_key: {broker.curve_public_key.decode('ascii')}")
-        print("ready", flush=True)
-        while not stop.wait(0.5):
-            if not broker.running:
-                print("zio-spark queue: the broker thread died", file=sys.stderr)
-                return 1
-        broker.stop()
-        return 0
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def main() -> None:
-    """``python -m zio_spark.pzq.broker ...``."""
-    sys.exit(run_queue(sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    main()

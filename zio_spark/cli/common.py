@@ -1,0 +1,118 @@
+"""What the ``zio-spark`` subcommands share: exit codes, argparse types, the socket
+option, the JSON summary and :class:`Stop` (SIGINT/SIGTERM end a command cleanly).
+
+Every command module imports from here, and :mod:`zio_spark.cli.main` imports the
+command modules: no command imports ``main``, so there is no cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from zio_spark.errors import ConfigError, TransportError
+
+__all__ = [
+    "EXIT_CHECK_FAILED",
+    "EXIT_OK",
+    "EXIT_TRANSPORT",
+    "EXIT_USAGE",
+    "Stop",
+    "add_socket_option",
+    "duration",
+    "emit",
+    "non_negative_float",
+    "positive_int",
+    "socket_mode",
+]
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_TRANSPORT = 0, 1, 2, 3
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return n
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return x
+
+
+def duration(option: str) -> Callable[[str], float]:
+    """An argparse type: a duration with a unit (``500ms``, ``5s``, ``5000000us``) or a
+    bare number of seconds, read by :func:`zio_spark.options.parse_duration`."""
+    from zio_spark.options import parse_duration
+
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(option, text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "duration"
+    return parse
+
+
+def socket_mode(value: str) -> str:
+    """The socket kind for ``--socket``, checked against this pyzmq before any socket is
+    made: ``clientserver`` on a pyzmq without the draft API is refused here (a
+    CLIENT/SERVER handshake with it would abort the process)."""
+    from zio_spark.transport.port import choose_mode
+
+    try:
+        return choose_mode(value, None, option="--socket").value
+    except TransportError:
+        raise ConfigError(
+            "--socket",
+            value,
+            "a socket kind this pyzmq can open: clientserver needs a draft-enabled pyzmq "
+            f"(this one, {sys.executable}, has none; build one with "
+            "scripts/build-draft-pyzmq.sh and run zio-spark from that venv), or use "
+            "--socket routerdealer if the peer has ROUTER/DEALER sockets",
+        ) from None
+
+
+def add_socket_option(sp: argparse.ArgumentParser) -> None:
+    """Add ``--socket`` (read it with :func:`socket_mode`)."""
+    sp.add_argument(
+        "--socket",
+        default="auto",
+        choices=("auto", "clientserver", "routerdealer"),
+        help="socket kind, as the Spark `socket` option: clientserver (CLIENT/SERVER, "
+        "needs a draft pyzmq) or routerdealer (ROUTER/DEALER); auto = routerdealer here. "
+        "Both ends must use the same kind",
+    )
+
+
+def emit(args: argparse.Namespace, summary: dict[str, Any]) -> None:
+    """Print ``summary`` as one JSON line on stdout if the command got ``--json``."""
+    if getattr(args, "json", False):
+        print(json.dumps(summary, sort_keys=True))
+
+
+class Stop:
+    """SIGINT/SIGTERM set a flag so long-running commands end cleanly."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.event.set())

@@ -1,0 +1,188 @@
+"""``zio-spark produce``: an ack-capable ZIO producer that delivers ``--count`` records.
+
+It serves the flow (``--bind``, optionally advertised in a ZRE ``--group``) or opens it as
+a client of a taker's server (``--connect``), shows a live progress bar on a terminal, and
+waits until every record is acknowledged (a plain ZIO taker confirms by echoing the
+final EOT). A shortfall exits 1 with the numbers and, when no taker came, the likely fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+from zio_spark.cli.common import EXIT_CHECK_FAILED, EXIT_OK, Stop, emit, socket_mode
+from zio_spark.errors import ConfigError, TransportError
+
+__all__ = ["DEFAULT_BIND", "run_produce"]
+
+DEFAULT_BIND = "tcp://127.0.0.1:5555"
+"""Where ``produce`` serves its flow without ``--bind`` or ``--connect``."""
+
+
+def run_produce(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from zio_spark.source.producer import Producer, silent_peer_hint
+    from zio_spark.transport.port import PortKind
+
+    if args.connect and args.bind:
+        raise ConfigError(
+            "--connect", args.connect, f"either --bind or --connect, not both (--bind {args.bind})"
+        )
+    if args.connect and args.group:
+        raise ConfigError(
+            "--group", args.group, "--bind: a producer in client mode has no port to advertise"
+        )
+    mode = socket_mode(args.socket)
+    stop = Stop()
+    payload = os.urandom(args.size) if args.random else b"x" * args.size
+    window: dict[str, int] = {}
+    if args.window is not None:
+        window["max_unacked"] = args.window
+    if args.window_mib is not None:
+        window["max_unacked_bytes"] = args.window_mib << 20
+    prod = Producer(
+        None if args.connect else args.bind or DEFAULT_BIND,
+        connect=args.connect,
+        mode=mode,
+        producer_id=args.producer_id,
+        stream=args.stream,
+        batch=args.batch,
+        **window,
+        # The command's own deadline reports a server that never answers.
+        connect_timeout=args.timeout + 5.0,
+    )
+    topology = "connect" if args.connect else "bind"
+    kind = PortKind.CLIENT if args.connect else PortKind.SERVER
+    if args.group:
+        prod.advertise(
+            args.group,
+            beacon_port=args.beacon_port,
+            broadcast=args.broadcast,
+            interface_addr=args.interface_addr,
+        )
+    verb = "connecting to" if args.connect else "producing on"
+    print(
+        f"{verb} {prod.endpoint} ({prod.socket_type}) as {prod.producer_id!r}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.monotonic()
+    queued = 0
+    shortfall: str | None = None
+    quiet = args.json or not sys.stderr.isatty()
+    with Progress(
+        TextColumn("[bold]produce"),
+        BarColumn(),
+        TextColumn(
+            "{task.completed}/{task.total} queued, {task.fields[sent]} sent, "
+            "{task.fields[delivered]} delivered{task.fields[blocked]}"
+        ),
+        TimeRemainingColumn(),
+        disable=quiet,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("produce", total=args.count, sent=0, delivered=0, blocked="")
+
+        def show() -> None:
+            d = prod.delivery()
+            waited = prod.blocked_seconds
+            blocked = ""
+            if waited >= 0.05:  # the taker's acknowledgements hold us back: say so
+                now = " (window full now)" if prod.window_full else ""
+                blocked = f", {waited:.1f} s waiting for acks{now}"
+            progress.update(
+                task, completed=d.queued, sent=d.sent, delivered=d.delivered, blocked=blocked
+            )
+
+        deadline = time.monotonic() + args.timeout
+        try:
+            chunk = min(args.batch, 1000)
+            while queued < args.count and not stop.event.is_set():
+                n = min(chunk, args.count - queued)
+                if args.rate:
+                    due = started + (queued + n) / args.rate
+                    delay = due - time.monotonic()
+                    if delay > 0 and stop.event.wait(delay):
+                        break
+                try:
+                    prod.send_many([payload] * n, timeout=args.timeout)
+                except TransportError as e:  # no room for --timeout: nobody takes them
+                    shortfall = str(e)
+                    break
+                queued += n
+                show()
+            # Delivered means acknowledged by an ack-capable taker, or sent to a plain one
+            # (which confirms only by echoing the EOT that close() sends).
+            deadline = time.monotonic() + args.timeout
+            while (
+                shortfall is None
+                and prod.pending
+                and time.monotonic() < deadline
+                and not stop.event.is_set()
+            ):
+                show()
+                stop.event.wait(0.05)
+        finally:
+            left = max(0.0, deadline - time.monotonic())
+            plain = prod.acks is False
+            # The EOT's echo confirms a plain taker's records: wait for it as long as the
+            # deadline allows (an ack-capable taker's acks already say everything).
+            delivery = prod.close(
+                timeout=max(left, 1.0) if plain else min(left, 5.0) + 0.5, flush=False
+            )
+    elapsed = time.monotonic() - started
+    summary: dict[str, Any] = {
+        "command": "produce",
+        "endpoint": prod.endpoint,
+        "topology": topology,
+        "socket": mode,
+        "producer": prod.producer_id,
+        "queued": delivery.queued,
+        "sent": delivery.sent,
+        "acked": delivery.acked,
+        "confirmed": delivery.confirmed,
+        "delivered": delivery.delivered,
+        "acks": prod.acks,
+        "flows": prod.stats["takers"],
+        "flow_failures": prod.stats["flow_failures"],
+        "window": {"records": prod.max_unacked, "bytes": prod.max_unacked_bytes},
+        "blocked_seconds": round(prod.blocked_seconds, 3),
+        "seconds": round(elapsed, 3),
+        "rate": round(delivery.delivered / elapsed, 1) if elapsed > 0 else None,
+    }
+    emit(args, summary)
+    if delivery.delivered == args.count and delivery.queued == args.count:
+        if plain:
+            print(
+                f"{args.count} records delivered to a plain ZIO taker at {prod.endpoint} "
+                "(confirmed by its EOT echo; it cannot acknowledge)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    print(
+        f"delivered {delivery.delivered} of {args.count} records within --timeout "
+        f"{args.timeout:g} s (queued {delivery.queued}, sent {delivery.sent}, acked "
+        f"{delivery.acked}, confirmed by EOT echo {delivery.confirmed}, still held "
+        f"{delivery.pending})" + ("; interrupted" if stop.event.is_set() else ""),
+        file=sys.stderr,
+    )
+    if shortfall:
+        print(shortfall, file=sys.stderr)
+    if prod.stats["takers"] == 0:
+        what = "the server never answered our BOT" if args.connect else "no taker came"
+        print(f"{what}; " + silent_peer_hint(prod.endpoint, kind, mode), file=sys.stderr)
+    else:
+        if delivery.sent < delivery.queued and not shortfall:
+            print(
+                f"the taker at {prod.endpoint} took only {delivery.sent} of "
+                f"{delivery.queued} records: it paid no credit for more",
+                file=sys.stderr,
+            )
+        if prod.last_error:
+            print(f"last flow failure: {prod.last_error}", file=sys.stderr)
+    return EXIT_CHECK_FAILED
