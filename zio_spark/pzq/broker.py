@@ -133,6 +133,7 @@ from zio_spark.storage.store import (
     MessageStore,
     StoreError,
 )
+from zio_spark.transport.curve import key_pair
 
 __all__ = [
     "DEDUP_RULES",

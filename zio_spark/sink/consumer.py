@@ -137,6 +137,7 @@ from zio_spark.errors import (
 )
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived, Role
 from zio_spark.protocol.negotiate import client_terms, server_terms
+from zio_spark.transport.curve import client_kwargs
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ClientPort, ServerPort
@@ -1378,13 +1379,7 @@ def _client_port(
     curve: tuple[bytes, bytes, bytes] | None,
     timeout: float,
 ) -> ClientPort:
-    kw: dict[str, Any] = {}
-    if curve is not None:
-        kw = {
-            "curve_server_key": curve[0],
-            "curve_public_key": curve[1],
-            "curve_secret_key": curve[2],
-        }
+    kw = client_kwargs(curve)
     port = ClientPort(
         ctx or zmq.Context.instance(),
         mode=mode,

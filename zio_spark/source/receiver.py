@@ -96,6 +96,7 @@ from zio_spark.protocol.message import (
 )
 from zio_spark.protocol.negotiate import PLAIN, Terms, client_terms, pay_attrs, server_terms
 from zio_spark.storage.spool import WAL_SCHEMA, Record, Spool
+from zio_spark.transport.curve import client_kwargs
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -482,14 +483,7 @@ class Receiver:
         peer.status.state = "connecting"
 
     def _curve_kwargs(self) -> dict[str, Any]:
-        if self.curve is None:
-            return {}
-        server_key, public_key, secret_key = self.curve
-        return {
-            "curve_server_key": server_key,
-            "curve_public_key": public_key,
-            "curve_secret_key": secret_key,
-        }
+        return client_kwargs(self.curve)
 
     def _send(self, peer: _Peer, msg: Message, timeout_ms: float = 1000) -> None:
         if peer.bound is not None:

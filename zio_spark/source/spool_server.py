@@ -33,7 +33,7 @@ import zmq.utils.monitor
 
 from zio_spark.errors import DataLossError, RemoteProtocolError, TransportError
 from zio_spark.storage.spool import read_sealed
-from zio_spark.transport.port import CurveAuthenticator, start_authenticator
+from zio_spark.transport.curve import CurveAuthenticator, start_authenticator
 
 __all__ = ["SegmentKeys", "SegmentServer", "driver_host", "fetch_range"]
 

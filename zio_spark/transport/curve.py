@@ -1,0 +1,248 @@
+"""CURVE security in one place: key parsing and checks, socket setup, the ZAP handler.
+
+Every CURVE key the project accepts goes through :func:`curve_key` (Z85 text, Z85 bytes
+or 32 raw bytes, errors naming the option; secret keys are never echoed back), and
+every key pair through :func:`key_pair`. :func:`apply_server` / :func:`apply_client` set
+the socket options; :class:`CurveAuthenticator` (see :func:`start_authenticator`) is the
+ZAP handler that admits clients from an allow-list of public keys. Without an
+authenticator any client that knows the server's public key is accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from zio_spark.errors import ConfigError, TransportError
+
+__all__ = [
+    "ClientCurve",
+    "CurveAuthenticator",
+    "apply_client",
+    "apply_server",
+    "client_kwargs",
+    "curve_key",
+    "key_pair",
+    "start_authenticator",
+]
+
+log = logging.getLogger("zio_spark.transport")
+
+ClientCurve = tuple[bytes, bytes, bytes]
+"""A client's CURVE settings: ``(server public key, our public key, our secret key)``,
+Z85 bytes each (the order of :class:`zio_spark.options.Curve`)."""
+
+_EXPECTED = "a Z85 CURVE key (40 characters) or 32 raw bytes"
+
+
+def curve_key(key: str | bytes, option: str) -> bytes:
+    """A CURVE key as Z85 bytes (40 characters), from Z85 text or bytes, or 32 raw bytes.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``option``, if ``key`` is neither; a secret key's value is redacted.
+    """
+    shown: object = "<redacted>" if "secret" in option.lower() else key
+    if isinstance(key, str):
+        try:
+            key = key.encode("ascii")
+        except UnicodeEncodeError:
+            raise ConfigError(option, shown, _EXPECTED) from None
+    if isinstance(key, bytes):
+        if len(key) == 40:
+            try:
+                raw = z85.decode(key)
+            except (ValueError, KeyError, TypeError):
+                raw = b""
+            if len(raw) == 32:
+                return key
+        elif len(key) == 32:
+            return z85.encode(key)
+    raise ConfigError(option, shown, _EXPECTED)
+
+
+def require_curve() -> None:
+    """Raise TransportError if this libzmq was built without CURVE."""
+    if not zmq.has("curve"):
+        raise TransportError("CURVE requested but this libzmq has no CURVE support")
+
+
+def key_pair(
+    secret_key: str | bytes,
+    public_key: str | bytes | None = None,
+    *,
+    secret_option: str = "curve_secret_key",
+    public_option: str = "curve_public_key",
+) -> tuple[bytes, bytes]:
+    """``(secret, public)`` Z85 keys; the public key is derived, and checked if given.
+
+    Raises
+    ------
+    TransportError
+        If libzmq has no CURVE.
+    ConfigError
+        If a key is malformed, or ``public_key`` is not the secret key's public key.
+    """
+    require_curve()
+    secret = curve_key(secret_key, secret_option)
+    public = zmq.curve_public(secret)
+    if public_key is not None and curve_key(public_key, public_option) != public:
+        raise ConfigError(public_option, public_key, f"the public key of {secret_option}")
+    return secret, public
+
+
+def apply_server(
+    sock: zmq.Socket[bytes], keys: tuple[bytes, bytes], zap_domain: str | None = None
+) -> None:
+    """Make ``sock`` a CURVE server with ``keys`` (``(secret, public)`` from :func:`key_pair`)."""
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys[0])
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
+    if zap_domain is not None:
+        sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode("utf-8"))
+
+
+def apply_client(sock: zmq.Socket[bytes], server_key: bytes, keys: tuple[bytes, bytes]) -> None:
+    """Make ``sock`` a CURVE client of ``server_key`` with our ``(secret, public)`` keys."""
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, keys[0])
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
+
+
+def client_kwargs(curve: ClientCurve | None) -> dict[str, Any]:
+    """The ``ClientPort`` keyword arguments for ``curve`` (none when it is None)."""
+    if curve is None:
+        return {}
+    server_key, public_key, secret_key = curve
+    return {
+        "curve_server_key": server_key,
+        "curve_public_key": public_key,
+        "curve_secret_key": secret_key,
+    }
+
+
+class CurveAuthenticator:
+    """A running ZAP handler that admits CURVE clients from an allow-list of public keys.
+
+    Built on pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`. One per context (ZAP
+    handlers bind ``inproc://zeromq.zap.01``). It applies to every CURVE socket of the
+    context whose ZAP domain matches ``domain`` (``"*"``: all). Use :func:`start_authenticator`.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        allowed_client_public_keys: Iterable[str | bytes],
+        *,
+        domain: str = "*",
+    ) -> None:
+        self._allowed: frozenset[bytes] = frozenset(
+            curve_key(k, "allowed_client_public_keys") for k in allowed_client_public_keys
+        )
+        self.domain = domain
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("zio_spark.transport.zap"))
+        self._started = False
+
+    @property
+    def allowed(self) -> frozenset[bytes]:
+        """The allowed client public keys, Z85."""
+        return self._allowed
+
+    def allow(self, *keys: str | bytes) -> None:
+        """Add client public keys (takes effect for the next handshake)."""
+        new = {curve_key(k, "allowed_client_public_keys") for k in keys}
+        self._allowed = self._allowed | new
+
+    def revoke(self, *keys: str | bytes) -> None:
+        """Remove client public keys (established connections stay up)."""
+        gone = {curve_key(k, "allowed_client_public_keys") for k in keys}
+        self._allowed = self._allowed - gone
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
+        ok = key in self._allowed
+        if not ok:
+            log.warning(
+                "CURVE client key %s refused (ZAP domain %r): not in the allow-list",
+                key.decode("ascii", "replace"),
+                domain,
+            )
+        return ok
+
+    def start(self) -> CurveAuthenticator:
+        """Start the ZAP thread.
+
+        Raises
+        ------
+        TransportError
+            If another ZAP handler already runs on this context.
+        """
+        if self._started:
+            return self
+        try:
+            self._auth.start()
+        except zmq.ZMQError as e:
+            self._auth.stop()
+            raise TransportError(
+                f"cannot start the ZAP authenticator: {e} (only one per context)",
+                endpoint="inproc://zeromq.zap.01",
+            ) from e
+        self._auth.configure_curve_callback(self.domain, credentials_provider=self)
+        self._started = True
+        return self
+
+    def stop(self) -> None:
+        """Stop the ZAP thread; idempotent. Do this before terminating the context."""
+        if self._started:
+            self._started = False
+            self._auth.stop()
+
+    def __enter__(self) -> CurveAuthenticator:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def start_authenticator(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    allowed_client_public_keys: Iterable[str | bytes],
+    *,
+    domain: str = "*",
+) -> CurveAuthenticator:
+    """Start a ZAP handler on ``ctx`` admitting only the given CURVE client keys.
+
+    Parameters
+    ----------
+    ctx
+        The context of the CURVE server ports to protect.
+    allowed_client_public_keys
+        Client public keys, Z85 text or 32 raw bytes.
+    domain
+        ZAP domain to answer for (``"*"``: any; else match ``ServerPort(zap_domain=...)``).
+
+    Returns
+    -------
+    CurveAuthenticator
+        Running; call ``stop()`` (or use it as a context manager) before ``ctx.term()``.
+
+    Raises
+    ------
+    ConfigError
+        If a key is malformed.
+    TransportError
+        If a ZAP handler already runs on this context.
+    """
+    return CurveAuthenticator(ctx, allowed_client_public_keys, domain=domain).start()
