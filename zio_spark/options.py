@@ -14,7 +14,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from zio_spark.errors import ConfigError
@@ -302,6 +302,53 @@ SINK_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
 }
 
 
+# Option -> dataclass field. Only options given are passed, so every default is written
+# once, on the dataclass.
+_ZRE_FIELDS: dict[str, str] = {
+    "zreBeaconPort": "beacon_port",
+    "zreBroadcast": "broadcast",
+    "zreInterface": "interface",
+    "zreInterval": "interval",
+}
+_COMMON_FIELDS: dict[str, str] = {
+    "stream": "stream",
+    "credit": "credit",
+    "connectTimeout": "connect_timeout",
+    "socket": "socket",
+}
+_SOURCE_FIELDS: dict[str, str] = {
+    **_COMMON_FIELDS,
+    "endpoints": "endpoints",
+    "bind": "bind",
+    "groupPort": "group_port",
+    "maxBacklog": "max_backlog",
+    "maxRecordsPerTrigger": "max_records_per_trigger",
+    "spoolAccess": "spool_access",
+    "failOnDataLoss": "fail_on_data_loss",
+    "maxRecords": "max_records",
+    "timeout": "timeout",
+}
+_SINK_FIELDS: dict[str, str] = {**_COMMON_FIELDS, "endpoint": "endpoint", "format": "format"}
+
+
+def _fields(opts: Mapping[str, Any], fields: Mapping[str, str]) -> dict[str, Any]:
+    """The options given among ``fields``, keyed by their dataclass field."""
+    return {field: opts[name] for name, field in fields.items() if name in opts}
+
+
+def _exactly_one(opts: Mapping[str, Any], choices: Mapping[str, str]) -> None:
+    """Refuse anything but exactly one of ``choices`` (option -> what it is)."""
+    where = [k for k in choices if k in opts]
+    if len(where) == 1:
+        return
+    names = [f"{k!r} ({what})" for k, what in choices.items()]
+    wanted = "exactly one of " + ", ".join(names[:-1]) + " or " + names[-1]
+    if where:
+        wanted += ", not both " + " and ".join(repr(k) for k in where)
+    first = where[0] if where else next(iter(choices))
+    raise ConfigError(first, opts.get(first), wanted)
+
+
 def _bind_endpoints(name: str, value: str) -> tuple[str, ...]:
     parts = parse_endpoints(name, value)
     for p in parts:
@@ -374,17 +421,14 @@ def _parse(
 
 def _zre(opts: dict[str, Any]) -> ZreOptions | None:
     if "group" not in opts:
-        for k in ("zreBeaconPort", "zreBroadcast", "zreInterface", "zreInterval"):
+        for k in _ZRE_FIELDS:
             if k in opts:
                 raise ConfigError(k, opts[k], "to be used together with the 'group' option")
         return None
-    return ZreOptions(
-        group=opts["group"],
-        beacon_port=opts.get("zreBeaconPort", 5670),
-        broadcast=opts.get("zreBroadcast", os.environ.get("ZIO_ZRE_BROADCAST", "255.255.255.255")),
-        interface=opts.get("zreInterface"),
-        interval=opts.get("zreInterval", 1.0),
-    )
+    given = _fields(opts, _ZRE_FIELDS)
+    if "broadcast" not in given and "ZIO_ZRE_BROADCAST" in os.environ:
+        given["broadcast"] = os.environ["ZIO_ZRE_BROADCAST"]
+    return ZreOptions(group=opts["group"], **given)
 
 
 def _curve(opts: dict[str, Any]) -> Curve | None:
@@ -417,46 +461,31 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
         ``group`` and ``bind`` (the error names the ones given).
     """
     opts = _parse(raw, SOURCE_OPTIONS, "source")
-    where = [k for k in ("endpoints", "group", "bind") if k in opts]
-    if len(where) != 1:
-        wanted = (
-            "exactly one of 'endpoints' (comma-separated producer endpoints), 'group' "
-            "(a ZRE group) or 'bind' (endpoints giver clients connect to)"
-        )
-        if where:
-            wanted += ", not both " + " and ".join(repr(k) for k in where)
-        first = where[0] if where else "endpoints"
-        raise ConfigError(first, opts.get(first), wanted)
+    _exactly_one(
+        opts,
+        {
+            "endpoints": "comma-separated producer endpoints",
+            "group": "a ZRE group",
+            "bind": "endpoints giver clients connect to",
+        },
+    )
     if "groupPort" in opts and "group" not in opts:
         raise ConfigError("groupPort", opts["groupPort"], "to be used together with 'group'")
     zre = _zre(opts)
-    endpoints = opts.get("endpoints", ())
-    bind = opts.get("bind", ())
-    curve = _curve(opts) if not bind else _bind_curve(opts)
-    stream = opts.get("stream", "zio")
-    spool = opts.get("spoolPath")
-    return SourceOptions(
-        endpoints=endpoints,
+    parsed = SourceOptions(
+        **_fields(opts, _SOURCE_FIELDS),
         zre=zre,
-        stream=stream,
-        credit=opts.get("credit", 1000),
-        max_backlog=opts.get("maxBacklog", 1_000_000),
-        max_records_per_trigger=opts.get("maxRecordsPerTrigger"),
-        spool_path=spool
-        or default_spool_path(stream, endpoints + bind, zre.group if zre else None),
-        spool_path_given=spool is not None,
-        spool_access=opts.get("spoolAccess", "auto"),
+        spool_path=opts.get("spoolPath", ""),
+        spool_path_given="spoolPath" in opts,
         spool_server_host=opts.get("spoolServerHost")
         or _server_host("ZIO_SPOOL_SERVER_HOST", os.environ.get("ZIO_SPOOL_SERVER_HOST")),
-        fail_on_data_loss=opts.get("failOnDataLoss", True),
-        connect_timeout=opts.get("connectTimeout", 30.0),
-        socket=opts.get("socket", "auto"),
-        curve=curve,
-        max_records=opts.get("maxRecords"),
-        timeout=opts.get("timeout"),
-        bind=bind,
-        group_port=opts.get("groupPort"),
+        curve=_bind_curve(opts) if "bind" in opts else _curve(opts),
     )
+    if parsed.spool_path_given:
+        return parsed
+    where = parsed.endpoints + parsed.bind
+    spool = default_spool_path(parsed.stream, where, zre.group if zre else None)
+    return replace(parsed, spool_path=spool)
 
 
 def _bind_curve(opts: dict[str, Any]) -> Curve | None:
@@ -493,20 +522,5 @@ def parse_sink_options(raw: Mapping[str, str]) -> SinkOptions:
         For an unknown option, a bad value, or neither/both of ``endpoint`` and ``group``.
     """
     opts = _parse(raw, SINK_OPTIONS, "sink")
-    if ("endpoint" in opts) == ("group" in opts):
-        raise ConfigError(
-            "endpoint",
-            opts.get("endpoint"),
-            "exactly one of 'endpoint' (a consumer endpoint) or 'group' (a ZRE group)"
-            + (", not both" if "group" in opts else ""),
-        )
-    return SinkOptions(
-        endpoint=opts.get("endpoint"),
-        zre=_zre(opts),
-        stream=opts.get("stream", "zio"),
-        credit=opts.get("credit", 1000),
-        format=opts.get("format", "auto"),
-        connect_timeout=opts.get("connectTimeout", 30.0),
-        socket=opts.get("socket", "auto"),
-        curve=_curve(opts),
-    )
+    _exactly_one(opts, {"endpoint": "a consumer endpoint", "group": "a ZRE group"})
+    return SinkOptions(**_fields(opts, _SINK_FIELDS), zre=_zre(opts), curve=_curve(opts))
