@@ -18,6 +18,8 @@ import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from zio_spark.transport.giver import Taken
+
 __all__ = ["HeldRecords", "Taken"]
 
 _MERGE_BELOW = 4096  # a chunk shorter than this takes in the next append
@@ -35,21 +37,6 @@ class _Chunk:
 
     def __len__(self) -> int:
         return len(self.values) - self.start
-
-
-@dataclass(frozen=True, slots=True)
-class Taken:
-    """Records ``first .. first + len(values) - 1``; a None column means all None."""
-
-    first: int
-    values: list[bytes]
-    keys: list[bytes | None] | None
-    granules: list[int | None] | None
-    headers: list[Mapping[str, str] | None] | None
-
-    @property
-    def last(self) -> int:
-        return self.first + len(self.values) - 1
 
 
 def _extend(

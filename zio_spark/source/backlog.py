@@ -1,0 +1,354 @@
+"""The producer's retention window: its held records as a giver's backlog.
+
+:class:`ProducerBacklog` is what :class:`~zio_spark.source.producer.Producer` sends
+from (the :class:`~zio_spark.transport.giver.Backlog` of its flows, server or client
+mode) and what :meth:`Producer.send` fills: the :class:`~zio_spark.source.held.HeldRecords`
+behind one lock, the send side's blocking on a full window (and the time spent blocked,
+stated to the taker as ``blocked_ms``), the taker's acks and ``resume``, and the
+delivery counts. Records are numbered from 1 in the order they are appended.
+
+A restarted producer numbers from 1 again; when a taker's ``resume`` shows it already
+holds more than this process ever sent, records not yet sent are renumbered to continue
+after ``resume`` (``stats["renumbered"]``), so nothing new is mistaken for a duplicate.
+
+The application's threads call :meth:`append`, :meth:`flush` and the read-only views;
+the port's loop thread calls the :class:`~zio_spark.transport.giver.Backlog` methods.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zio_spark.errors import TransportError
+from zio_spark.source.held import HeldRecords
+from zio_spark.transport.giver import Giving, Taken
+
+__all__ = ["Delivery", "ProducerBacklog"]
+
+log = logging.getLogger("zio_spark.transport")
+
+_BLOCKED_EVERY = 0.5  # while append() is blocked: most often its blocked time is stated
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What became of the records this process queued (:meth:`Producer.delivery`).
+
+    Attributes
+    ----------
+    queued
+        Records given to :meth:`Producer.send` / :meth:`Producer.send_many`.
+    sent
+        Of those, records put on the wire at least once (resends not counted again).
+    acked
+        Of those, records an ack-capable taker acknowledged (or covered by the ``resume``
+        it stated): it holds them durably.
+    confirmed
+        Of those, records sent to a plain taker on a flow whose EOT it echoed: it had
+        them all before the echo (a plain taker gives no other confirmation).
+    pending
+        Records still held: not yet acknowledged, or not yet sent to a plain taker.
+    """
+
+    queued: int
+    sent: int
+    acked: int
+    confirmed: int
+    pending: int
+
+    @property
+    def delivered(self) -> int:
+        """Records known to have reached a taker: ``acked + confirmed``."""
+        return self.acked + self.confirmed
+
+
+class ProducerBacklog:
+    """Records held until acknowledged, bounded by ``max_unacked`` / ``max_unacked_bytes``.
+
+    ``wake`` is called (under the lock) when records arrive for a taker that has none
+    waiting; the loop then calls :meth:`woken` and pumps the flow.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_unacked: int,
+        max_unacked_bytes: int,
+        stats: collections.Counter[str],
+        wake: Callable[[], None],
+    ) -> None:
+        self.max_unacked = max_unacked
+        self.max_unacked_bytes = max_unacked_bytes
+        self.stats = stats
+        self.producer_id = ""
+        self.endpoint = ""
+        self._wake = wake
+        self._cond = threading.Condition()
+        self._records = HeldRecords()
+        self._blocked_s = 0.0  # time append() spent waiting for room in the window
+        self._blocked_since: float | None = None  # set while an append() waits
+        self._ever_sent = 0  # highest seq sent to, or held by, a taker of this process
+        self._acked = 0
+        self._queued = 0  # records queued by this process
+        self._sent_count = 0  # of those, put on the wire at least once
+        self._acked_count = 0  # of those, acknowledged (or covered by a taker's resume)
+        self._confirmed = 0  # of those, sent to a plain taker that echoed our EOT
+        self.taker: Giving | None = None  # the flow records go to
+        self.last_acks: bool | None = None  # whether the latest taker acknowledges
+        self._wake_pending = False
+        self.closed = False
+        self.eot_done: threading.Event | None = None  # set while close() awaits the echo
+        # Per flow: the blocked time last stated to its taker (see :meth:`stated`), the
+        # window's finished total then, and when.
+        self._told: dict[int, tuple[float, float]] = {}
+
+    # -- application side (any thread) --------------------------------------------
+
+    def append(
+        self,
+        values: Sequence[bytes],
+        keys: Sequence[bytes | None] | None,
+        headers: Sequence[Mapping[str, str] | None] | None,
+        granules: Sequence[int | None] | None,
+        timeout: float | None,
+    ) -> int:
+        """Hold records, waiting for room; returns the seq of the last one.
+
+        Raises
+        ------
+        TransportError
+            If the window has no room for them within ``timeout`` seconds, or the
+            producer is closed.
+        """
+        n = len(values)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            i = 0
+            while i < n:
+                if self.closed:
+                    raise TransportError("producer is closed", endpoint=self.endpoint)
+                room = self.max_unacked - len(self._records)
+                if self._records.nbytes >= self.max_unacked_bytes:
+                    room = 0
+                if room <= 0:
+                    now = time.monotonic()
+                    if self._blocked_since is None:
+                        self._blocked_since = now
+                        self.stats["blocked"] += 1
+                    left = None if deadline is None else deadline - now
+                    if left is not None and left <= 0:
+                        self._end_blocked(now)
+                        raise TransportError(
+                            f"producer window full ({len(self._records)} records, "
+                            f"{self._records.nbytes} bytes unacknowledged; window "
+                            f"{self.max_unacked} records / {self.max_unacked_bytes} bytes) "
+                            f"for {timeout} s: is a taker connected and acknowledging?",
+                            endpoint=self.endpoint,
+                        )
+                    self._cond.wait(left)
+                    continue
+                if self._blocked_since is not None:
+                    self._end_blocked(time.monotonic())
+                j = min(n, i + room)
+                whole = i == 0 and j == n
+                self._records.append(
+                    values if whole else values[i:j],
+                    keys if whole or keys is None else keys[i:j],
+                    granules if whole or granules is None else granules[i:j],
+                    headers if whole or headers is None else headers[i:j],
+                )
+                self._queued += j - i
+                i = j
+                if not self._wake_pending and self.taker is not None:
+                    self._wake_pending = True
+                    self._wake()
+            return self._records.next_seq - 1
+
+    def _end_blocked(self, now: float) -> None:
+        assert self._blocked_since is not None
+        self._blocked_s += now - self._blocked_since
+        self._blocked_since = None
+
+    def flush(self, timeout: float | None) -> None:
+        """Wait until nothing is held.
+
+        Raises
+        ------
+        TransportError
+            On timeout.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._records:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportError(
+                        f"{len(self._records)} records still unacknowledged after {timeout} s",
+                        endpoint=self.endpoint,
+                    )
+                self._cond.wait(left if left is None else min(left, 0.5))
+
+    def close(self) -> None:
+        """No more appends; a waiting one fails."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    @property
+    def blocked_seconds(self) -> float:
+        with self._cond:
+            now = time.monotonic()
+            ongoing = 0.0 if self._blocked_since is None else now - self._blocked_since
+            return self._blocked_s + ongoing
+
+    @property
+    def window_full(self) -> bool:
+        with self._cond:
+            return self._blocked_since is not None
+
+    @property
+    def acked(self) -> int:
+        with self._cond:
+            return self._acked
+
+    @property
+    def last_seq(self) -> int:
+        with self._cond:
+            return self._records.next_seq - 1
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._records)
+
+    def delivery(self) -> Delivery:
+        with self._cond:
+            return Delivery(
+                queued=self._queued,
+                sent=self._sent_count,
+                acked=self._acked_count,
+                confirmed=self._confirmed,
+                pending=len(self._records),
+            )
+
+    # -- loop side: the giver's Backlog ----------------------------------------------
+
+    def woken(self) -> Giving | None:
+        """The loop answers a :meth:`append`'s wake: the flow to pump, if any."""
+        with self._cond:
+            self._wake_pending = False
+        return self.taker
+
+    def attach(self, giving: Giving, resume: int | None) -> int:
+        with self._cond:
+            if self.taker is not None and self.taker is not giving:
+                self.stats["takers_replaced"] += 1
+            self.taker = giving
+            self.last_acks = giving.acks
+            self.stats["takers"] += 1
+            records = self._records
+            start = records.first
+            if resume is not None:
+                never_sent = self._ever_sent + 1
+                if resume >= never_sent and records.next_seq > never_sent:
+                    shift = resume + 1 - never_sent
+                    self._acked_count += records.release(never_sent - 1)
+                    records.renumber(shift)
+                    kept = len(records)
+                    self.stats["renumbered"] += kept
+                    log.warning(
+                        "producer %s: taker resumes at %d beyond what this process sent; "
+                        "%d unsent records renumbered from %d",
+                        self.producer_id,
+                        resume,
+                        kept,
+                        resume + 1,
+                    )
+                elif resume >= never_sent:  # the taker has all we sent; nothing unsent
+                    self._acked_count += records.release(resume)
+                    records.renumber(max(0, resume + 1 - records.next_seq))
+                self._release(resume)
+                # Records up to ``resume`` are now accounted for: a later taker with the
+                # same ``resume`` (a replaced driver, a reconnecting port's queued BOT)
+                # must not move the numbering on a second time.
+                self._ever_sent = max(self._ever_sent, resume)
+                start = max(start, resume + 1)
+            self._cond.notify_all()
+        return start
+
+    def detach(self, giving: Giving, reason: str) -> None:
+        with self._cond:
+            if self.taker is giving:
+                self.taker = None
+        self._told.pop(id(giving), None)
+        if self.eot_done is not None:
+            self.eot_done.set()
+        log.info("producer %s: taker left (%s)", self.producer_id, reason)
+
+    def take(self, first: int, n: int, room: int) -> Taken | None:
+        with self._cond:
+            return self._records.take(first, n)
+
+    def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:
+        with self._cond:
+            self._sent_count += max(0, last - max(self._ever_sent, first - 1))
+            self._ever_sent = max(self._ever_sent, last)
+            if release:
+                self._records.release(last)
+                self._cond.notify_all()
+        self.stats["records_sent"] += records
+        self.stats["dats_sent"] += dats
+
+    def ack(self, upto: int) -> None:
+        with self._cond:
+            self._release(upto)
+            self._cond.notify_all()
+
+    def _release(self, upto: int) -> None:
+        self._acked_count += self._records.release(upto)
+        if upto > self._acked:
+            self.stats["acked"] += upto - self._acked
+            self._acked = upto
+
+    def ended(self, giving: Giving, echo: bool) -> None:
+        self.stats["eot_received"] += 1
+        if echo and not giving.acks:  # the plain taker had them all before its echo
+            with self._cond:
+                self._confirmed += giving.records
+                self._cond.notify_all()
+            self.stats["confirmed"] += giving.records
+
+    def stated(self, giving: Giving, last: int | None) -> dict[str, Any] | None:
+        """``more: false`` when the DAT ending at ``last`` empties the queue (in the BOT
+        reply: when nothing is held for this taker), so the taker need not wait for
+        more; ``blocked_ms`` (DATs only) when the time :meth:`append` spent blocked on a
+        full window changed since last stated (at most every ``_BLOCKED_EVERY`` s while
+        a block lasts). Unlocked reads first: the common case costs a few attribute
+        reads and returns None (a bare label)."""
+        if last is None:
+            return {"more": False} if self._records.next_seq <= giving.next_seq else None
+        attrs: dict[str, Any] | None = None
+        if last >= self._records.next_seq - 1:
+            attrs = {"more": False}
+        told_base, told_at = self._told.get(id(giving), (0.0, 0.0))
+        if self._blocked_since is None and self._blocked_s == told_base:
+            return attrs
+        now = time.monotonic()
+        with self._cond:
+            base, since = self._blocked_s, self._blocked_since
+        if since is not None and now - told_at < _BLOCKED_EVERY:
+            return attrs
+        if since is None and base == told_base:
+            return attrs
+        self._told[id(giving)] = (base, now)
+        ms = int((base + (0.0 if since is None else max(0.0, now - since))) * 1000)
+        if attrs is None:
+            attrs = {}
+        attrs["blocked_ms"] = ms
+        return attrs
