@@ -41,7 +41,7 @@ from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError
 from zio_spark.protocol.flow import Direction, Flow, Role, pay_ack, profile_bot
 from zio_spark.protocol.message import Message
 from zio_spark.storage import spool as spool_mod
-from zio_spark.storage import store as store_mod
+from zio_spark.storage import store_format as store_mod
 from zio_spark.storage.spool import Record, Spool, read_sealed
 
 CASES = 100_000

@@ -1,0 +1,412 @@
+"""The PZQ store's on-disk format and the small types its modules share.
+
+Files in the store folder::
+
+    seg-<no:010d>.log   segments: records, appended; the newest is the active one
+    ids.snap            the duplicate window as of the last segment deletion
+    QUEUE_ID            this queue's identity (random, made once), one line
+    LOCK                flock: one open store per folder
+
+Records. Every record is ``length u32, crc32 u32`` (little endian) then ``length`` bytes
+of payload whose first byte is its type; the CRC covers the whole payload (the framing of
+:mod:`zio_spark.storage.files`):
+
+- ``HEADER`` (first in each segment): magic ``ZPQS``, format version u16, segment no u64.
+- ``PUT``: accept sequence u64, id length u16, id, part count u32, part lengths u32 each,
+  then the parts. The accept sequence numbers accepted messages 1, 2, 3, ... over the
+  store's life; it orders the duplicate window.
+- ``MOVE``: the original key u64, then a PUT's fields: a live message copied forward by
+  compaction; replay marks the original slot dead.
+- ``ACK``: count u32, keys u64 each: tombstones for acknowledged messages.
+
+``ids.snap``: magic ``ZPQI``, version u16, next segment no u64, last accept seq u64, seq
+of the first id u64, id count u32, one length byte per id, the ids, crc32 of all before.
+
+Keys. A message's *store key* is ``segment no << 32 | slot``, the slot being its index
+among the segment's PUT/MOVE records.
+
+Also here: the store's errors and result types, :class:`LogFile` (one segment file and
+its in-memory index columns) and :class:`CommitTicket` (one group commit). The
+underscore names are shared by the store's modules (:mod:`~zio_spark.storage.store`,
+:mod:`~zio_spark.storage.store_index`, :mod:`~zio_spark.storage.store_recovery`) and
+are nobody else's business.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import re
+import struct
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, NamedTuple
+
+from zio_spark.errors import ZioSparkError
+from zio_spark.storage.files import RECORD_HEAD, frame, fsync_dir, write_all
+
+__all__ = [
+    "DEFAULT_DEDUP_WINDOW",
+    "DEFAULT_SEGMENT_BYTES",
+    "FORMAT_VERSION",
+    "MAX_BODY_BYTES",
+    "MAX_ID_BYTES",
+    "CommitTicket",
+    "LogFile",
+    "MessageRejected",
+    "StoreError",
+    "StoreLockedError",
+    "StoreStats",
+    "StoredMessage",
+]
+
+
+DEFAULT_SEGMENT_BYTES: Final = 64 << 20
+"""Soft size limit of a segment (a commit may overshoot it by its own size)."""
+
+DEFAULT_DEDUP_WINDOW: Final = 100_000
+"""How many of the most recently accepted message ids duplicate detection remembers."""
+
+MAX_ID_BYTES: Final = 255
+"""Longest accepted message id; bounds the duplicate window's memory."""
+
+MAX_BODY_BYTES: Final = 1 << 30
+"""Largest accepted message (id plus body parts); record offsets are 32-bit."""
+
+FORMAT_VERSION: Final = 1
+
+_MAGIC: Final = b"ZPQS"
+_T_HEADER: Final = 0
+_T_PUT: Final = 1
+_T_MOVE: Final = 2
+_T_ACK: Final = 3
+
+_REC: Final = RECORD_HEAD  # payload length, crc32(payload)
+_HEADER: Final = struct.Struct("<B4sHQ")  # type, magic, version, segment no
+_PUT: Final = struct.Struct("<BQH")  # type, accept seq, id length
+_MOVE: Final = struct.Struct("<BQQH")  # type, original key, accept seq, id length
+_ACK: Final = struct.Struct("<BI")  # type, count
+_U32: Final = struct.Struct("<I")
+_PART1: Final = struct.Struct("<II")  # part count (1), its length
+_SNAP: Final = struct.Struct("<4sHQQQI")  # magic, version, next segment, last seq, first, n
+
+_SEG_RE: Final = re.compile(r"^seg-(\d{10})\.log$")
+_SNAP_MAGIC: Final = b"ZPQI"
+_SNAP_NAME: Final = "ids.snap"
+_MAX_SLOTS: Final = 1 << 32
+_MAX_SEGMENT_BYTES: Final = 2 << 30  # record offsets are u32; leave room for one big commit
+
+# Slot states (see "States" in :mod:`zio_spark.storage.store`).
+_U: Final = ord("U")
+_P: Final = ord("P")
+_Q: Final = ord("Q")
+_R: Final = ord("R")
+_F: Final = ord("F")
+_A: Final = ord("A")
+_M: Final = ord("M")
+_LIVE: Final = frozenset((_U, _P, _Q, _R, _F))
+_P_BYTE: Final = b"P"
+
+
+class StoreError(ZioSparkError):
+    """The store cannot do what was asked: it failed, was closed, or misused.
+
+    ``path`` is the store folder.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = None if path is None else str(path)
+        super().__init__(f"{message} (store {path})" if path is not None else message)
+
+
+class StoreLockedError(StoreError):
+    """Another :class:`MessageStore` (this or another process) has the folder open."""
+
+
+class MessageRejected(StoreError, ValueError):
+    """One message cannot be stored (empty or too long id, no body, too large).
+
+    The store itself is fine; only this message is refused.
+    """
+
+
+class StoredMessage(NamedTuple):
+    """A message handed out by :meth:`MessageStore.take`.
+
+    Attributes
+    ----------
+    key
+        The store key: give it back to :meth:`MessageStore.ack` or
+        :meth:`MessageStore.release`.
+    message_id
+        The producer's id.
+    body
+        The body parts, as stored.
+    redelivery
+        Whether this message was handed out before (since the store was opened).
+    """
+
+    key: int
+    message_id: bytes
+    body: tuple[bytes, ...]
+    redelivery: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters and sizes of a :class:`MessageStore`.
+
+    Attributes
+    ----------
+    messages
+        Durable messages not yet acked (pending plus in flight).
+    in_flight
+        Messages taken and not yet acked or released.
+    in_flight_bytes
+        Stored payload bytes (id + body + record fields) of the in-flight messages.
+    uncommitted
+        Puts not yet durable (buffered or in the outstanding commit).
+    db_size
+        Bytes of segment files on disk (durable).
+    segments
+        Segment files.
+    syncs
+        ``fdatasync`` calls made for commits, segment starts and compaction.
+    commits
+        Commits that wrote something.
+    stored
+        Puts made durable since open.
+    duplicates
+        Puts refused as duplicates since open.
+    torn_records
+        Torn or corrupt records dropped by recovery.
+    moved
+        Messages copied forward by compaction since open.
+    deleted_segments
+        Segments deleted since open.
+    dedup_ids
+        Ids in the duplicate window.
+    index_bytes
+        Bytes of the per-message index columns.
+    failed
+        Why the store failed (empty when healthy).
+    """
+
+    messages: int
+    in_flight: int
+    in_flight_bytes: int
+    uncommitted: int
+    db_size: int
+    segments: int
+    syncs: int
+    commits: int
+    stored: int
+    duplicates: int
+    torn_records: int
+    moved: int
+    deleted_segments: int
+    dedup_ids: int
+    index_bytes: int
+    failed: str
+
+
+class LogFile:
+    """One segment file of the store (``seg-<no>.log``) and its in-memory index columns."""
+
+    __slots__ = (
+        "durable",
+        "end",
+        "fd",
+        "lengths",
+        "live",
+        "needs_sync",
+        "no",
+        "offsets",
+        "path",
+        "size",
+        "state",
+    )
+
+    def __init__(self, no: int, path: Path, fd: int, size: int) -> None:
+        self.no = no
+        self.path = path
+        self.fd = fd
+        self.size = size  # durable bytes in the file
+        self.end = size  # where the next record goes (durable + being written + buffered)
+        self.offsets = array.array("I")  # record offset per slot
+        self.lengths = array.array("I")  # payload length per slot
+        self.state = bytearray()
+        self.live = 0  # slots in a live state
+        self.durable = 0  # slots before this one are durable
+        self.needs_sync = False  # header and directory entry not yet synced
+
+    def index_bytes(self) -> int:
+        return len(self.state) * (self.offsets.itemsize + self.lengths.itemsize + 1)
+
+
+class CommitTicket:
+    """One group commit in progress: bytes to append to one segment, then sync.
+
+    Made by :meth:`MessageStore.begin_commit`; :meth:`run` it (in any thread), then hand
+    it to :meth:`MessageStore.end_commit` in the store's thread.
+    """
+
+    __slots__ = (
+        "_claim",
+        "_data",
+        "_dir",
+        "_done",
+        "_fd",
+        "_first",
+        "_seg",
+        "_started",
+        "_sync",
+        "error",
+        "puts",
+    )
+
+    def __init__(
+        self, seg: LogFile, data: bytes, first: int, puts: int, sync: bool, dir_path: Path | None
+    ) -> None:
+        self._seg = seg
+        self._fd = seg.fd
+        self._data = data
+        self._first = first
+        self.puts = puts
+        """How many puts this commit makes durable."""
+        self._sync = sync
+        self._dir = dir_path
+        self._done = threading.Event()
+        self._claim = threading.Lock()
+        self._started = False
+        self.error: OSError | None = None
+        """The error writing or syncing raised, if any (set by :meth:`run`)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this commit appends."""
+        return len(self._data)
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`run` has finished (successfully or not)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`run` has finished; True if it has."""
+        return self._done.wait(timeout)
+
+    def run(self) -> None:
+        """Write and sync; never raises (an ``OSError`` is kept in :attr:`error`).
+
+        Runs once: a second call (from any thread) returns at once.
+        """
+        with self._claim:
+            if self._started:
+                return
+            self._started = True
+        try:
+            write_all(self._fd, self._data)
+            if self._sync:
+                os.fdatasync(self._fd)
+                if self._dir is not None:
+                    fsync_dir(self._dir)
+        except OSError as e:
+            self.error = e
+        finally:
+            self._done.set()
+
+
+def _record(payload: bytes) -> tuple[bytes, bytes]:
+    return frame(payload), payload
+
+
+def _parse_head(payload: bytes, kind: int) -> tuple[int, int, bytes]:
+    """(original key or -1, accept seq, id) of a PUT/MOVE payload, checking its layout.
+
+    Raises ValueError (struct.error) on a malformed payload.
+    """
+    if kind == _T_PUT:
+        _, seq, id_len = _PUT.unpack_from(payload, 0)
+        pos = _PUT.size
+        original = -1
+    else:
+        _, original, seq, id_len = _MOVE.unpack_from(payload, 0)
+        pos = _MOVE.size
+    message_id = payload[pos : pos + id_len]
+    if len(message_id) != id_len or not id_len:
+        raise ValueError("short or empty id")
+    pos += id_len
+    (count,) = _U32.unpack_from(payload, pos)
+    pos += 4
+    lengths = struct.unpack_from(f"<{count}I", payload, pos)
+    if not count or pos + 4 * count + sum(lengths) != len(payload):
+        raise ValueError("part lengths do not add up")
+    return original, seq, bytes(message_id)
+
+
+def _parse_message(payload: bytes, kind: int) -> tuple[int, int, bytes, tuple[bytes, ...]]:
+    """(original key or -1, accept seq, id, body parts) of a PUT/MOVE payload."""
+    original, seq, message_id = _parse_head(payload, kind)
+    pos = (_PUT.size if kind == _T_PUT else _MOVE.size) + len(message_id)
+    (count,) = _U32.unpack_from(payload, pos)
+    lengths = struct.unpack_from(f"<{count}I", payload, pos + 4)
+    pos += 4 + 4 * count
+    parts = []
+    for n in lengths:
+        parts.append(payload[pos : pos + n])
+        pos += n
+    return original, seq, message_id, tuple(parts)
+
+
+def _message_payload(
+    seq: int, message_id: bytes, body: Sequence[bytes], original: int = -1
+) -> bytes:
+    if original < 0:
+        head = _PUT.pack(_T_PUT, seq, len(message_id))
+    else:
+        head = _MOVE.pack(_T_MOVE, original, seq, len(message_id))
+    lengths = struct.pack(f"<I{len(body)}I", len(body), *map(len, body))
+    return b"".join((head, message_id, lengths, *body))
+
+
+def _header_payload(no: int) -> bytes:
+    """The HEADER record's payload of segment ``no``."""
+    return _HEADER.pack(_T_HEADER, _MAGIC, FORMAT_VERSION, no)
+
+
+def _ack_payload(keys: Sequence[int]) -> bytes:
+    """An ACK record's payload: tombstones for ``keys``."""
+    return _ACK.pack(_T_ACK, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
+
+
+def _encode_snapshot(next_no: int, last_seq: int, first: int, ids: Sequence[bytes]) -> bytes:
+    """The bytes of ``ids.snap`` (see the module docstring)."""
+    head = _SNAP.pack(_SNAP_MAGIC, FORMAT_VERSION, next_no, last_seq, first, len(ids))
+    data = b"".join([head, bytes(map(len, ids)), *ids])
+    return data + _U32.pack(zlib.crc32(data))
+
+
+def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes]]:
+    """(next segment no, last seq, first seq, ids) of ``ids.snap``'s bytes.
+
+    Raises ValueError (struct.error) for damaged bytes.
+    """
+    magic, version, next_no, last_seq, first, count = _SNAP.unpack_from(data, 0)
+    if magic != _SNAP_MAGIC or version != FORMAT_VERSION:
+        raise ValueError("bad magic or version")
+    (crc,) = _U32.unpack_from(data, len(data) - 4)
+    if zlib.crc32(data[:-4]) != crc:
+        raise ValueError("CRC mismatch")
+    body = data[_SNAP.size : -4]
+    ids = []
+    pos = count
+    for n in body[:count]:
+        ids.append(body[pos : pos + n])
+        pos += n
+    if pos != len(body):
+        raise ValueError("length mismatch")
+    return next_no, last_seq, first, ids

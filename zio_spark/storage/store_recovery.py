@@ -1,0 +1,268 @@
+"""Recovery of a PZQ store folder: replay the segment files into the in-memory index.
+
+:class:`Replay` reads ``ids.snap`` and every ``seg-*.log`` oldest first, indexes each
+PUT/MOVE record as a pending slot, applies MOVE originals and ACK tombstones, and
+rebuilds the duplicate window. A segment stops at its first short, CRC-failing or
+malformed record: the rest is truncated away and counted (only a commit that never
+finished can leave one, unless the disk corrupted data). A segment without even its
+header (created just before a crash) is deleted. See :mod:`zio_spark.storage.store`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import struct
+from collections import deque
+from pathlib import Path
+
+from zio_spark.storage.files import fsync_dir, read_record
+from zio_spark.storage.store_format import (
+    _A,
+    _ACK,
+    _HEADER,
+    _LIVE,
+    _M,
+    _MAGIC,
+    _MAX_SLOTS,
+    _P,
+    _SEG_RE,
+    _SNAP_NAME,
+    _T_ACK,
+    _T_HEADER,
+    _T_MOVE,
+    _T_PUT,
+    FORMAT_VERSION,
+    LogFile,
+    StoreError,
+    _decode_snapshot,
+    _parse_head,
+)
+
+__all__ = ["Replay"]
+
+log = logging.getLogger("zio_spark.storage.store")
+
+
+class Replay:
+    """What replaying a store folder found (the store adopts it, then starts a segment).
+
+    Opens every segment file (``O_APPEND``); on an error the files opened so far are
+    closed again.
+
+    Attributes
+    ----------
+    segments
+        ``{no: LogFile}`` ascending, each with its index columns (slots pending or dead).
+    messages
+        Live messages found.
+    torn
+        Torn or corrupt records dropped (one per segment at most).
+    next_no
+        The number for the next new segment.
+    last_seq
+        The highest accept sequence found (in segments or ``ids.snap``).
+    window, window_first, window_ids
+        The duplicate window: ids in accept order, the seq of ``window[0]``, and
+        ``{id: seq}``.
+
+    Raises
+    ------
+    StoreError
+        If a segment has an unknown format version.
+    OSError
+        If the folder cannot be read or a file written.
+    """
+
+    def __init__(self, root: Path, *, window_size: int, sync: bool) -> None:
+        self.root = root
+        self.window_size = window_size
+        self.sync = sync
+        self.segments: dict[int, LogFile] = {}
+        self.messages = 0
+        self.torn = 0
+        self.next_no = 1
+        self.last_seq = 0
+        self.window: deque[bytes] = deque()
+        self.window_first = 1
+        self.window_ids: dict[bytes, int] = {}
+        try:
+            self._run()
+        except BaseException:
+            for seg in self.segments.values():
+                os.close(seg.fd)
+            self.segments.clear()
+            raise
+
+    def _fsync_dir(self) -> None:
+        if self.sync:
+            fsync_dir(self.root)
+
+    def _run(self) -> None:
+        names = sorted(
+            (int(m.group(1)), name)
+            for name in os.listdir(self.root)
+            if (m := _SEG_RE.match(name)) is not None
+        )
+        snap = self._read_snapshot()
+        seen: list[tuple[int, bytes]] = []  # (accept seq, id), pruned to ~2 windows
+        max_seq = snap[1] if snap else 0
+        for no, name in names:
+            max_seq = max(max_seq, self._replay_segment(no, self.root / name, seen))
+            if len(seen) > 2 * self.window_size + 1024:
+                seen.sort()
+                del seen[: len(seen) - self.window_size]
+        if snap is not None:
+            self.next_no = max(self.next_no, snap[0])
+            seen.extend(zip(itertools.count(snap[2]), snap[3]))
+        self.last_seq = max_seq
+        self._rebuild_window(seen)
+        log.info(
+            "store %s: %d segments, %d messages, %d torn records dropped",
+            self.root,
+            len(self.segments),
+            self.messages,
+            self.torn,
+        )
+
+    def _replay_segment(self, no: int, path: Path, seen: list[tuple[int, bytes]]) -> int:
+        """Index one segment file; returns the highest accept seq in it."""
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        size = os.fstat(fd).st_size
+        seg = LogFile(no, path, fd, size)
+        self.segments[no] = seg  # tombstones may name this segment's own slots
+        max_seq = 0
+        good = 0
+        bad = ""
+        windowed = self.window_size > 0
+        # Slices of the map are copies (bytes), so no buffer export outlives the map.
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        try:
+            pos = 0
+            while pos < size:
+                assert mm is not None
+                got = read_record(mm, pos, size)
+                if isinstance(got, str):
+                    bad = got
+                    break
+                payload, end = got
+                length = len(payload)
+                kind = payload[0]
+                try:
+                    if pos == 0:
+                        _, magic, version, header_no = _HEADER.unpack(payload)
+                        if kind != _T_HEADER or magic != _MAGIC or header_no != no:
+                            bad = "not a segment header"
+                            break
+                        if version != FORMAT_VERSION:
+                            raise StoreError(
+                                f"segment {path.name} has format version {version}, "
+                                f"expected {FORMAT_VERSION}",
+                                path=self.root,
+                            )
+                    elif kind in (_T_PUT, _T_MOVE):
+                        original, seq, message_id = _parse_head(payload, kind)
+                        if len(seg.state) >= _MAX_SLOTS - 1:
+                            bad = "too many records"
+                            break
+                        if original >= 0:
+                            self._kill(original, _M)
+                        seg.offsets.append(pos)
+                        seg.lengths.append(length)
+                        seg.state.append(_P)
+                        seg.live += 1
+                        self.messages += 1
+                        if seq > max_seq:
+                            max_seq = seq
+                        if windowed:
+                            seen.append((seq, message_id))
+                    elif kind == _T_ACK:
+                        _, count = _ACK.unpack_from(payload, 0)
+                        if _ACK.size + 8 * count != length:
+                            bad = "bad tombstone record"
+                            break
+                        for key in struct.unpack_from(f"<{count}Q", payload, _ACK.size):
+                            self._kill(key, _A)
+                    else:
+                        bad = f"unknown record type {kind}"
+                        break
+                except (struct.error, ValueError) as e:
+                    bad = f"malformed record ({e})"
+                    break
+                pos = end
+                good = end
+        finally:
+            if mm is not None:
+                mm.close()
+        if bad:
+            # Only a commit that never finished can leave this (segments are synced before
+            # the next one starts being used), unless the disk itself corrupted data.
+            self.torn += 1
+            log.warning(
+                "store %s: torn or corrupt record in %s at byte %d of %d (%s); truncating",
+                self.root,
+                path.name,
+                good,
+                size,
+                bad,
+            )
+            os.ftruncate(fd, good)
+            if self.sync:
+                os.fsync(fd)
+            seg.size = seg.end = good
+        if good == 0:  # not even a header: a segment created just before the crash
+            os.close(fd)
+            os.unlink(path)
+            del self.segments[no]
+            self._fsync_dir()
+        seg.durable = len(seg.state)
+        self.next_no = max(self.next_no, no + 1)
+        return max_seq
+
+    def _kill(self, key: int, state: int) -> None:
+        """Mark slot ``key`` dead (``A`` or ``M``), if it is still there and live."""
+        seg = self.segments.get(key >> 32)
+        slot = key & 0xFFFFFFFF
+        if seg is None or slot >= len(seg.state) or seg.state[slot] not in _LIVE:
+            return
+        seg.state[slot] = state
+        seg.live -= 1
+        self.messages -= 1
+
+    def _read_snapshot(self) -> tuple[int, int, int, list[bytes]] | None:
+        """(next segment no, last seq, first seq, ids) from ids.snap, or None."""
+        path = self.root / _SNAP_NAME
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return _decode_snapshot(data)
+        except (struct.error, ValueError) as e:
+            # Written to a temporary name, synced, then renamed: this is damage, not a crash.
+            log.error("store %s: ignoring damaged %s (%s)", self.root, _SNAP_NAME, e)
+            return None
+
+    def _rebuild_window(self, seen: list[tuple[int, bytes]]) -> None:
+        self.window_first = self.last_seq + 1
+        if not self.window_size or not seen:
+            return
+        seen.sort()
+        floor = self.last_seq - self.window_size
+        window: list[bytes] = []
+        first = expected = 0
+        for seq, mid in seen:
+            if seq <= floor or seq < expected:
+                continue  # out of the window, or a second copy (MOVE) of the same seq
+            if not window:
+                first = expected = seq
+            while expected < seq:  # a hole (should not happen): keep positions right
+                window.append(b"")
+                expected += 1
+            window.append(mid)
+            expected += 1
+        self.window = deque(window)
+        self.window_first = first
+        self.window_ids = {mid: seq for seq, mid in zip(itertools.count(first), window) if mid}
