@@ -36,7 +36,7 @@ from test_queue import (  # the queue_process fixture is shared by importing it
 from zio_spark.protocol import pzq
 from zio_spark.protocol.message import join_single
 from zio_spark.pzq.broker import QueueBroker
-from zio_spark.pzq.flow_ports import FlowLog, bridge_message_id
+from zio_spark.pzq.flow_ports import bridge_message_id
 from zio_spark.sink.consumer import (
     CONSUMER_SCHEMA,
     Consumer,
@@ -44,6 +44,7 @@ from zio_spark.sink.consumer import (
     send_command,
 )
 from zio_spark.source.receiver import Receiver
+from zio_spark.storage.flow_log import FlowLog
 from zio_spark.storage.spool import Spool
 from zio_spark.storage.store import MessageStore
 

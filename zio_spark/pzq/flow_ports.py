@@ -72,43 +72,32 @@ from the sink consumer into the store, duplicates excluded).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import logging
 import os
-import struct
 import threading
-import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import zmq
 
-from zio_spark.codec.records import ENCODING, encode_records
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
-from zio_spark.protocol.flow import (
-    BotReceived,
-    Credit,
-    Direction,
-    EotReceived,
-    FlowState,
-    pay_ack,
-    profile_bot,
-)
+from zio_spark.protocol.flow import FlowState
 from zio_spark.protocol.message import join_single, split_single
 from zio_spark.sink.consumer import BatchId, Consumer
+from zio_spark.storage.flow_log import FlowLog
 from zio_spark.storage.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
-from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
+from zio_spark.transport.flow_server import FlowServer
+from zio_spark.transport.giver import GiverHandler, GiverPolicy, Giving, Taken
 from zio_spark.transport.port import ServerPort
 
 __all__ = [
     "DEFAULT_FLOW_WINDOW",
     "LOG_REWRITE_BYTES",
     "FlowConsumerPort",
-    "FlowLog",
     "FlowProducerPort",
     "QueueFlows",
     "bridge_message_id",
@@ -128,211 +117,6 @@ _MAX_DAT_RECORDS: Final = 1000
 _CONSUMER_FOLDER: Final = "flow-consumer"
 _LOG_NAME: Final = "flow-producer.log"
 _GONE: Final = 0  # store keys are never 0 (segment numbers start at 1)
-
-# Side log records: ``length u32, crc32 u32`` (little endian) and the payload, whose
-# first byte is the type. A file starts with BASE.
-_REC: Final = struct.Struct("<II")
-_BASE: Final = struct.Struct("<BQQ")  # type 0, next seq, acked
-_ASSIGN: Final = struct.Struct("<BQI")  # type 1, first seq, count; then count u64 keys
-_ACKED: Final = struct.Struct("<BQ")  # type 2, acked
-_NEXT: Final = struct.Struct("<BQ")  # type 3, next seq (a jump: the taker was ahead)
-_T_BASE, _T_ASSIGN, _T_ACKED, _T_NEXT = 0, 1, 2, 3
-
-
-# ------------------------------------------------------------------------ the side log
-
-
-class FlowLog:
-    """The flow producer port's durable ``seq -> store key`` assignments.
-
-    Append-only, group-committed (:meth:`commit`: one write and one ``fdatasync``),
-    rewritten to its live part by :meth:`rewrite`. Replay stops at the first torn or
-    corrupt record and cuts the file there (only a commit that never finished can leave
-    one, and nothing of it was acted upon).
-
-    Parameters
-    ----------
-    path
-        The log file (created if missing).
-    sync
-        ``fdatasync`` on commit (False: tests and benchmarks only).
-
-    Attributes
-    ----------
-    next_seq, acked
-        From the replay: the next sequence number to assign, the highest acknowledged.
-    assigned
-        From the replay: ``{seq: store key}`` of every assignment still in the file
-        (acknowledged ones included, until a rewrite drops them).
-    """
-
-    def __init__(self, path: str | os.PathLike[str], *, sync: bool = True) -> None:
-        self.path = Path(path)
-        self._sync = sync
-        self.next_seq = 1
-        self.acked = 0
-        self.assigned: dict[int, int] = {}
-        self.torn = 0
-        self._buf: list[bytes] = []
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        try:
-            self.size = self._replay()
-            if self.size == 0:
-                self._append(_BASE.pack(_T_BASE, 1, 0))
-                self.commit()
-        except BaseException:
-            os.close(self._fd)
-            raise
-
-    def _replay(self) -> int:
-        data = b""
-        size = os.fstat(self._fd).st_size
-        if size:
-            data = os.pread(self._fd, size, 0)
-        pos = good = 0
-        while pos < len(data):
-            if pos + _REC.size > len(data):
-                break
-            length, crc = _REC.unpack_from(data, pos)
-            start, end = pos + _REC.size, pos + _REC.size + length
-            if length == 0 or end > len(data):
-                break
-            payload = data[start:end]
-            if zlib.crc32(payload) != crc:
-                break
-            try:
-                self._apply(payload, first=pos == 0)
-            except (struct.error, ValueError):
-                break
-            pos = good = end
-        if good != len(data):
-            self.torn += 1
-            log.warning(
-                "flow log %s: torn or corrupt record at byte %d of %d; truncating",
-                self.path,
-                good,
-                len(data),
-            )
-            os.ftruncate(self._fd, good)
-            if self._sync:
-                os.fsync(self._fd)
-        return good
-
-    def _apply(self, payload: bytes, *, first: bool) -> None:
-        kind = payload[0]
-        if first != (kind == _T_BASE):
-            raise ValueError("BASE must come first, and only first")
-        if kind == _T_BASE:
-            _, self.next_seq, self.acked = _BASE.unpack(payload)
-        elif kind == _T_ASSIGN:
-            _, seq, count = _ASSIGN.unpack_from(payload, 0)
-            if len(payload) != _ASSIGN.size + 8 * count:
-                raise ValueError("bad ASSIGN length")
-            keys = struct.unpack_from(f"<{count}Q", payload, _ASSIGN.size)
-            for i, key in enumerate(keys):
-                self.assigned[seq + i] = key
-            self.next_seq = max(self.next_seq, seq + count)
-        elif kind == _T_ACKED:
-            self.acked = max(self.acked, _ACKED.unpack(payload)[1])
-        elif kind == _T_NEXT:
-            self.next_seq = max(self.next_seq, _NEXT.unpack(payload)[1])
-        else:
-            raise ValueError(f"unknown record type {kind}")
-
-    def _append(self, payload: bytes) -> None:
-        self._buf += (_REC.pack(len(payload), zlib.crc32(payload)), payload)
-
-    def assign(self, first_seq: int, keys: list[int]) -> None:
-        """Buffer the assignment of ``keys`` to ``first_seq, first_seq + 1, ...``."""
-        self._append(
-            _ASSIGN.pack(_T_ASSIGN, first_seq, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
-        )
-
-    def ack(self, acked: int) -> None:
-        """Buffer "everything up to ``acked`` is acknowledged"."""
-        self._append(_ACKED.pack(_T_ACKED, acked))
-
-    def jump(self, next_seq: int) -> None:
-        """Buffer "the next sequence number is at least ``next_seq``"."""
-        self._append(_NEXT.pack(_T_NEXT, next_seq))
-
-    @property
-    def dirty(self) -> bool:
-        return bool(self._buf)
-
-    def commit(self) -> None:
-        """Write what is buffered with one ``write`` and one ``fdatasync``.
-
-        Raises
-        ------
-        OSError
-            If writing or syncing fails (the caller must not act on the records).
-        """
-        if not self._buf:
-            return
-        data = b"".join(self._buf)
-        self._buf.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view) :]
-        if self._sync:
-            os.fdatasync(self._fd)
-        self.size += len(data)
-
-    def rewrite(self, next_seq: int, acked: int, live: list[tuple[int, int]]) -> None:
-        """Replace the file by BASE + the live assignments ``[(seq, key), ...]``.
-
-        ``live`` must be sorted by seq; gaps are written as runs of their own. Written to
-        a temporary name, synced and renamed, so a crash leaves the old or the new file.
-        """
-        parts = [_BASE.pack(_T_BASE, next_seq, acked)]
-        run: list[int] = []
-        run_first = 0
-        for seq, key in live:
-            if run and seq != run_first + len(run):
-                parts.append(_ASSIGN.pack(_T_ASSIGN, run_first, len(run)))
-                parts[-1] += struct.pack(f"<{len(run)}Q", *run)
-                run = []
-            if not run:
-                run_first = seq
-            run.append(key)
-        if run:
-            parts.append(
-                _ASSIGN.pack(_T_ASSIGN, run_first, len(run)) + struct.pack(f"<{len(run)}Q", *run)
-            )
-        data = b"".join(_REC.pack(len(p), zlib.crc32(p)) + p for p in parts)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self._sync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        if self._sync:
-            dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
-        self._buf.clear()
-        self.size = len(data)
-
-    def close(self) -> None:
-        """Commit what is buffered and close; idempotent."""
-        if self._fd < 0:
-            return
-        try:
-            self.commit()
-        finally:
-            os.close(self._fd)
-            self._fd = -1
-
 
 # ------------------------------------------------------------------- body <-> record
 
@@ -405,60 +189,6 @@ class _Given:
     body: tuple[bytes, ...]
 
 
-class _TakerHandler(FlowHandler):
-    def __init__(self, port: FlowProducerPort) -> None:
-        self.port = port
-        self.arrow = False
-        self.batch = 1
-        self.next_seq = 1
-
-    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
-        p = self.port
-        if bot.direction is not Direction.INJECT:
-            conn.reject({"reason": "this port is a producer: connect with direction inject"})
-            return
-        try:
-            prof = profile_bot(bot.attrs)
-        except RemoteProtocolError as e:
-            conn.reject({"reason": str(e)})
-            raise
-        if not prof.ack:
-            conn.reject(
-                {
-                    "reason": "the queue's flow port gives only to ack-capable takers "
-                    "(BOT ack: true): messages leave the queue when the taker acks them"
-                }
-            )
-            return
-        limit = prof.batch
-        self.arrow = ENCODING in prof.encodings
-        self.batch = min(_MAX_DAT_RECORDS, limit or _MAX_DAT_RECORDS) if self.arrow else 1
-        self.next_seq = p._attach(self, conn, prof.resume)
-        attrs: dict[str, Any] = {
-            "producer": p.producer_id,
-            "stream": prof.stream or "zio",
-            "ack": True,
-        }
-        if self.arrow:
-            attrs["encoding"] = ENCODING
-        conn.accept(None, attrs)
-
-    def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
-        ack = pay_ack(credit.attrs)
-        if ack is not None:
-            self.port._ack(ack)
-        self.port._push(self, conn)
-
-    def on_tick(self, conn: ServerFlow, now: float) -> None:
-        self.port._push(self, conn)
-
-    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
-        pass
-
-    def on_close(self, conn: ServerFlow, reason: str) -> None:
-        self.port._detach(self, reason)
-
-
 class FlowProducerPort:
     """The queue's giver port for Spark sources (see the module docstring).
 
@@ -516,8 +246,7 @@ class FlowProducerPort:
             ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
         )
         self._table: dict[int, _Given] = {}
-        self._taker: _TakerHandler | None = None
-        self._taker_conn: ServerFlow | None = None
+        self._taker: Giving | None = None
         self._log = FlowLog(store.path / _LOG_NAME, sync=sync)
         try:
             self._next_seq = self._log.next_seq
@@ -540,8 +269,16 @@ class FlowProducerPort:
         except BaseException:
             self._log.close()
             raise
+        policy = GiverPolicy(
+            self.producer_id,
+            None,
+            _MAX_DAT_RECORDS,
+            require_ack=True,
+            plain_refusal="the queue's flow port gives only to ack-capable takers "
+            "(BOT ack: true): messages leave the queue when the taker acks them",
+        )
         self._server = _InlineFlowServer(
-            port, lambda: _TakerHandler(self), ctx=ctx, name="queue flow producer"
+            port, lambda: GiverHandler(self, policy), ctx=ctx, name="queue flow producer"
         )
 
     def _reclaim(self, assigned: dict[int, int]) -> None:
@@ -616,7 +353,8 @@ class FlowProducerPort:
 
     def busy(self) -> bool:
         """Whether the next loop turn has work without waiting for input."""
-        taker, conn = self._taker, self._taker_conn
+        taker = self._taker
+        conn = None if taker is None else taker.conn
         return (
             taker is not None
             and conn is not None
@@ -631,15 +369,12 @@ class FlowProducerPort:
         finally:
             self._log.close()
 
-    # -- handler side (broker thread) ------------------------------------------------
+    # -- the giver's backlog (broker thread) -----------------------------------------
 
-    def _attach(self, taker: _TakerHandler, conn: ServerFlow, resume: int | None) -> int:
-        previous = (self._taker, self._taker_conn)
-        self._taker, self._taker_conn = taker, conn
+    def attach(self, giving: Giving, resume: int | None) -> int:
+        """A taker's flow opened (the giver ends the previous one: a restarted runner)."""
+        self._taker = giving
         self.counters["takers"] += 1
-        if previous[0] is not None and previous[0] is not taker and previous[1] is not None:
-            # One taker at a time: a new BOT is a restarted runner; the old flow is dead.
-            self._server._remove(previous[1], previous[0], "replaced by a new taker")
         start = self._acked + 1
         if resume is not None:
             if resume >= self._next_seq:
@@ -659,21 +394,21 @@ class FlowProducerPort:
             start = max(start, resume + 1)
         log.info(
             "queue flow: taker %s attached (resume %s, acked %d, sending from %d)",
-            conn.name,
+            "" if giving.conn is None else giving.conn.name,
             resume,
             self._acked,
             start,
         )
         return start
 
-    def _detach(self, taker: _TakerHandler, reason: str) -> None:
-        if self._taker is taker:
-            self._taker = self._taker_conn = None
+    def detach(self, giving: Giving, reason: str) -> None:
+        if self._taker is giving:
+            self._taker = None
             log.info(
                 "queue flow: taker left (%s); %d messages stay assigned", reason, len(self._table)
             )
 
-    def _ack(self, ack: int) -> None:
+    def ack(self, ack: int) -> None:
         upto = min(ack, self._next_seq - 1)
         if upto <= self._acked:
             return
@@ -728,54 +463,47 @@ class FlowProducerPort:
         self.counters["given"] += len(keys)
         return len(keys)
 
-    def _push(self, taker: _TakerHandler, conn: ServerFlow) -> None:
-        if self._taker is not taker or conn.flow.state is not FlowState.READY:
-            return
-        flow = conn.flow
-        while flow.credit > 0:
-            if taker.next_seq >= self._next_seq and not self._assign(flow.credit * taker.batch):
-                return
-            batch: list[_Given] = []
-            seq = taker.next_seq
-            while len(batch) < taker.batch and seq < self._next_seq:
-                given = self._table.get(seq)
-                if given is None:
-                    if batch:
-                        break
-                    taker.next_seq = seq = seq + 1  # acked meanwhile, or lost (logged)
-                    continue
-                batch.append(given)
+    def take(self, first: int, n: int, room: int) -> Taken | None:
+        """Up to ``n`` assigned messages from seq ``first``, assigning up to ``room``
+        more from the store when none is left (a seq acked meanwhile, or lost, is
+        skipped; a run stops at such a hole)."""
+        table = self._table
+        seq = first
+        while True:
+            if seq >= self._next_seq and not self._assign(room):
+                return None
+            while seq < self._next_seq and seq not in table:
                 seq += 1
-            if not batch:
-                continue
-            values: list[bytes] = []
-            headers: list[dict[str, str] | None] = []
-            for given in batch:
-                value, hdrs = record_from_body(given.body)
-                values.append(value)
-                headers.append(hdrs)
-            if taker.arrow:
-                payload = encode_records(
-                    batch[0].seq,
-                    values,
-                    [g.message_id for g in batch],
-                    None,
-                    headers if any(h is not None for h in headers) else None,
-                )
-                conn.send_dat((payload,))
-            else:
-                attrs: dict[str, Any] = {
-                    "seq": batch[0].seq,
-                    "key": base64.b64encode(batch[0].message_id).decode("ascii"),
-                }
-                if headers[0]:
-                    attrs["headers"] = headers[0]
-                conn.send_dat((values[0],), attrs)
-            last = batch[-1].seq
-            if batch[0].seq <= self._sent_max:
-                self.counters["resent"] += min(last, self._sent_max) - batch[0].seq + 1
-            self._sent_max = max(self._sent_max, last)
-            taker.next_seq = last + 1
+            if seq < self._next_seq:
+                break
+        batch: list[_Given] = []
+        while len(batch) < n and seq in table:
+            batch.append(table[seq])
+            seq += 1
+        values: list[bytes] = []
+        headers: list[Mapping[str, str] | None] = []
+        for given in batch:
+            value, hdrs = record_from_body(given.body)
+            values.append(value)
+            headers.append(hdrs)
+        return Taken(
+            batch[0].seq,
+            values,
+            [g.message_id for g in batch],
+            None,
+            headers if any(h is not None for h in headers) else None,
+        )
+
+    def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:
+        if first <= self._sent_max:
+            self.counters["resent"] += min(last, self._sent_max) - first + 1
+        self._sent_max = max(self._sent_max, last)
+
+    def stated(self, giving: Giving, last: int | None) -> dict[str, Any] | None:
+        return None
+
+    def ended(self, giving: Giving, echo: bool) -> None:
+        pass
 
 
 # -------------------------------------------------------------- flow consumer port
