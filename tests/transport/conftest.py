@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
-from zio_spark.transport.port import ClientPort, CurveAuthenticator, ServerPort
+from zio_spark.transport.curve import CurveAuthenticator
+from zio_spark.transport.port import ClientPort, ServerPort
 
 TERM_TIMEOUT_S = 5.0
 

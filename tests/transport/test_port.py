@@ -36,6 +36,7 @@ from zio_spark.protocol.message import (
     encode_frames,
     encode_single,
 )
+from zio_spark.transport.curve import start_authenticator
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -45,7 +46,6 @@ from zio_spark.transport.port import (
     UnknownPeerError,
     choose_mode,
     socket_type_name,
-    start_authenticator,
 )
 
 WAIT_MS = 5000  # for things that must happen: generous, returns as soon as they do

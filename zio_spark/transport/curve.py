@@ -99,12 +99,14 @@ def key_pair(
 
 
 def apply_server(
-    sock: zmq.Socket[bytes], keys: tuple[bytes, bytes], zap_domain: str | None = None
+    sock: zmq.Socket[bytes], keys: tuple[bytes, bytes] | None, zap_domain: str | None = None
 ) -> None:
-    """Make ``sock`` a CURVE server with ``keys`` (``(secret, public)`` from :func:`key_pair`)."""
-    sock.setsockopt(zmq.CURVE_SERVER, 1)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, keys[0])
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
+    """Make ``sock`` a CURVE server with ``keys`` (``(secret, public)`` from :func:`key_pair`;
+    None: no CURVE) and set its ZAP domain when given."""
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys[0])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
     if zap_domain is not None:
         sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode("utf-8"))
 

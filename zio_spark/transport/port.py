@@ -69,41 +69,53 @@ Security. ``ServerPort(curve_secret_key=...)`` turns on CURVE (``ClientPort`` th
 ``curve_server_key`` and its own key pair). Which clients may connect is decided by a ZAP
 handler: :func:`start_authenticator` runs pyzmq's ``ThreadAuthenticator`` with an
 allow-list of client public keys. Without an authenticator any client that knows the
-server's public key is accepted.
+server's public key is accepted. Keys and the authenticator live in
+:mod:`zio_spark.transport.curve`.
+
+Structure. A port is a role (:class:`ServerPort`, :class:`ClientPort`) holding one wire
+strategy (:mod:`zio_spark.transport.wire`: the framing of SERVER, CLIENT, ROUTER or
+DEALER). The roles never look at the mode; the wires never count, log or wait.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
-from zio_spark.protocol.message import (
-    DatCodec,
-    Message,
-    decode_frames,
-    decode_single,
-    encode_frames,
-    join_single,
-    split_single,
+from zio_spark.protocol.message import DatCodec, Message, encode_frames
+from zio_spark.transport.curve import (
+    CurveAuthenticator,
+    apply_client,
+    apply_server,
+    curve_key,
+    key_pair,
+    start_authenticator,
+)
+from zio_spark.transport.wire import (
+    PeerId,
+    PortKind,
+    SocketMode,
+    Undecodable,
+    Wire,
+    choose_mode,
+    drafts_available,
+    make_wire,
+    socket_type_name,
 )
 
 __all__ = [
     "BadMessage",
     "ClientPort",
-    "CurveAuthenticator",
-    "PeerId",
+    "CurveAuthenticator",  # from .curve (the README names it here)
+    "PeerId",  # this and the mode vocabulary below: from .wire
     "PortKind",
     "ServerPort",
     "SocketMode",
@@ -117,19 +129,9 @@ __all__ = [
 
 log = logging.getLogger("zio_spark.transport")
 
-PeerId = bytes | int
-"""How a :class:`ServerPort` names a client: the ROUTER identity (``bytes``) in
-``routerdealer`` mode, the SERVER routing id (``int``, 1..2**32-1) in ``clientserver``
-mode. Treat it as opaque; it is only good for replying on the port that produced it."""
-
 OnBadMessage = Literal["return", "raise"]
 _P = TypeVar("_P", bound="_Port")
 _R = TypeVar("_R")
-
-DRAFT_BUILD_HINT = (
-    "requires a draft-enabled pyzmq (zmq.has('draft') and zmq.DRAFT_API); "
-    "build one with scripts/build-draft-pyzmq.sh"
-)
 
 # Bad-message log lines are throttled so that a peer spraying garbage cannot flood the
 # log: the first few are logged, then one in every _LOG_BAD_EVERY with the running total.
@@ -137,193 +139,9 @@ _LOG_BAD_FIRST = 20
 _LOG_BAD_EVERY = 1000
 
 _NB = zmq.NOBLOCK
-# Single frames this long are decoded from a view of the frame, so their payload is
-# copied once (as recv(copy=True) would); shorter ones are cheaper to take as bytes.
-_VIEW_MIN = 4096
 # recv_many: a batch ends once it holds this many bytes (large DATs stay cache-sized).
 _MANY_BYTES = 1 << 18
 _MAX_TIMEOUT_MS = 2**31 - 1  # RCVTIMEO is an int: ~24.8 days, longer waits are cut there
-_NB_MORE = zmq.NOBLOCK | zmq.SNDMORE
-
-
-def _send_parts(sock: zmq.Socket[bytes], parts: Sequence[bytes]) -> None:
-    """``send_multipart(parts, NOBLOCK)`` without its per-frame checks (~3x faster here).
-
-    ``zmq.Again`` can only come from the first frame (nothing queued then): libzmq takes
-    a message's further frames once it has taken the first.
-    """
-    for p in parts:
-        if type(p) is not bytes:
-            # pyzmq checks every part before sending any: a part of the wrong type must
-            # not leave half a message queued, to be glued onto the next one.
-            sock.send_multipart(parts, _NB)
-            return
-    send = sock.send
-    last = len(parts) - 1
-    for i in range(last):
-        send(parts[i], _NB_MORE)
-    send(parts[last], _NB)
-
-
-def _recv_parts(sock: zmq.Socket[bytes], flags: int) -> list[bytes]:
-    """``recv_multipart(flags)`` reading "more" from each frame, not a getsockopt each.
-
-    Raises ``zmq.Again`` if no message came (NOBLOCK, or RCVTIMEO ran out); the rest of
-    a message is always there once its first frame is.
-    """
-    frame = sock.recv(flags, copy=False)
-    parts = [frame.bytes]
-    while frame.more:
-        frame = sock.recv(_NB, copy=False)
-        parts.append(frame.bytes)
-    return parts
-
-
-class PortKind(str, Enum):
-    """A port's role: the server binds and serves many clients; a client connects."""
-
-    SERVER = "server"
-    CLIENT = "client"
-
-
-class SocketMode(str, Enum):
-    """The wire mode of a port; both ends of a connection must use the same one."""
-
-    CLIENTSERVER = "clientserver"
-    ROUTERDEALER = "routerdealer"
-
-
-_SOCKET_NAMES: dict[tuple[PortKind, SocketMode], str] = {
-    (PortKind.SERVER, SocketMode.CLIENTSERVER): "SERVER",
-    (PortKind.CLIENT, SocketMode.CLIENTSERVER): "CLIENT",
-    (PortKind.SERVER, SocketMode.ROUTERDEALER): "ROUTER",
-    (PortKind.CLIENT, SocketMode.ROUTERDEALER): "DEALER",
-}
-_PEER_SOCKET_MODES = {
-    "SERVER": SocketMode.CLIENTSERVER,
-    "CLIENT": SocketMode.CLIENTSERVER,
-    "ROUTER": SocketMode.ROUTERDEALER,
-    "DEALER": SocketMode.ROUTERDEALER,
-}
-_MODE_CHOICES = "'auto', 'clientserver' or 'routerdealer'"
-
-
-def socket_type_name(kind: PortKind | str, mode: SocketMode | str) -> str:
-    """The socket type name a port of this kind and mode advertises.
-
-    This is the value for the ZRE header ``zio.port.<name>.socket``: ``"SERVER"``,
-    ``"CLIENT"``, ``"ROUTER"`` or ``"DEALER"``.
-
-    Raises
-    ------
-    ConfigError
-        If ``kind`` or ``mode`` is not one of the known values.
-    """
-    try:
-        k = PortKind(kind)
-    except ValueError:
-        raise ConfigError("kind", kind, "'server' or 'client'") from None
-    try:
-        m = SocketMode(mode)
-    except ValueError:
-        raise ConfigError("mode", mode, "'clientserver' or 'routerdealer'") from None
-    return _SOCKET_NAMES[k, m]
-
-
-def drafts_available() -> bool:
-    """True when libzmq has the draft API (``zmq.has('draft')``), checked at call time."""
-    return bool(zmq.has("draft"))
-
-
-def choose_mode(
-    requested: SocketMode | str | None,
-    peer_socket: str | None,
-    *,
-    option: str = "mode",
-) -> SocketMode:
-    """Choose the wire mode from an explicit request and/or a peer's advertised socket.
-
-    Parameters
-    ----------
-    requested
-        ``"clientserver"``, ``"routerdealer"``, ``"auto"`` or ``None`` (same as auto);
-        case-insensitive.
-    peer_socket
-        The socket type the peer advertises (ZRE header ``zio.port.<name>.socket``):
-        ``"SERVER"``, ``"CLIENT"``, ``"ROUTER"`` or ``"DEALER"`` (case-insensitive), or
-        ``None`` when unknown.
-    option
-        The option name to quote in a :class:`ConfigError` (e.g. the user-facing key).
-
-    Returns
-    -------
-    SocketMode
-        The rules, in order:
-
-        1. explicit ``clientserver`` without drafts (``zmq.has('draft')`` false):
-           TransportError;
-        2. an explicit mode contradicting the peer's advertised socket (clientserver
-           against ROUTER/DEALER, routerdealer against SERVER/CLIENT): TransportError, as
-           the two would connect and then never deliver a message;
-        3. explicit mode: that mode;
-        4. auto, peer advertises SERVER/CLIENT: ``clientserver`` if drafts are available,
-           else TransportError (a ROUTER/DEALER port would never interoperate with it);
-        5. auto, peer advertises ROUTER/DEALER: ``routerdealer``;
-        6. auto, nothing known about the peer: ``routerdealer``, the reference default
-           that every ZIO peer without drafts speaks.
-
-    Raises
-    ------
-    ConfigError
-        If ``requested`` is not one of the accepted values.
-    RemoteProtocolError
-        ``field="socket"``, if the peer advertises a socket type a ZIO port cannot be.
-    TransportError
-        If the request cannot work on this machine or with this peer (rules 1, 2, 4).
-    """
-    if requested is None:
-        req = "auto"
-    elif isinstance(requested, SocketMode):
-        req = requested.value
-    elif isinstance(requested, str):
-        req = requested.strip().lower()
-    else:
-        raise ConfigError(option, requested, _MODE_CHOICES)
-    if req not in ("auto", SocketMode.CLIENTSERVER.value, SocketMode.ROUTERDEALER.value):
-        raise ConfigError(option, requested, _MODE_CHOICES)
-
-    peer_mode: SocketMode | None = None
-    peer_name: str | None = None
-    if peer_socket is not None:
-        peer_name = str(peer_socket).strip().upper()
-        if peer_name not in _PEER_SOCKET_MODES:
-            raise RemoteProtocolError(
-                f"peer advertises socket type {peer_socket!r}; a ZIO port is one of "
-                "SERVER, CLIENT, ROUTER or DEALER",
-                field="socket",
-                value=peer_socket,
-            )
-        peer_mode = _PEER_SOCKET_MODES[peer_name]
-
-    drafts = drafts_available()
-    if req == SocketMode.CLIENTSERVER.value and not drafts:
-        raise TransportError(f"{option}='clientserver' {DRAFT_BUILD_HINT}")
-    if req != "auto":
-        mode = SocketMode(req)
-        if peer_mode is not None and peer_mode is not mode:
-            raise TransportError(
-                f"{option}={req!r} cannot talk to a peer advertising a {peer_name} socket: "
-                f"it needs {peer_mode.value!r} (libzmq would connect and deliver nothing)"
-            )
-        return mode
-    if peer_mode is SocketMode.CLIENTSERVER:
-        if not drafts:
-            raise TransportError(
-                f"peer advertises a {peer_name} socket, which only a CLIENT/SERVER port "
-                f"can talk to; that {DRAFT_BUILD_HINT}"
-            )
-        return SocketMode.CLIENTSERVER
-    return SocketMode.ROUTERDEALER
 
 
 def format_peer(peer: PeerId | str | None) -> str:
@@ -368,37 +186,6 @@ class BadMessage:
     frames: tuple[bytes, ...] = ()
 
 
-def _normalise_key(key: str | bytes, option: str) -> bytes:
-    """A CURVE key as Z85 bytes (40 characters), from Z85 text or 32 raw bytes."""
-    if isinstance(key, str):
-        try:
-            key = key.encode("ascii")
-        except UnicodeEncodeError:
-            raise ConfigError(option, key, "a Z85 CURVE key (40 characters)") from None
-    if isinstance(key, bytes):
-        if len(key) == 40:
-            try:
-                raw = z85.decode(key)
-            except (ValueError, KeyError, TypeError):
-                raw = b""
-            if len(raw) == 32:
-                return key
-        elif len(key) == 32:
-            return z85.encode(key)
-    raise ConfigError(option, key, "a Z85 CURVE key (40 characters) or 32 raw bytes")
-
-
-def _key_pair(secret_key: str | bytes, public_key: str | bytes | None) -> tuple[bytes, bytes]:
-    """(secret, public) Z85 keys; the public key is derived, and checked if given."""
-    if not zmq.has("curve"):
-        raise TransportError("CURVE requested but this libzmq has no CURVE support")
-    secret = _normalise_key(secret_key, "curve_secret_key")
-    public = zmq.curve_public(secret)
-    if public_key is not None and _normalise_key(public_key, "curve_public_key") != public:
-        raise ConfigError("curve_public_key", public_key, "the public key of curve_secret_key")
-    return secret, public
-
-
 def _check_timeout(timeout_ms: float, option: str = "timeout_ms") -> float:
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)):
         raise ConfigError(option, timeout_ms, "a number of milliseconds >= 0")
@@ -438,19 +225,12 @@ class _Port:
             raise ConfigError("on_bad_message", on_bad_message, "'return' or 'raise'")
         self._raise_bad = on_bad_message == "raise"
         self._held_error: RemoteProtocolError | None = None  # see _recv_many
-        self._took = 0  # bytes of the message _take received last
         self.stats: dict[str, int] = {"sent": 0, "received": 0, "bad_messages": 0}
         self._endpoints: list[str] = []
         self._closed = False
-        self._socket_name = _SOCKET_NAMES[self.kind, self.mode]
-        if self.mode is SocketMode.CLIENTSERVER and not (zmq.has("draft") and zmq.DRAFT_API):
-            # Never open CLIENT/SERVER without drafts: the handshake aborts the process.
-            raise TransportError(f"a {self._socket_name} socket {DRAFT_BUILD_HINT}")
-        try:
-            sock = ctx.socket(getattr(zmq, self._socket_name))
-        except zmq.ZMQError as e:
-            raise TransportError(f"cannot create a {self._socket_name} socket: {e}") from e
-        self._sock: zmq.Socket[bytes] = sock
+        self._wire: Wire = make_wire(ctx, self.kind, self.mode)
+        self._socket_name = self._wire.socket_name
+        sock = self._sock = self._wire.sock
         try:
             sock.setsockopt(zmq.LINGER, self._linger)
             sock.setsockopt(zmq.SNDHWM, self._sndhwm)
@@ -463,9 +243,12 @@ class _Port:
         self._rcvtimeo = -1  # libzmq's default; _recv_with sets it per call
         self._timeout_arg: object = None  # the last timeout_ms checked (and its type)
         self._timeout_type: type = type(None)
-        # The receive operations, bound once (not a closure made per message).
-        self._op_parts: Callable[[int], list[bytes]] = functools.partial(_recv_parts, sock)
-        self._op_frame: Callable[[int], zmq.Frame] = functools.partial(sock.recv, copy=False)
+        # The wire's operations, bound once (not looked up per message).
+        self._get = self._wire.get
+        self._put = self._wire.put
+        self._decode = self._wire.decode
+        self._split = self._wire.split
+        self._wire_send_dat = self._wire.send_dat
         self._pollout = zmq.Poller()
         self._pollout.register(sock, zmq.POLLOUT)
 
@@ -576,37 +359,66 @@ class _Port:
         except zmq.ZMQError as e:
             raise self._transport_error("recv failed", e) from e
 
-    def _recv_multipart(self, timeout_ms: float) -> list[bytes] | None:
-        return self._recv_with(self._op_parts, timeout_ms)
+    def _recv_one(self, convert: Callable[[Any], Any], timeout_ms: float) -> Any:
+        """One message within ``timeout_ms`` through ``convert`` (the wire's ``split`` or
+        ``decode``), counted; a :class:`BadMessage` (or raised) if it is broken; None."""
+        raw = self._recv_with(self._get, timeout_ms)
+        if raw is None:
+            return None
+        try:
+            item = convert(raw)
+        except Undecodable as bad:
+            return self.report_bad_message(self._from(bad), bad.error, bad.frames)
+        self.stats["received"] += 1
+        return item
 
-    def _recv_frame(self, timeout_ms: float) -> zmq.Frame | None:
-        return self._recv_with(self._op_frame, timeout_ms)
+    def _from(self, bad: Undecodable) -> PeerId | str | None:
+        """Who sent a bad message: the peer id, or (on a client) the endpoints."""
+        return self._where() if bad.peer is None else bad.peer
 
-    def _send(
-        self, attempt: Callable[[], object], timeout_ms: float | None, peer: PeerId | None
+    def _send(self, packed: Any, timeout_ms: float | None, peer: PeerId | None) -> None:
+        """Queue what the wire packed, retrying until a deadline (see :meth:`_retry`)."""
+        try:
+            self._put(packed, peer)
+        except zmq.Again:
+            self._retry(packed, timeout_ms, peer)
+        except zmq.ZMQError as e:
+            raise self._send_error(e, peer) from e
+        else:
+            self.stats["sent"] += 1
+
+    def _send_dat(
+        self,
+        codec: DatCodec,
+        seqno: int,
+        payload: tuple[bytes, ...],
+        peer: PeerId | None,
+        timeout_ms: float | None,
     ) -> None:
-        """Queue a message with ``attempt()`` (a NOBLOCK send), retrying until a deadline.
+        """A plain DAT: packed and queued in one wire call, packed once more on a retry."""
+        try:
+            self._wire_send_dat(codec, seqno, payload, peer)
+        except zmq.Again:
+            self._retry(self._wire.pack_dat(codec, seqno, payload, peer), timeout_ms, peer)
+        except zmq.ZMQError as e:
+            raise self._send_error(e, peer) from e
+        else:
+            self.stats["sent"] += 1
+
+    def _retry(self, packed: Any, timeout_ms: float | None, peer: PeerId | None) -> None:
+        """Queue ``packed`` once there is room, or raise TransportError at the deadline.
 
         POLLOUT is exact for DEALER and CLIENT. A ROUTER_MANDATORY ROUTER reports POLLOUT
         when *any* peer has room and a SERVER always does, so a retry can fail again;
         then a short, growing back-off keeps the loop from spinning.
         """
-        try:
-            attempt()
-        except zmq.Again:
-            pass
-        except zmq.ZMQError as e:
-            raise self._send_error(e, peer) from e
-        else:
-            self.stats["sent"] += 1
-            return
         timeout = self._send_timeout if timeout_ms is None else _check_timeout(timeout_ms)
         deadline = time.monotonic() + timeout / 1000.0
         backoff = 0.0002
         while True:
             if self._wait(self._pollout, deadline):
                 try:
-                    attempt()
+                    self._put(packed, peer)
                 except zmq.Again:
                     pause = min(backoff, deadline - time.monotonic())
                     if pause > 0:
@@ -686,10 +498,14 @@ class _Port:
     def _take(self, flags: int) -> Any:
         """Receive one message with ``flags`` and decode it (bad ones reported, not raised).
 
-        Raises ``zmq.Again`` if none is there; each kind of port returns what its
-        ``recv`` does.
+        Raises ``zmq.Again`` if none is there; each kind of port gets what its ``recv``
+        returns.
         """
-        raise NotImplementedError  # pragma: no cover - every port defines it
+        raw = self._get(flags)
+        try:
+            return self._decode(raw)
+        except Undecodable as bad:
+            return self._report(self._from(bad), bad.error, bad.frames)
 
     def _raise_held(self) -> None:
         """Raise the bad message a batch stopped at (in "raise" mode), once."""
@@ -708,15 +524,16 @@ class _Port:
         if type(first) is BadMessage and self._raise_bad:
             raise first.error
         out = [first]
-        bad = type(first) is BadMessage
-        took = self._took
+        bad = int(type(first) is BadMessage)
+        wire = self._wire
+        took = wire.took
         take, append = self._take, out.append
         try:
             for _ in range(max_n - 1):
                 if took >= max_bytes:
                     break
                 item = take(_NB)
-                took += self._took
+                took += wire.took
                 if type(item) is BadMessage:
                     if self._raise_bad:
                         # Raised by the next call, after the caller has the good ones.
@@ -783,7 +600,7 @@ class ServerPort(_Port):
     ) -> None:
         keys: tuple[bytes, bytes] | None = None
         if curve_secret_key is not None:
-            keys = _key_pair(curve_secret_key, curve_public_key)
+            keys = key_pair(curve_secret_key, curve_public_key)
         elif curve_public_key is not None:
             raise ConfigError("curve_secret_key", None, "a key whenever curve_public_key is set")
         super().__init__(
@@ -798,17 +615,11 @@ class ServerPort(_Port):
         self.curve_public_key: bytes | None = keys[1] if keys else None
         """This server's Z85 public key when CURVE is on (clients need it)."""
         try:
-            if keys is not None:
-                self._sock.setsockopt(zmq.CURVE_SERVER, 1)
-                self._sock.setsockopt(zmq.CURVE_SECRETKEY, keys[0])
-                self._sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
-            if zap_domain is not None:
-                self._sock.setsockopt(zmq.ZAP_DOMAIN, zap_domain.encode("utf-8"))
+            apply_server(self._sock, keys, zap_domain)
         except BaseException:
             self.close(linger_ms=0)
             raise
         self._last_peer: PeerId | None = None
-        self._cs = self.mode is SocketMode.CLIENTSERVER
 
     @property
     def last_peer(self) -> PeerId | None:
@@ -841,20 +652,7 @@ class ServerPort(_Port):
                 "send needs a routing_id: no message has been received yet to reply to",
                 field="routing_id",
             )
-        if self._cs:
-            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 < peer < 2**32:
-                raise LocalProtocolError(
-                    f"a SERVER routing_id is an int 1..2**32-1, got {peer!r}",
-                    field="routing_id",
-                    value=peer,
-                )
-        elif not isinstance(peer, bytes) or not peer:
-            raise LocalProtocolError(
-                f"a ROUTER routing_id is non-empty bytes (the identity), got {peer!r}",
-                field="routing_id",
-                value=peer,
-            )
-        return peer
+        return self._wire.check_peer(peer)
 
     def send_frames(
         self,
@@ -879,20 +677,7 @@ class ServerPort(_Port):
             If there is no peer to reply to, or the id does not fit the mode.
         """
         peer = self._target(routing_id)
-        sock = self._sock
-        if isinstance(peer, int):  # _target made sure the id's type matches the mode
-            data = join_single(frames)
-            rid = peer
-
-            def attempt() -> object:
-                return sock.send(data, zmq.NOBLOCK, routing_id=rid)
-        else:
-            wire = [peer, b"", *frames]
-
-            def attempt() -> object:
-                return _send_parts(sock, wire)
-
-        self._send(attempt, timeout_ms, peer)
+        self._send(self._wire.pack(frames, peer), timeout_ms, peer)
 
     def send_dat(
         self,
@@ -906,21 +691,7 @@ class ServerPort(_Port):
         """Send a plain DAT encoded by ``codec`` (the fast lane of
         :meth:`~zio_spark.protocol.flow.Flow.send_dats`); otherwise as :meth:`send_frames`.
         """
-        peer = self._target(routing_id)
-        sock = self._sock
-        if isinstance(peer, int):
-            data = codec.single(seqno, payload)
-            rid = peer
-
-            def attempt() -> object:
-                return sock.send(data, _NB, routing_id=rid)
-        else:
-            wire = [peer, b"", codec.prefix, codec.coord(seqno), *payload]
-
-            def attempt() -> object:
-                return _send_parts(sock, wire)
-
-        self._send(attempt, timeout_ms, peer)
+        self._send_dat(codec, seqno, payload, self._target(routing_id), timeout_ms)
 
     def send(
         self,
@@ -939,24 +710,6 @@ class ServerPort(_Port):
             As in :meth:`send_frames`.
         """
         self.send_frames(encode_frames(msg), routing_id, timeout_ms=timeout_ms)
-
-    def _recv_parts(self, timeout_ms: float) -> tuple[PeerId, list[bytes]] | BadMessage | None:
-        if self._cs:
-            frame = self._recv_frame(timeout_ms)
-            if frame is None:
-                return None
-            peer: PeerId = frame.get("routing_id")  # not .routing_id: its draft check costs ~0.4 µs
-            try:
-                return peer, split_single(frame.buffer)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(peer, e, [frame.bytes])
-        wire = self._recv_multipart(timeout_ms)
-        if wire is None:
-            return None
-        peer = wire[0]
-        if len(wire) < 2 or wire[1]:
-            return self.report_bad_message(peer, _envelope_error(wire[1:], peer), wire)
-        return peer, wire[2:]
 
     def recv_frames(self, timeout_ms: float) -> tuple[PeerId, list[bytes]] | BadMessage | None:
         """Receive one message as ``(peer, [prefix, coord, *payload])``, undecoded.
@@ -977,31 +730,10 @@ class ServerPort(_Port):
         TransportError
             If the port is closed or the context terminated.
         """
-        got = self._recv_parts(timeout_ms)
-        if got is None or isinstance(got, BadMessage):
-            return got
-        self.stats["received"] += 1
-        self._last_peer = got[0]
-        return got
-
-    def _take(self, flags: int) -> tuple[PeerId, Message] | BadMessage:
-        if self._cs:
-            frame = self._sock.recv(flags, copy=False)
-            peer: PeerId = frame.get("routing_id")  # not .routing_id: its draft check costs ~0.4 µs
-            self._took = size = len(frame)
-            try:
-                return peer, decode_single(frame.bytes if size < _VIEW_MIN else frame.buffer)
-            except RemoteProtocolError as e:
-                return self._report(peer, e, [frame.bytes])
-        wire = _recv_parts(self._sock, flags)
-        self._took = sum(map(len, wire))
-        peer = wire[0]
-        if len(wire) < 2 or wire[1]:
-            return self._report(peer, _envelope_error(wire[1:], peer), wire)
-        try:
-            return peer, decode_frames(wire[2:])
-        except RemoteProtocolError as e:
-            return self._report(peer, e, wire[2:])
+        got = self._recv_one(self._split, timeout_ms)
+        if got is not None and type(got) is not BadMessage:
+            self._last_peer = got[0]
+        return got  # type: ignore[no-any-return]
 
     def recv_many(
         self, max_n: int, timeout_ms: float, max_bytes: int = _MANY_BYTES
@@ -1055,28 +787,10 @@ class ServerPort(_Port):
         TransportError
             If the port is closed or the context terminated.
         """
-        peer: PeerId
-        if self._cs:
-            frame = self._recv_frame(timeout_ms)
-            if frame is None:
-                return None
-            peer = frame.get("routing_id")  # not .routing_id: its draft check costs ~0.4 µs
-            try:
-                msg = decode_single(frame.bytes if len(frame) < _VIEW_MIN else frame.buffer)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(peer, e, [frame.bytes])
-        else:
-            got = self._recv_parts(timeout_ms)
-            if got is None or isinstance(got, BadMessage):
-                return got
-            peer, parts = got
-            try:
-                msg = decode_frames(parts)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(peer, e, parts)
-        self.stats["received"] += 1
-        self._last_peer = peer
-        return peer, msg
+        got = self._recv_one(self._decode, timeout_ms)
+        if got is not None and type(got) is not BadMessage:
+            self._last_peer = got[0]
+        return got  # type: ignore[no-any-return]
 
 
 class ClientPort(_Port):
@@ -1122,8 +836,8 @@ class ClientPort(_Port):
                 raise ConfigError(
                     "curve_secret_key", None, "the client's secret key with curve_server_key"
                 )
-            secret, public = _key_pair(curve_secret_key, curve_public_key)
-            curve = (_normalise_key(curve_server_key, "curve_server_key"), secret, public)
+            secret, public = key_pair(curve_secret_key, curve_public_key)
+            curve = (curve_key(curve_server_key, "curve_server_key"), secret, public)
         elif curve_secret_key is not None or curve_public_key is not None:
             raise ConfigError(
                 "curve_server_key", None, "the server's public key whenever a client key is set"
@@ -1141,13 +855,10 @@ class ClientPort(_Port):
         """This client's Z85 public key when CURVE is on (for the server's allow-list)."""
         try:
             if curve is not None:
-                self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve[0])
-                self._sock.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
-                self._sock.setsockopt(zmq.CURVE_PUBLICKEY, curve[2])
+                apply_client(self._sock, curve[0], (curve[1], curve[2]))
         except BaseException:
             self.close(linger_ms=0)
             raise
-        self._cs = self.mode is SocketMode.CLIENTSERVER
 
     def connect(self, endpoint: str) -> str:
         """Connect to a server endpoint; returns it. Connection happens in the background.
@@ -1196,19 +907,7 @@ class ClientPort(_Port):
             ``send_timeout_ms``), e.g. nothing connected and the queue full; or the port
             is closed.
         """
-        sock = self._sock
-        if self._cs:
-            data = join_single(frames)
-
-            def attempt() -> object:
-                return sock.send(data, zmq.NOBLOCK)
-        else:
-            wire = [b"", *frames]
-
-            def attempt() -> object:
-                return _send_parts(sock, wire)
-
-        self._send(attempt, timeout_ms, None)
+        self._send(self._wire.pack(frames, None), timeout_ms, None)
 
     def send_dat(
         self,
@@ -1221,28 +920,7 @@ class ClientPort(_Port):
         """Send a plain DAT encoded by ``codec`` (the fast lane of
         :meth:`~zio_spark.protocol.flow.Flow.send_dats`); otherwise as :meth:`send_frames`.
         """
-        sock = self._sock
-        if self._cs:
-            data = codec.single(seqno, payload)
-            try:  # the common case, without a closure
-                sock.send(data, _NB)
-            except zmq.Again:
-                pass
-            except zmq.ZMQError as e:
-                raise self._send_error(e, None) from e
-            else:
-                self.stats["sent"] += 1
-                return
-
-            def attempt() -> object:
-                return sock.send(data, _NB)
-        else:
-            wire = [b"", codec.prefix, codec.coord(seqno), *payload]
-
-            def attempt() -> object:
-                return _send_parts(sock, wire)
-
-        self._send(attempt, timeout_ms, None)
+        self._send_dat(codec, seqno, payload, None, timeout_ms)
 
     def send_dats(
         self,
@@ -1263,23 +941,22 @@ class ClientPort(_Port):
         """
         n = len(payloads)
         done = 0
-        if self._cs:
-            sock, single = self._sock, codec.single
-            try:
-                for payload in payloads:
-                    sock.send(single(first + done, payload), _NB)
-                    done += 1
-            except zmq.Again:
-                pass  # the queue is full: the rest wait for room, one by one
-            except zmq.ZMQError as e:
-                self.stats["sent"] += done
-                error = self._send_error(e, None)
-                error.sent = done
-                raise error from e
+        send = self._wire_send_dat
+        try:  # what fits now, without a retry loop each
+            for payload in payloads:
+                send(codec, first + done, payload, None)
+                done += 1
+        except zmq.Again:
+            pass  # the queue is full: the rest wait for room, one by one
+        except zmq.ZMQError as e:
             self.stats["sent"] += done
+            error = self._send_error(e, None)
+            error.sent = done
+            raise error from e
+        self.stats["sent"] += done
         try:
             for i in range(done, n):
-                self.send_dat(codec, first + i, payloads[i], timeout_ms=timeout_ms)
+                self._send_dat(codec, first + i, payloads[i], None, timeout_ms)
                 done += 1
         except TransportError as e:
             e.sent = done
@@ -1297,22 +974,6 @@ class ClientPort(_Port):
         """
         self.send_frames(encode_frames(msg), timeout_ms=timeout_ms)
 
-    def _recv_parts(self, timeout_ms: float) -> list[bytes] | BadMessage | None:
-        if self._cs:
-            frame = self._recv_frame(timeout_ms)
-            if frame is None:
-                return None
-            try:
-                return split_single(frame.buffer)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(self._where(), e, [frame.bytes])
-        wire = self._recv_multipart(timeout_ms)
-        if wire is None:
-            return None
-        if wire[0]:
-            return self.report_bad_message(self._where(), _envelope_error(wire, None), wire)
-        return wire[1:]
-
     def recv_frames(self, timeout_ms: float) -> list[bytes] | BadMessage | None:
         """Receive one message as ZIO parts ``[prefix, coord, *payload]``, undecoded.
 
@@ -1328,27 +989,7 @@ class ClientPort(_Port):
         TransportError
             If the port is closed or the context terminated.
         """
-        got = self._recv_parts(timeout_ms)
-        if got is not None and not isinstance(got, BadMessage):
-            self.stats["received"] += 1
-        return got
-
-    def _take(self, flags: int) -> Message | BadMessage:
-        if self._cs:
-            frame = self._sock.recv(flags, copy=False)
-            self._took = size = len(frame)
-            try:
-                return decode_single(frame.bytes if size < _VIEW_MIN else frame.buffer)
-            except RemoteProtocolError as e:
-                return self._report(self._where(), e, [frame.bytes])
-        wire = _recv_parts(self._sock, flags)
-        self._took = sum(map(len, wire))
-        if wire[0]:
-            return self._report(self._where(), _envelope_error(wire, None), wire)
-        try:
-            return decode_frames(wire[1:])
-        except RemoteProtocolError as e:
-            return self._report(self._where(), e, wire[1:])
+        return self._recv_one(self._split, timeout_ms)  # type: ignore[no-any-return]
 
     def recv_many(
         self, max_n: int, timeout_ms: float, max_bytes: int = _MANY_BYTES
@@ -1384,155 +1025,4 @@ class ClientPort(_Port):
         TransportError
             If the port is closed or the context terminated.
         """
-        if self._cs:
-            frame = self._recv_frame(timeout_ms)
-            if frame is None:
-                return None
-            try:
-                msg = decode_single(frame.bytes if len(frame) < _VIEW_MIN else frame.buffer)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(self._where(), e, [frame.bytes])
-        else:
-            got = self._recv_parts(timeout_ms)
-            if got is None or isinstance(got, BadMessage):
-                return got
-            try:
-                msg = decode_frames(got)
-            except RemoteProtocolError as e:
-                return self.report_bad_message(self._where(), e, got)
-        self.stats["received"] += 1
-        return msg
-
-
-def _envelope_error(rest: Sequence[bytes], peer: PeerId | None) -> RemoteProtocolError:
-    """The violation for a fallback envelope whose delimiter frame is missing."""
-    if not rest:
-        detail = "the message has no frames after the identity"
-    else:
-        detail = f"first frame is {len(rest[0])} bytes: {bytes(rest[0][:16])!r}"
-    return RemoteProtocolError(
-        f"routerdealer envelope needs an empty delimiter frame before the ZIO parts; {detail}",
-        field="envelope",
-        value=bytes(rest[0][:64]) if rest else None,
-        peer=peer,
-    )
-
-
-class CurveAuthenticator:
-    """A running ZAP handler that admits CURVE clients from an allow-list of public keys.
-
-    Built on pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`. One per context (ZAP
-    handlers bind ``inproc://zeromq.zap.01``). It applies to every CURVE socket of the
-    context whose ZAP domain matches ``domain`` (``"*"``: all). Use :func:`start_authenticator`.
-    """
-
-    def __init__(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        allowed_client_public_keys: Iterable[str | bytes],
-        *,
-        domain: str = "*",
-    ) -> None:
-        self._allowed: frozenset[bytes] = frozenset(
-            _normalise_key(k, "allowed_client_public_keys") for k in allowed_client_public_keys
-        )
-        self.domain = domain
-        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("zio_spark.transport.zap"))
-        self._started = False
-
-    @property
-    def allowed(self) -> frozenset[bytes]:
-        """The allowed client public keys, Z85."""
-        return self._allowed
-
-    def allow(self, *keys: str | bytes) -> None:
-        """Add client public keys (takes effect for the next handshake)."""
-        new = {_normalise_key(k, "allowed_client_public_keys") for k in keys}
-        self._allowed = self._allowed | new
-
-    def revoke(self, *keys: str | bytes) -> None:
-        """Remove client public keys (established connections stay up)."""
-        gone = {_normalise_key(k, "allowed_client_public_keys") for k in keys}
-        self._allowed = self._allowed - gone
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
-        ok = key in self._allowed
-        if not ok:
-            log.warning(
-                "CURVE client key %s refused (ZAP domain %r): not in the allow-list",
-                key.decode("ascii", "replace"),
-                domain,
-            )
-        return ok
-
-    def start(self) -> CurveAuthenticator:
-        """Start the ZAP thread.
-
-        Raises
-        ------
-        TransportError
-            If another ZAP handler already runs on this context.
-        """
-        if self._started:
-            return self
-        try:
-            self._auth.start()
-        except zmq.ZMQError as e:
-            self._auth.stop()
-            raise TransportError(
-                f"cannot start the ZAP authenticator: {e} (only one per context)",
-                endpoint="inproc://zeromq.zap.01",
-            ) from e
-        self._auth.configure_curve_callback(self.domain, credentials_provider=self)
-        self._started = True
-        return self
-
-    def stop(self) -> None:
-        """Stop the ZAP thread; idempotent. Do this before terminating the context."""
-        if self._started:
-            self._started = False
-            self._auth.stop()
-
-    def __enter__(self) -> CurveAuthenticator:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-def start_authenticator(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    allowed_client_public_keys: Iterable[str | bytes],
-    *,
-    domain: str = "*",
-) -> CurveAuthenticator:
-    """Start a ZAP handler on ``ctx`` admitting only the given CURVE client keys.
-
-    Parameters
-    ----------
-    ctx
-        The context of the CURVE server ports to protect.
-    allowed_client_public_keys
-        Client public keys, Z85 text or 32 raw bytes.
-    domain
-        ZAP domain to answer for (``"*"``: any; else match ``ServerPort(zap_domain=...)``).
-
-    Returns
-    -------
-    CurveAuthenticator
-        Running; call ``stop()`` (or use it as a context manager) before ``ctx.term()``.
-
-    Raises
-    ------
-    ConfigError
-        If a key is malformed.
-    TransportError
-        If a ZAP handler already runs on this context.
-    """
-    return CurveAuthenticator(ctx, allowed_client_public_keys, domain=domain).start()
+        return self._recv_one(self._decode, timeout_ms)  # type: ignore[no-any-return]
