@@ -8,15 +8,13 @@ peer, counted in ``stats["dropped"]``, and no other flow notices), or when it ha
 silent for ``idle_timeout`` seconds.
 
 Everything runs in one thread that owns the socket. Other threads talk to the loop with
-:meth:`FlowServer.call_soon` (a waker socket interrupts the poll), so handlers never need
-locks for flow state.
+:meth:`FlowServer.call_soon` (a :class:`~zio_spark.transport.loop.Waker` interrupts the
+poll), so handlers never need locks for flow state.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -36,13 +34,12 @@ from zio_spark.protocol.flow import (
     Role,
 )
 from zio_spark.protocol.message import DatCodec, Message
+from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
 
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
 
 log = logging.getLogger("zio_spark.transport")
-
-_waker_ids = itertools.count()
 
 
 class ServerFlow:
@@ -176,10 +173,7 @@ class FlowServer:
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._waker_addr = f"inproc://zio-flow-server-waker-{id(self)}-{next(_waker_ids)}"
-        self._wake_in: zmq.Socket[bytes] | None = None
-        self._wake_out: zmq.Socket[bytes] | None = None
-        self._wake_lock = threading.Lock()
+        self._waker: Waker | None = None  # made by start(): an inline server has none
         self.error: BaseException | None = None
 
     @property
@@ -192,12 +186,7 @@ class FlowServer:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> FlowServer:
-        self._wake_in = self.ctx.socket(zmq.PULL)
-        self._wake_in.linger = 0
-        self._wake_in.bind(self._waker_addr)
-        self._wake_out = self.ctx.socket(zmq.PUSH)
-        self._wake_out.linger = 0
-        self._wake_out.connect(self._waker_addr)
+        self._waker = Waker()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         return self
@@ -211,11 +200,8 @@ class FlowServer:
             if self._thread.is_alive():
                 raise TransportError(f"{self.name} did not stop within {timeout} s")
             self._thread = None
-        with self._wake_lock:
-            for s in (self._wake_out, self._wake_in):
-                if s is not None:
-                    s.close(0)
-            self._wake_out = self._wake_in = None
+        if self._waker is not None:
+            self._waker.close()
         self.port.close()
 
     def __enter__(self) -> FlowServer:
@@ -230,27 +216,22 @@ class FlowServer:
         self._wake()
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_out is not None:
-                with contextlib.suppress(zmq.Again):  # a wake-up is already pending
-                    self._wake_out.send(b"", zmq.NOBLOCK)
+        if self._waker is not None:
+            self._waker.wake()
 
     # -- the loop ------------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._wake_in is not None
+        waker = self._waker
+        assert waker is not None
         poller = zmq.Poller()
         poller.register(self.port.socket, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(waker, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self.tick * 1000))
-                if self._wake_in in events:
-                    while True:
-                        try:
-                            self._wake_in.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if waker in events:
+                    waker.drain()
                 if self.port.socket in events:
                     # Bounded, so ticks and calls still run; one call for what is queued.
                     for got in self.port.recv_many(1000, 0):
