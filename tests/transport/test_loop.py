@@ -20,7 +20,7 @@ def test_wake_from_another_thread_ends_the_poll() -> None:
         threading.Thread(target=waker.wake).start()
         t0 = time.monotonic()
         events = dict(poller.poll(5000))
-        assert waker in events
+        assert waker.fd in events
         assert time.monotonic() - t0 < 4.0
         waker.drain()
         assert dict(poller.poll(0)) == {}
@@ -35,11 +35,11 @@ def test_wake_ups_coalesce_until_drained() -> None:
         poller.register(waker, zmq.POLLIN)
         for _ in range(10_000):
             waker.wake()
-        assert waker in dict(poller.poll(1000))
+        assert waker.fd in dict(poller.poll(1000))
         waker.drain()
         assert dict(poller.poll(0)) == {}
         waker.wake()  # after a drain, a wake-up is seen again
-        assert waker in dict(poller.poll(1000))
+        assert waker.fd in dict(poller.poll(1000))
     finally:
         waker.close()
 

@@ -230,7 +230,7 @@ class FlowServer:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self.tick * 1000))
-                if waker in events:
+                if waker.fd in events:
                     waker.drain()
                 if self.port.socket in events:
                     # Bounded, so ticks and calls still run; one call for what is queued.

@@ -8,7 +8,7 @@ instead of at its next timeout. Use::
     poller.register(waker, zmq.POLLIN)        # the waker has a fileno()
     ...
     events = dict(poller.poll(timeout_ms))
-    if waker in events:
+    if waker.fd in events:                     # the poller reports it by descriptor
         waker.drain()                          # then run what was queued
     ...
     waker.close()                              # once the loop has ended
@@ -33,13 +33,15 @@ class Waker:
         self._r, self._w = socket.socketpair()
         self._r.setblocking(False)
         self._w.setblocking(False)
+        self.fd = self._r.fileno()
+        """The read end's descriptor: the key ``zmq.Poller.poll`` reports it under."""
         self._pending = False
         self._lock = threading.Lock()  # close() against a wake() in another thread
         self._closed = False
 
     def fileno(self) -> int:
         """The read end's descriptor (what the poller watches)."""
-        return self._r.fileno()
+        return self.fd
 
     def wake(self) -> None:
         """Make the loop's poll return; thread-safe, a no-op once closed."""
