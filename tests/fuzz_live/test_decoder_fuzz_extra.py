@@ -42,6 +42,7 @@ from zio_spark.protocol.flow import Direction, Flow, Role, pay_ack, profile_bot
 from zio_spark.protocol.message import Message
 from zio_spark.storage import spool as spool_mod
 from zio_spark.storage import store_format as store_mod
+from zio_spark.storage import wal as wal_mod
 from zio_spark.storage.spool import Record, Spool, read_sealed
 
 CASES = 100_000
@@ -133,9 +134,9 @@ def _wal_record(rng: random.Random, tmp: Path) -> bytes:
 
 def _reseal(record: bytes) -> bytes:
     """A WAL record with a correct length and CRC for whatever payload it now has."""
-    payload = record[spool_mod._WAL_HEADER.size :]
-    return spool_mod._WAL_HEADER.pack(
-        spool_mod._WAL_MAGIC, len(payload), zlib.crc32(payload), 0
+    payload = record[wal_mod._WAL_HEADER.size :]
+    return wal_mod._WAL_HEADER.pack(
+        wal_mod._WAL_MAGIC, len(payload), zlib.crc32(payload), 0
     ) + (payload)
 
 
@@ -143,7 +144,7 @@ def _reseal(record: bytes) -> bytes:
 def test_fuzz_spool_wal_record_decoder(n: int, tmp_path: Path) -> None:
     rng = random.Random("spool-wal")
     stream = _wal_record(rng, tmp_path)
-    first = spool_mod._decode_wal_record(pa.py_buffer(stream), 0)
+    first = wal_mod._decode_wal_record(pa.py_buffer(stream), 0)
     assert first is not None
     records = [stream[: first[0]], stream[first[0] :]]
     t0 = time.monotonic()
@@ -156,16 +157,16 @@ def test_fuzz_spool_wal_record_decoder(n: int, tmp_path: Path) -> None:
             data = mutate(rng.choice(records), rng)
         else:  # mutated payload behind a valid CRC: the decoder proper
             rec = rng.choice(records)
-            head = spool_mod._WAL_HEADER.size
+            head = wal_mod._WAL_HEADER.size
             data = _reseal(rec[:head] + mutate(rec[head:], rng))
         off = 0 if rng.random() < 0.9 else rng.randint(0, len(data))
-        got = spool_mod._decode_wal_record(pa.py_buffer(data), off)
+        got = wal_mod._decode_wal_record(pa.py_buffer(data), off)
         if got is not None:
             decoded += 1
             length, producer, _, batch = got
             assert 0 < length <= len(data) - off
             assert isinstance(producer, str)
-            assert batch.schema.equals(spool_mod._WAL_SCHEMA)
+            assert batch.schema.equals(wal_mod._WAL_SCHEMA)
             batch.validate(full=True)
             seqs = batch.column("seq").to_pylist()
             assert seqs == sorted(set(seqs)) and seqs[0] >= 1
@@ -340,11 +341,11 @@ def test_read_sealed_reports_a_corrupt_segment_as_data_loss(tmp_path: Path, case
 
 def test_wal_record_with_valid_crc_and_short_arrow_body_is_torn(tmp_path: Path) -> None:
     stream = _wal_record(random.Random(0), tmp_path)
-    first = spool_mod._decode_wal_record(pa.py_buffer(stream), 0)
+    first = wal_mod._decode_wal_record(pa.py_buffer(stream), 0)
     assert first is not None
     record = stream[: first[0]]
     data = _reseal(record[:-16])  # the CRC matches; the Arrow message is 16 bytes short
-    assert spool_mod._decode_wal_record(pa.py_buffer(data), 0) is None
+    assert wal_mod._decode_wal_record(pa.py_buffer(data), 0) is None
 
 
 # ------------------------------------------------------------------ queue store records
