@@ -16,10 +16,11 @@ into the table, and carries out what comes back:
   application: queued for :meth:`ZreNode.next_event`, or given to the ``on_event``
   callback (called in the node thread; it must not block, and may call the node's API).
 
-Other threads talk to the node thread through a command queue and a waker (a socket
-pair whose read end is in the poll): each API call is a closure run in the node thread,
-with a :class:`concurrent.futures.Future` for the result. Called from the node thread
-itself (an ``on_event`` callback), the closure runs inline, so there is no deadlock.
+Other threads talk to the node thread through a command queue and a
+:class:`~zio_spark.transport.loop.Waker` (in the poll): each API call is a closure run in
+the node thread, with a :class:`concurrent.futures.Future` for the result. Called from
+the node thread itself (an ``on_event`` callback), the closure runs inline, so there is
+no deadlock.
 
 Where the node talks. The beacon socket binds ``0.0.0.0:<beacon_port>`` with SO_REUSEADDR,
 SO_REUSEPORT and SO_BROADCAST, so that several nodes on one host share the port, and sends
@@ -50,7 +51,6 @@ after their expiry timeout, then closes every socket (DEALERs with ``linger_ms``
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import math
@@ -119,6 +119,7 @@ from zio_spark.protocol.zre import (
     tcp_endpoint,
     zio_port_headers,
 )
+from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import UnknownPeerError
 
 __all__ = [
@@ -397,8 +398,7 @@ class ZreNode:
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._thread: threading.Thread | None = None
         self._stop_requested = False
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
+        self._waker: Waker | None = None
 
         # Owned by the node thread once running.
         self._udp: socket.socket | None = None
@@ -548,9 +548,7 @@ class ZreNode:
                     field="state",
                     value=self._state.value,
                 )
-            self._wake_r, self._wake_w = socket.socketpair()
-            self._wake_r.setblocking(False)
-            self._wake_w.setblocking(False)
+            self._waker = Waker()
             if self._ctx is None:
                 self._ctx = zmq.Context()
             self._state = _State.RUNNING
@@ -758,10 +756,8 @@ class ZreNode:
     # -- calling into the node thread --------------------------------------------------
 
     def _wake(self) -> None:
-        if self._wake_w is not None:
-            # A full socket buffer means a wake-up is already pending.
-            with contextlib.suppress(BlockingIOError, InterruptedError):
-                self._wake_w.send(b"\0")
+        if self._waker is not None:
+            self._waker.wake()
 
     def _query(self, fn: Callable[[], _T]) -> _T:
         return self._call(fn, allow_new=True, allow_stopped=True)
@@ -906,13 +902,13 @@ class ZreNode:
             )
 
     def _loop(self) -> None:
-        assert self._udp is not None and self._router is not None and self._wake_r is not None
+        waker = self._waker
+        assert self._udp is not None and self._router is not None and waker is not None
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._udp, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(waker, zmq.POLLIN)
         udp_fd = self._udp.fileno()
-        wake_fd = self._wake_r.fileno()
         self._next_beacon = time.monotonic()
         while True:
             self._run_commands()
@@ -930,9 +926,8 @@ class ZreNode:
                 deadline = min(deadline, table_deadline)
             timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             ready = dict(poller.poll(timeout_ms))
-            if wake_fd in ready:
-                with contextlib.suppress(BlockingIOError, InterruptedError):
-                    self._wake_r.recv(4096)
+            if waker.fd in ready:
+                waker.drain()
             if self._router in ready:
                 self._read_mailbox()
             if udp_fd in ready:
@@ -968,10 +963,9 @@ class ZreNode:
                 **self._table_bounds,
             )
             commands, self._commands = self._commands, deque()
-            for sock in (self._wake_r, self._wake_w):
-                if sock is not None:
-                    sock.close()
-            self._wake_r = self._wake_w = None
+            if self._waker is not None:
+                self._waker.close()
+            self._waker = None
         for _, future in commands:
             if future.set_running_or_notify_cancel():
                 future.set_exception(
