@@ -56,7 +56,6 @@ receiver stops (stock libzmq does not say which ROUTER peer left).
 
 from __future__ import annotations
 
-import base64
 import collections
 import contextlib
 import json
@@ -65,15 +64,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zio_spark.codec.records import ENCODING, decode_batch, plain_value
+from zio_spark.codec.records import ENCODING
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -91,19 +87,18 @@ from zio_spark.protocol.message import (
     DAT_LABEL,
     FLOW_FORM,
     Message,
-    encode_flow_label,
-    parse_flow_label,
 )
-from zio_spark.protocol.negotiate import PLAIN, Terms, client_terms, pay_attrs, server_terms
-from zio_spark.storage.spool import WAL_SCHEMA, Record, Spool
+from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
+from zio_spark.source.receiver_bound import BoundFlows
+from zio_spark.source.receiver_peers import DONE_KEPT, DRAIN_BATCH, Bound, Peer, PeerStatus, Pending
+from zio_spark.source.receiver_spool import SpoolWriting
+from zio_spark.storage.files import atomic_write
+from zio_spark.storage.spool import Spool
 from zio_spark.transport.curve import client_kwargs
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
-    PeerId,
-    ServerPort,
     SocketMode,
-    format_peer,
     socket_type_name,
 )
 
@@ -112,92 +107,7 @@ __all__ = ["PeerStatus", "Receiver"]
 log = logging.getLogger("zio_spark.source")
 
 
-@dataclass
-class PeerStatus:
-    """What the receiver knows about one producer endpoint (for progress and tests)."""
-
-    endpoint: str
-    producer: str | None = None
-    state: str = "connecting"  # connecting | receiving | ended | failed | waiting
-    ack_capable: bool = False
-    encoding: str = "plain"
-    records: int = 0
-    duplicates: int = 0
-    failures: int = 0
-    last_error: str | None = None
-    at_most_once: bool = False  # plain peer: records in flight before the spool may be lost
-    # The producer said it has nothing more to send (``more: false`` in a DAT or its
-    # BOT), and all it sent before is in the spool: no need to wait for quiet.
-    idle: bool = False
-
-
-@dataclass
-class _Pending:
-    """What one drain took in for one producer, appended to the spool in one go when it
-    ends (a spool append per DAT costs more than the DAT itself when DATs are small): WAL
-    batches (Arrow givers) or records (plain givers), and the last seq among them. Kept
-    per producer, not per flow: plain clients of a bound source that share an id feed
-    one partition, numbered here in arrival order."""
-
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-    records: list[Record] = field(default_factory=list)
-    last: int = 0
-    bytes: int = 0
-    dats: int = 0
-
-
-@dataclass
-class _Bound:
-    """The server port of ``bind``: giver clients connect to it, one flow each."""
-
-    endpoint: str  # as asked (``tcp://*:5555``)
-    port: ServerPort
-    actual: str  # as bound (``tcp://0.0.0.0:5555``)
-    flows: dict[PeerId, _Peer] = field(default_factory=dict)
-    origin: int = 0
-    monitor: zmq.Socket[bytes] | None = None
-    accepted: int = 0  # connections accepted and not yet handshaken
-    told: dict[PeerId, None] = field(default_factory=dict)  # strays sent an EOT (bounded)
-
-
-@dataclass
-class _Peer:
-    endpoint: str
-    status: PeerStatus
-    mode: str | None = None
-    port: ClientPort | None = None
-    flow: Flow | None = None
-    monitor: zmq.Socket[bytes] | None = None
-    producer: str | None = None
-    arrow: bool = False
-    opened_at: float = 0.0
-    retry_at: float = 0.0
-    acked: int = 0  # last ack sent
-    backoff: float = 0.2
-    # The BOT we sent (client flows): the reply's attributes count only where they are
-    # not an echo of it. ``terms``: what was agreed (acks, encoding, producer id).
-    sent: dict[str, Any] = field(default_factory=dict)
-    terms: Terms = PLAIN
-    # Bound flows: the server port the client came in on, and its routing id.
-    bound: _Bound | None = None
-    rid: PeerId | None = None
-    # Socket kinds may not match (the handshake failed, or nothing ever came back):
-    # reported when no BOT comes within connectTimeout.
-    pay_one: bool = False  # credit as PAYs of 1 (see _pay)
-    handshake_failed: bool = False
-    handshake_error: str | None = None
-    handshaked: bool = False
-    connected: bool = False
-    # Most records seen in one Arrow DAT (0: none yet). A giver that ignores the
-    # ``batch`` we ask for in BOT sends bigger DATs: credit is then sized by what it
-    # really sends, and one credit at a time until its first DAT shows the size.
-    dat_rows: int = 0
-    pending: _Pending = field(default_factory=_Pending)
-    # The last DAT (or the BOT) said ``more: false``; ``status.idle`` once it is stored.
-    said_idle: bool = False
-
-
-class Receiver:
+class Receiver(BoundFlows, SpoolWriting):
     """Receive from ``endpoints`` into ``spool`` in a background thread.
 
     Parameters
@@ -259,7 +169,7 @@ class Receiver:
         self.reconnect = reconnect
         self.wall_clock_us = wall_clock_us
         self.stats: collections.Counter[str] = collections.Counter()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
@@ -269,7 +179,7 @@ class Receiver:
         self._known_ids: dict[str, str] = self._load_ids()
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         self._quiet_since: float | None = None
         # Per producer: time credit was withheld because of maxBacklog (finished spells,
         # and since when for one going on), and the blocked time it stated (blocked_ms).
@@ -277,8 +187,8 @@ class Receiver:
         self._withheld_since: dict[str, float] = {}
         self._held_now: set[str] = set()
         self._blocked_ms: dict[str, int] = {}
-        self._bound: list[_Bound] = []
-        self._done: collections.deque[PeerStatus] = collections.deque(maxlen=_DONE_KEPT)
+        self._bound: list[Bound] = []
+        self._done: collections.deque[PeerStatus] = collections.deque(maxlen=DONE_KEPT)
         # A flow the receiver could never start (no BOT within connectTimeout on a fresh
         # connection): what the query reports, naming the endpoint and the fix.
         self.unreachable: dict[str, str] = {}
@@ -350,7 +260,7 @@ class Receiver:
     def status(self) -> list[PeerStatus]:
         """One entry per producer endpoint we connect to, per live client flow of a bound
         endpoint, and per client flow that ended or failed there (the latest
-        ``_DONE_KEPT``)."""
+        ``DONE_KEPT``)."""
         with self._lock:
             out = [PeerStatus(**vars(p.status)) for p in self._flows()]
             out.extend(PeerStatus(**vars(st)) for st in self._done)
@@ -390,7 +300,7 @@ class Receiver:
         """The endpoints bound for giver clients, as bound (``tcp://0.0.0.0:5555``)."""
         return [b.actual for b in self._bound]
 
-    def _flows(self) -> list[_Peer]:
+    def _flows(self) -> list[Peer]:
         """Every flow: one per endpoint we connect to, one per client of a bound port."""
         out = list(self._peers.values())
         for b in self._bound:
@@ -414,17 +324,13 @@ class Receiver:
         return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
 
     def _save_ids(self) -> None:
-        tmp = self._ids_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(self._known_ids, f, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._ids_path)
+        data = json.dumps(self._known_ids, sort_keys=True).encode("utf-8")
+        atomic_write(self._ids_path, data, sync=True, tmp=self._ids_path + ".tmp")
 
     def _add(self, endpoint: str, mode: str | None = None) -> None:
         with self._lock:
             if endpoint not in self._peers:
-                self._peers[endpoint] = _Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
+                self._peers[endpoint] = Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
 
     def _remove(self, endpoint: str) -> None:
         with self._lock:
@@ -432,33 +338,7 @@ class Receiver:
         if peer is not None:
             self._end_flow(peer, eot=True)
 
-    def _bind(self, endpoint: str) -> None:
-        kwargs: dict[str, Any] = {}
-        if self.curve is not None:  # as the server: our own key pair
-            kwargs = {"curve_secret_key": self.curve[2], "curve_public_key": self.curve[1]}
-        port = ServerPort(
-            self.ctx, mode=self.mode, linger_ms=0, send_timeout_ms=1000, sndhwm=0, **kwargs
-        )
-        try:
-            # A receiver of this process that just stopped may still hold the address
-            # for a moment (libzmq closes sockets in its I/O thread): retry briefly.
-            deadline = time.monotonic() + _REBIND_S
-            while True:
-                try:
-                    actual = port.bind(endpoint)
-                    break
-                except TransportError as e:
-                    if "in use" not in str(e) or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            monitor = port.socket.get_monitor_socket(_BOUND_EVENTS)
-        except BaseException:
-            port.close(linger_ms=0)
-            raise
-        self._bound.append(_Bound(endpoint, port, actual, monitor=monitor))
-        log.info("zio source: bound %s (%s) for giver clients", actual, port.socket_type)
-
-    def _open(self, peer: _Peer, now: float) -> None:
+    def _open(self, peer: Peer, now: float) -> None:
         port = ClientPort(
             self.ctx, mode=peer.mode, linger_ms=0, send_timeout_ms=1000, **self._curve_kwargs()
         )
@@ -485,14 +365,14 @@ class Receiver:
     def _curve_kwargs(self) -> dict[str, Any]:
         return client_kwargs(self.curve)
 
-    def _send(self, peer: _Peer, msg: Message, timeout_ms: float = 1000) -> None:
+    def _send(self, peer: Peer, msg: Message, timeout_ms: float = 1000) -> None:
         if peer.bound is not None:
             peer.bound.port.send(msg, peer.rid, timeout_ms=timeout_ms)
         else:
             assert peer.port is not None
             peer.port.send(msg, timeout_ms=timeout_ms)
 
-    def _end_flow(self, peer: _Peer, *, eot: bool) -> None:
+    def _end_flow(self, peer: Peer, *, eot: bool) -> None:
         if peer.bound is not None:
             if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
                 with contextlib.suppress(ProtocolError, TransportError):
@@ -514,7 +394,7 @@ class Receiver:
             peer.port.close(linger_ms=100 if eot else 0)
         peer.port = peer.flow = peer.monitor = None
 
-    def _fail(self, peer: _Peer, why: str, now: float) -> None:
+    def _fail(self, peer: Peer, why: str, now: float) -> None:
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
         peer.status.last_error = why
@@ -538,7 +418,7 @@ class Receiver:
         peer.retry_at = now + peer.backoff
         peer.backoff = min(peer.backoff * 2, 5.0)
 
-    def _unreachable(self, peer: _Peer, why: str) -> None:
+    def _unreachable(self, peer: Peer, why: str) -> None:
         """A producer we can never talk to as configured: the query fails, saying why."""
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
@@ -551,7 +431,7 @@ class Receiver:
         if self.error is None:
             self.error = TransportError(why, endpoint=peer.endpoint)
 
-    def _no_bot(self, peer: _Peer, now: float) -> None:
+    def _no_bot(self, peer: Peer, now: float) -> None:
         """No BOT came back within connectTimeout: say what the socket monitor saw."""
         why, mismatch = self._diagnosis(peer)
         if mismatch or not self.reconnect:
@@ -568,7 +448,7 @@ class Receiver:
             return peer.status.last_error
         return self._diagnosis(peer)[0]
 
-    def _diagnosis(self, peer: _Peer) -> tuple[str, bool]:
+    def _diagnosis(self, peer: Peer) -> tuple[str, bool]:
         """What we know of a connection that brought no BOT; True if the socket kinds
         cannot match (no use retrying)."""
         ours = socket_type_name("client", peer.mode or SocketMode.ROUTERDEALER)
@@ -601,7 +481,7 @@ class Receiver:
             False,
         )
 
-    def _on_monitor(self, peer: _Peer, now: float) -> None:
+    def _on_monitor(self, peer: Peer, now: float) -> None:
         assert peer.monitor is not None
         while peer.monitor is not None and peer.monitor.poll(0):
             event = parse_monitor_message(peer.monitor.recv_multipart())["event"]
@@ -717,7 +597,7 @@ class Receiver:
                 self._withheld_since.setdefault(p, now)
         held.clear()
 
-    def _take(self, peer: _Peer, msg: Message, now: float) -> bool:
+    def _take(self, peer: Peer, msg: Message, now: float) -> bool:
         """Take one message of ``peer``'s flow; False once that flow ended or failed."""
         flow = peer.flow
         assert flow is not None
@@ -746,7 +626,7 @@ class Receiver:
                 return False
         return True
 
-    def _drain(self, peer: _Peer, now: float) -> bool:
+    def _drain(self, peer: Peer, now: float) -> bool:
         assert peer.port is not None
         appended = False
         budget = 10_000  # bounded, so one busy peer does not starve the others
@@ -755,7 +635,7 @@ class Receiver:
             if port is None or flow is None:
                 break
             try:
-                got = port.recv_many(min(budget, _DRAIN_BATCH), 0)
+                got = port.recv_many(min(budget, DRAIN_BATCH), 0)
             except TransportError as e:
                 self._fail(peer, str(e), now)
                 break
@@ -777,174 +657,7 @@ class Receiver:
             peer.status.idle = True
         return appended
 
-    def _drain_bound(self, b: _Bound, now: float) -> bool:
-        """Take what giver clients sent to a bound port; a client that breaks the protocol
-        loses its flow, the others go on."""
-        budget = 10_000
-        touched: dict[str, _Peer] = {}
-        while budget > 0:
-            got = b.port.recv_many(min(budget, _DRAIN_BATCH), 0)
-            if not got:
-                break
-            budget -= len(got)
-            for item in got:
-                if isinstance(item, BadMessage):
-                    self.stats["dropped"] += 1
-                    bad = b.flows.get(item.peer) if isinstance(item.peer, (bytes, int)) else None
-                    if bad is not None:
-                        self._fail(bad, f"bad message: {item.error}", now)
-                    continue
-                rid, msg = item
-                peer = b.flows.get(rid)
-                if peer is None:
-                    peer = self._new_client(b, rid, msg, now)
-                    if peer is None or peer.producer is None:
-                        continue
-                elif not self._take(peer, msg, now):
-                    continue
-                if peer.producer is not None and peer.flow is not None:
-                    touched[peer.producer] = peer
-        appended = False
-        for peer in touched.values():
-            appended |= self._append_pending(peer, now)
-        for peer in touched.values():
-            if peer.said_idle and peer.flow is not None:
-                peer.status.idle = True  # what it sent before is stored (appended above)
-        return appended
-
-    def _new_client(self, b: _Bound, rid: PeerId, msg: Message, now: float) -> _Peer | None:
-        """The first message of a client we have no flow with: it must be a BOT."""
-        flow = Flow(Role.SERVER, origin=b.origin)
-        name = f"{b.actual} <- {format_peer(rid)}"
-        try:
-            event = flow.receive(msg)
-        except ProtocolError as e:
-            self._stray(b, rid, name, msg, str(e))
-            return None
-        if not isinstance(event, BotReceived):
-            self._stray(b, rid, name, msg, f"{type(event).__name__} before any BOT")
-            return None
-        peer = _Peer(name, PeerStatus(name), bound=b, rid=rid, flow=flow)
-        with self._lock:
-            b.flows[rid] = peer
-        try:
-            self._on_client_bot(peer, event, msg, now)
-        except (ProtocolError, TransportError, ValueError) as e:
-            self.stats["dropped"] += 1
-            self._fail(peer, f"{type(e).__name__}: {e}", now)
-        return peer
-
-    def _stray(self, b: _Bound, rid: PeerId, name: str, msg: Message, why: str) -> None:
-        """A client without a flow here: ours failed it, or this receiver restarted while
-        the client's flow was open, or it never sent a BOT. Counted, logged while rare,
-        and a DAT or PAY is answered once with an EOT that says so: the client ends that
-        flow instead of waiting for credit that will never come."""
-        self.stats["stray_messages"] += 1
-        if self.stats["stray_messages"] <= _LOG_STRAY_FIRST:
-            log.warning("zio source: %s sent a message outside any flow (%s); dropped", name, why)
-        try:
-            kind = parse_flow_label(msg.label).get("flow") if msg.form == FLOW_FORM else None
-        except RemoteProtocolError:
-            kind = None
-        if kind not in ("DAT", "PAY") or rid in b.told:
-            return
-        b.told[rid] = None
-        while len(b.told) > _DONE_KEPT:
-            del b.told[next(iter(b.told))]
-        label = encode_flow_label(
-            {
-                "flow": "EOT",
-                "reason": "no flow with you here (ended, or this source restarted): "
-                "open a new one with a BOT",
-            }
-        )
-        with contextlib.suppress(TransportError):
-            b.port.send(Message(FLOW_FORM, label, 0, b.origin, 0, 0, ()), rid, timeout_ms=100)
-
-    def _on_bound_monitor(self, b: _Bound) -> None:
-        assert b.monitor is not None
-        while b.monitor.poll(0):
-            event = parse_monitor_message(b.monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_ACCEPTED:
-                b.accepted += 1
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                b.accepted = max(0, b.accepted - 1)
-            elif event == zmq.EVENT_DISCONNECTED and b.accepted > 0:
-                # Accepted, never handshaken, gone: libzmq refused the peer's socket type.
-                b.accepted -= 1
-                self.stats["handshake_failures"] += 1
-                ours = b.port.socket_type
-                fix = (
-                    "a CLIENT needs socket=clientserver here (a draft-enabled pyzmq)"
-                    if ours == "ROUTER"
-                    else "a DEALER needs socket=routerdealer here"
-                )
-                log.warning(
-                    "zio source: a client of %s failed the ZMTP handshake: our socket is a "
-                    '%s and it cannot talk to the client\'s (%s; README section "Sockets")',
-                    b.actual,
-                    ours,
-                    fix,
-                )
-
-    def _take_plain(self, peer: _Peer, msg: Message) -> None:
-        """A plain DAT without attributes: its one payload frame is the record's value;
-        what :meth:`_on_data` makes of it, without looking for attributes."""
-        producer = peer.producer
-        assert producer is not None  # a flow takes DATs only after the BOT named it
-        pend = peer.pending
-        seq = (pend.last or self.spool.next_seq(producer) - 1) + 1
-        value = msg.payload[0]
-        pend.records.append(
-            Record(seq, value, None, msg.origin, msg.granule, self.wall_clock_us(), None)
-        )
-        pend.bytes += len(value)
-        pend.dats += 1
-        pend.last = seq
-
-    def _append_pending(self, peer: _Peer, now: float) -> bool:
-        """Append what the drain took in; True if anything new reached the spool."""
-        pend = peer.pending
-        batches, records = pend.batches, pend.records
-        if not batches and not records:
-            return False
-        pend.batches, pend.records, pend.last = [], [], 0
-        pend.bytes = pend.dats = 0
-        producer = peer.producer
-        assert producer is not None
-        total = sum(b.num_rows for b in batches) + len(records)
-        try:
-            if batches:
-                # One WAL record each: concatenating first costs a copy, and sealing
-                # regroups rows into large segment batches anyway.
-                new = sum(self.spool.append_batch(producer, b) for b in batches)
-            else:
-                new = self.spool.append(producer, records)
-        except DataLossError as e:
-            # A gap: the producer no longer has records the spool never got. Fatal
-            # for the query when failOnDataLoss (the spool then raises); reported.
-            self.stats["data_loss"] += 1
-            self.fatal = e
-            peer.status.state = "failed"
-            peer.status.last_error = str(e)
-            if peer.flow is not None:
-                self._end_flow(peer, eot=True)
-            peer.retry_at = float("inf")
-            if peer.bound is not None:
-                peer.status.state = "failed"  # _end_flow filed it as done
-            return False
-        except (ValueError, pa.ArrowException) as e:
-            # Records the spool cannot take (e.g. too large for one WAL record): this
-            # peer's flow fails, as it would have on the DAT; the others go on.
-            self.stats["dropped"] += 1
-            self._fail(peer, f"cannot store records: {type(e).__name__}: {e}", now)
-            return False
-        peer.status.records += new
-        peer.status.duplicates += total - new
-        self.stats["records"] += new
-        return new > 0
-
-    def _on_message(self, peer: _Peer, msg: Message, now: float) -> None:
+    def _on_message(self, peer: Peer, msg: Message, now: float) -> None:
         assert peer.flow is not None
         event = peer.flow.receive(msg)
         if isinstance(event, Data):
@@ -980,7 +693,7 @@ class Receiver:
         elif isinstance(event, Credit):  # pragma: no cover - a taker gets no PAY
             raise RemoteProtocolError("PAY sent to a taker")
 
-    def _on_bot(self, peer: _Peer, bot: BotReceived) -> None:
+    def _on_bot(self, peer: Peer, bot: BotReceived) -> None:
         """The server's reply to our BOT: only what it states as its own counts."""
         terms = client_terms("taker", peer.sent, bot.attrs)
         self._start_flow(peer, terms.producer or peer.endpoint, terms)
@@ -996,12 +709,12 @@ class Receiver:
             self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
             self._save_ids()
 
-    def _start_flow(self, peer: _Peer, producer: str, terms: Terms) -> None:
+    def _start_flow(self, peer: Peer, producer: str, terms: Terms) -> None:
         peer.producer = producer
         peer.terms = terms
         peer.arrow = terms.encoding == ENCODING
         peer.backoff = 0.2
-        peer.pending = self._pending.setdefault(producer, _Pending())
+        peer.pending = self._pending.setdefault(producer, Pending())
         st = peer.status
         st.producer, st.state = producer, "receiving"
         st.ack_capable, st.at_most_once = terms.ack, not terms.ack
@@ -1009,130 +722,7 @@ class Receiver:
         peer.acked = self._committed.get(producer, 1) - 1
         peer.said_idle = st.idle = False
 
-    def _on_client_bot(self, peer: _Peer, bot: BotReceived, msg: Message, now: float) -> None:
-        """A giver client opened a flow on a bound port: answer with our statements.
-
-        The producer id is the client's ``producer`` attribute, or for a plain client
-        ``origin:<n>`` from the BOT's coord ``origin`` (which names the sending node in
-        the reference): stable across the client's restarts. Plain clients that share an
-        origin feed one partition, their records numbered here in arrival order. A client
-        stating a producer id that another live flow holds replaces that flow (the
-        producer restarted; its old connection is gone or going).
-        """
-        assert peer.flow is not None and peer.bound is not None
-        flow = peer.flow
-        if bot.direction is not Direction.EXTRACT:
-            self._send(peer, flow.reject({"reason": "this is a source: give (direction extract)"}))
-            raise RemoteProtocolError(
-                f"client BOT direction {bot.direction.value!r}: a source takes only from "
-                "givers (direction 'extract')",
-                field="direction",
-                value=bot.direction.value,
-            )
-        terms = server_terms("taker", bot.attrs, (ENCODING,))
-        if terms.stream is not None and terms.stream != self.stream:
-            self._send(peer, flow.reject({"reason": f"no stream {terms.stream!r} here"}))
-            raise RemoteProtocolError(
-                f"client gives stream {terms.stream!r}; this source takes {self.stream!r}",
-                field="stream",
-                value=terms.stream,
-            )
-        producer = terms.producer or f"origin:{msg.origin}"
-        if terms.producer is not None:
-            for other in list(peer.bound.flows.values()):
-                if other is not peer and other.producer == producer:
-                    log.info(
-                        "zio source: %s replaces the flow of producer %r from %s",
-                        peer.endpoint,
-                        producer,
-                        other.endpoint,
-                    )
-                    other.status.state = "ended"
-                    other.status.last_error = "replaced by a new flow of the same producer"
-                    self._end_flow(other, eot=True)
-        self._start_flow(peer, producer, terms)
-        if terms.profile:
-            self._on_state(peer, bot.attrs)
-        attrs: dict[str, Any] = {}
-        if terms.encoding is not None:
-            attrs["encoding"] = terms.encoding
-        if terms.profile:
-            attrs["stream"] = self.stream
-            attrs["resume"] = self.spool.next_seq(producer) - 1
-            attrs["batch"] = self.batch
-            if terms.ack:
-                attrs["ack"] = True
-        self._send(peer, flow.accept(min(self.credit, bot.credit), attrs))
-        log.info(
-            "zio source: giver client %s opened a flow as producer %r (%s, %s)",
-            peer.endpoint,
-            producer,
-            peer.status.encoding,
-            "acknowledged" if terms.ack else "at most once",
-        )
-
-    def _on_data(self, peer: _Peer, data: Data) -> None:
-        """Take one DAT's records into the drain's pending append."""
-        producer = peer.producer
-        assert producer is not None
-        pend = peer.pending
-        held = pend.last or self.spool.next_seq(producer) - 1
-        ts = self.wall_clock_us()
-        origin = data.message.origin
-        if peer.arrow:
-            if data.attrs:  # now and then: the producer states its state
-                self._on_state(peer, data.attrs)
-            elif peer.said_idle:
-                peer.said_idle = peer.status.idle = False
-            if len(data.message.payload) != 1:
-                raise RemoteProtocolError(
-                    f"Arrow DAT must have 1 payload frame, got {len(data.message.payload)}",
-                    field="payload",
-                )
-            batch = decode_batch(data.message.payload[0])
-            if batch.num_rows > peer.dat_rows:
-                if batch.num_rows > max(self.batch, peer.dat_rows):
-                    # Valid records: failing the flow would refetch the same DAT forever.
-                    log.warning(
-                        "producer %s sends %d records per DAT, above the %d asked for in "
-                        "BOT; credit is sized for %d",
-                        peer.endpoint,
-                        batch.num_rows,
-                        self.batch,
-                        batch.num_rows,
-                    )
-                peer.dat_rows = batch.num_rows
-            first = int(batch.column(0)[0].as_py())
-            if held == 0 and first > 1 and producer not in self.spool.producers():
-                held = self._start_at(producer, first)
-            wal = _wal_batch(batch, held, origin, ts)
-            if wal is None:
-                peer.status.duplicates += batch.num_rows
-                self.stats["duplicate_dats"] += 1
-                return
-            pend.batches.append(wal)
-            pend.bytes += wal.nbytes
-            pend.dats += 1
-            pend.last = max(held, first + batch.num_rows - 1)
-            return
-        else:
-            value, nframes = plain_value(data.message.payload)
-            headers = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.attrs.items()}
-            if nframes > 1:
-                headers["zio.frames"] = str(nframes)
-            key = None
-            if "key" in data.attrs and isinstance(data.attrs["key"], str):
-                with contextlib.suppress(ValueError):
-                    key = base64.b64decode(data.attrs["key"], validate=True)
-            records = [
-                Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
-            ]
-        pend.records.extend(records)
-        pend.bytes += len(value)
-        pend.dats += 1
-        pend.last = held + 1
-
-    def _on_state(self, peer: _Peer, attrs: Any) -> None:
+    def _on_state(self, peer: Peer, attrs: Any) -> None:
         """A zio-spark producer's stated state, in a DAT or its BOT (:func:`dat_profile`).
 
         A bad value fails the flow like any other bad attribute (``RemoteProtocolError``
@@ -1148,21 +738,7 @@ class Receiver:
             with self._lock:
                 self._blocked_ms[peer.producer] = state.blocked_ms
 
-    def _start_at(self, producer: str, first: int) -> int:
-        """First contact with a producer whose records start at ``first > 1``.
-
-        An ack-capable producer forgets a record only once a taker acknowledged it, so
-        records below ``first`` were delivered elsewhere (an earlier batch read, another
-        spool): the stream starts at ``first``, recorded as a commit, instead of a
-        sequence gap that would fail the query as data loss.
-        """
-        log.info("producer %r: first records start at seq %d; starting there", producer, first)
-        self.spool.commit({producer: first})
-        with self._lock:
-            self._committed[producer] = max(self._committed.get(producer, 0), first)
-        return self.spool.next_seq(producer) - 1
-
-    def _pay(self, peer: _Peer, now: float, out: dict[str | None, int]) -> None:
+    def _pay(self, peer: Peer, now: float, out: dict[str | None, int]) -> None:
         flow = peer.flow
         assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
@@ -1207,7 +783,6 @@ class Receiver:
             self.stats["acks_sent"] += 1
 
 
-_U64 = 1 << 64
 # Socket monitor events the receiver reads: a client port's handshake and connection,
 # and a bound port's accepted connections that never complete the ZMTP handshake.
 _HANDSHAKE_FAILED: dict[int, str] = {
@@ -1223,41 +798,8 @@ _CLIENT_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_BOUND_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-_REBIND_S = 5.0  # how long a bind waits for an address a closing socket still holds
-# Client flows of a bound port that ended or failed, kept for status().
-_DONE_KEPT = 1000
-_LOG_STRAY_FIRST = 20
 # A drain appends every so many DATs or bytes: enough to spread an append's fixed cost
 # over many one-record DATs, small enough that records reach the spool (and the status
 # the availableNow trigger watches) steadily.
 _PENDING_BYTES_MAX = 8 << 20
 _PENDING_DATS_MAX = 256
-# Messages taken from a port per recv_many call while draining.
-_DRAIN_BATCH = 256
-
-
-def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:
-    """Turn a wire batch into the spool's columns, dropping records already held."""
-    first = batch.column(0)[0].as_py()
-    skip = max(0, held + 1 - first)
-    if skip >= batch.num_rows:
-        return None
-    b = batch.slice(skip) if skip else batch
-    n = b.num_rows
-    signed_origin = origin - _U64 if origin >= 1 << 63 else origin
-    granule = b.column(3)
-    if granule.null_count:
-        granule = pc.fill_null(granule, 0)
-    return pa.RecordBatch.from_arrays(
-        [
-            b.column(1),
-            b.column(2),
-            b.column(0),
-            pa.repeat(pa.scalar(signed_origin, pa.int64()), n),
-            granule,
-            pa.repeat(pa.scalar(ts, pa.timestamp("us", tz="UTC")), n),
-            b.column(4),
-        ],
-        schema=WAL_SCHEMA,
-    )

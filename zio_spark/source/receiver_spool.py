@@ -1,0 +1,198 @@
+"""The receiver's writing side: DATs into the spool.
+
+:class:`SpoolWriting` turns what a flow delivers into spool records: an Arrow DAT
+(:func:`~zio_spark.codec.records.decode_batch`) into the spool's WAL columns, records the
+spool already holds dropped (a producer resending after ``resume``); a plain DAT into
+one record, its label attributes as headers. What one drain took in per producer is
+appended in one go (:meth:`SpoolWriting._append_pending`). A mixin of
+:class:`~zio_spark.source.receiver.Receiver`: it runs in the receiver's thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from zio_spark.codec.records import decode_batch, plain_value
+from zio_spark.errors import DataLossError, RemoteProtocolError
+from zio_spark.protocol.flow import (
+    Data,
+)
+from zio_spark.protocol.message import (
+    Message,
+)
+from zio_spark.source.receiver_peers import Peer, ReceiverParts
+from zio_spark.storage.spool import WAL_SCHEMA, Record
+
+__all__ = ["SpoolWriting"]
+
+log = logging.getLogger("zio_spark.source")
+
+_U64 = 1 << 64
+
+
+class SpoolWriting(ReceiverParts):
+    """DATs into the spool (a mixin of :class:`~zio_spark.source.receiver.Receiver`)."""
+
+    def _take_plain(self, peer: Peer, msg: Message) -> None:
+        """A plain DAT without attributes: its one payload frame is the record's value;
+        what :meth:`_on_data` makes of it, without looking for attributes."""
+        producer = peer.producer
+        assert producer is not None  # a flow takes DATs only after the BOT named it
+        pend = peer.pending
+        seq = (pend.last or self.spool.next_seq(producer) - 1) + 1
+        value = msg.payload[0]
+        pend.records.append(
+            Record(seq, value, None, msg.origin, msg.granule, self.wall_clock_us(), None)
+        )
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = seq
+
+    def _append_pending(self, peer: Peer, now: float) -> bool:
+        """Append what the drain took in; True if anything new reached the spool."""
+        pend = peer.pending
+        batches, records = pend.batches, pend.records
+        if not batches and not records:
+            return False
+        pend.batches, pend.records, pend.last = [], [], 0
+        pend.bytes = pend.dats = 0
+        producer = peer.producer
+        assert producer is not None
+        total = sum(b.num_rows for b in batches) + len(records)
+        try:
+            if batches:
+                # One WAL record each: concatenating first costs a copy, and sealing
+                # regroups rows into large segment batches anyway.
+                new = sum(self.spool.append_batch(producer, b) for b in batches)
+            else:
+                new = self.spool.append(producer, records)
+        except DataLossError as e:
+            # A gap: the producer no longer has records the spool never got. Fatal
+            # for the query when failOnDataLoss (the spool then raises); reported.
+            self.stats["data_loss"] += 1
+            self.fatal = e
+            peer.status.state = "failed"
+            peer.status.last_error = str(e)
+            if peer.flow is not None:
+                self._end_flow(peer, eot=True)
+            peer.retry_at = float("inf")
+            if peer.bound is not None:
+                peer.status.state = "failed"  # _end_flow filed it as done
+            return False
+        except (ValueError, pa.ArrowException) as e:
+            # Records the spool cannot take (e.g. too large for one WAL record): this
+            # peer's flow fails, as it would have on the DAT; the others go on.
+            self.stats["dropped"] += 1
+            self._fail(peer, f"cannot store records: {type(e).__name__}: {e}", now)
+            return False
+        peer.status.records += new
+        peer.status.duplicates += total - new
+        self.stats["records"] += new
+        return new > 0
+
+    def _on_data(self, peer: Peer, data: Data) -> None:
+        """Take one DAT's records into the drain's pending append."""
+        producer = peer.producer
+        assert producer is not None
+        pend = peer.pending
+        held = pend.last or self.spool.next_seq(producer) - 1
+        ts = self.wall_clock_us()
+        origin = data.message.origin
+        if peer.arrow:
+            if data.attrs:  # now and then: the producer states its state
+                self._on_state(peer, data.attrs)
+            elif peer.said_idle:
+                peer.said_idle = peer.status.idle = False
+            if len(data.message.payload) != 1:
+                raise RemoteProtocolError(
+                    f"Arrow DAT must have 1 payload frame, got {len(data.message.payload)}",
+                    field="payload",
+                )
+            batch = decode_batch(data.message.payload[0])
+            if batch.num_rows > peer.dat_rows:
+                if batch.num_rows > max(self.batch, peer.dat_rows):
+                    # Valid records: failing the flow would refetch the same DAT forever.
+                    log.warning(
+                        "producer %s sends %d records per DAT, above the %d asked for in "
+                        "BOT; credit is sized for %d",
+                        peer.endpoint,
+                        batch.num_rows,
+                        self.batch,
+                        batch.num_rows,
+                    )
+                peer.dat_rows = batch.num_rows
+            first = int(batch.column(0)[0].as_py())
+            if held == 0 and first > 1 and producer not in self.spool.producers():
+                held = self._start_at(producer, first)
+            wal = _wal_batch(batch, held, origin, ts)
+            if wal is None:
+                peer.status.duplicates += batch.num_rows
+                self.stats["duplicate_dats"] += 1
+                return
+            pend.batches.append(wal)
+            pend.bytes += wal.nbytes
+            pend.dats += 1
+            pend.last = max(held, first + batch.num_rows - 1)
+            return
+        else:
+            value, nframes = plain_value(data.message.payload)
+            headers = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.attrs.items()}
+            if nframes > 1:
+                headers["zio.frames"] = str(nframes)
+            key = None
+            if "key" in data.attrs and isinstance(data.attrs["key"], str):
+                with contextlib.suppress(ValueError):
+                    key = base64.b64decode(data.attrs["key"], validate=True)
+            records = [
+                Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
+            ]
+        pend.records.extend(records)
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = held + 1
+
+    def _start_at(self, producer: str, first: int) -> int:
+        """First contact with a producer whose records start at ``first > 1``.
+
+        An ack-capable producer forgets a record only once a taker acknowledged it, so
+        records below ``first`` were delivered elsewhere (an earlier batch read, another
+        spool): the stream starts at ``first``, recorded as a commit, instead of a
+        sequence gap that would fail the query as data loss.
+        """
+        log.info("producer %r: first records start at seq %d; starting there", producer, first)
+        self.spool.commit({producer: first})
+        with self._lock:
+            self._committed[producer] = max(self._committed.get(producer, 0), first)
+        return self.spool.next_seq(producer) - 1
+
+
+def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:
+    """Turn a wire batch into the spool's columns, dropping records already held."""
+    first = batch.column(0)[0].as_py()
+    skip = max(0, held + 1 - first)
+    if skip >= batch.num_rows:
+        return None
+    b = batch.slice(skip) if skip else batch
+    n = b.num_rows
+    signed_origin = origin - _U64 if origin >= 1 << 63 else origin
+    granule = b.column(3)
+    if granule.null_count:
+        granule = pc.fill_null(granule, 0)
+    return pa.RecordBatch.from_arrays(
+        [
+            b.column(1),
+            b.column(2),
+            b.column(0),
+            pa.repeat(pa.scalar(signed_origin, pa.int64()), n),
+            granule,
+            pa.repeat(pa.scalar(ts, pa.timestamp("us", tz="UTC")), n),
+            b.column(4),
+        ],
+        schema=WAL_SCHEMA,
+    )
