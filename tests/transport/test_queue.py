@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from zio_spark.protocol import pzq
-from zio_spark.pzq import broker as broker_mod
+from zio_spark.pzq import receive as receive_mod
 from zio_spark.pzq.broker import EXTRA_MONITOR_KEYS, QueueBroker
 from zio_spark.storage import store as store_mod
 
@@ -431,7 +431,11 @@ def test_the_ack_backlog_of_a_producer_that_went_away_is_dropped(
     wait_for(lambda: int(b.stats()["acks_dropped"]) > 0, what="a full ack backlog")
     deaf.close(linger=0)
     wait_for(lambda: int(b.stats()["acks_undeliverable"]) > 0, what="undeliverable acks")
-    wait_for(lambda: not b._backlogs and b._backlogged == 0, what="the backlog dropped")
+    receiving = b._receiving
+    assert receiving is not None
+    wait_for(
+        lambda: not receiving.backlogs and receiving.backlogged == 0, what="the backlog dropped"
+    )
 
 
 def test_all_ack_backlogs_together_are_bounded(
@@ -440,8 +444,8 @@ def test_all_ack_backlogs_together_are_bounded(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(broker_mod, "_MAX_BACKLOG_PRODUCERS", 2)
-    monkeypatch.setattr(broker_mod, "_MAX_BACKLOG_TOTAL", 150)
+    monkeypatch.setattr(receive_mod, "MAX_BACKLOG_PRODUCERS", 2)
+    monkeypatch.setattr(receive_mod, "MAX_BACKLOG_TOTAL", 150)
     b = _ipc_broker(make_broker, tmp_path, ack_backlog=100)
     n = 20_000
     deaf = [_deaf_producer(raw_socket, b, b"d%d" % i, n) for i in range(3)]
@@ -450,7 +454,9 @@ def test_all_ack_backlogs_together_are_bounded(
     # The caps hold at every moment: watch them while the last commits' acks arrive.
     watch_until = time.monotonic() + 0.3
     while time.monotonic() < watch_until:
-        assert len(b._backlogs) <= 2 and b._backlogged <= 150
+        receiving = b._receiving
+        assert receiving is not None
+        assert len(receiving.backlogs) <= 2 and receiving.backlogged <= 150
     got = [_read_all_acks(sock) for sock in deaf]
     for acks in got:
         assert acks == sorted(set(acks))
@@ -476,7 +482,7 @@ def test_monitor_reply_has_the_spec_keys_then_ours(
 
 def test_fast_paths_agree_with_the_codecs() -> None:
     # The broker builds the hot frames itself; they must equal what the codecs make.
-    assert [b"id", *broker_mod._SUCCESS_TAIL] == pzq.encode_producer_ack(
+    assert [b"id", *receive_mod.SUCCESS_TAIL] == pzq.encode_producer_ack(
         pzq.ProducerAck(b"id", True, "")
     )
     message = pzq.decode_producer_message([b"id", b"", b"body"])
