@@ -75,6 +75,9 @@ server's public key is accepted. Keys and the authenticator live in
 Structure. A port is a role (:class:`ServerPort`, :class:`ClientPort`) holding one wire
 strategy (:mod:`zio_spark.transport.wire`: the framing of SERVER, CLIENT, ROUTER or
 DEALER). The roles never look at the mode; the wires never count, log or wait.
+This module is about 1000 lines, over the usual 800, because most of it is the ports'
+documented public API (timeouts, bad input, errors) and splitting the roles would
+scatter what a user of one port reads.
 """
 
 from __future__ import annotations

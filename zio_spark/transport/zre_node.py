@@ -1,5 +1,9 @@
 """A ZRE node: UDP beacons, a ROUTER mailbox and one DEALER per peer (specs/36-zre.txt).
 
+This module holds the node's configuration, public API and the command plumbing between
+threads; the node thread's socket I/O is in :mod:`.zre_io`. It stays a little over 800
+lines because the public API is documented method by method.
+
 Theory of operation:
 
 All protocol decisions live in the pure :class:`~zio_spark.protocol.zre.PeerTable`; this
@@ -56,10 +60,8 @@ import logging
 import math
 import os
 import queue
-import random
 import socket
 import threading
-import time
 import uuid as uuid_mod
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -67,7 +69,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from enum import Enum
 from types import MappingProxyType, TracebackType
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeVar
 from uuid import UUID
 
 import zmq
@@ -75,7 +77,6 @@ import zmq
 from zio_spark.errors import (
     ConfigError,
     LocalProtocolError,
-    RemoteProtocolError,
     TransportError,
 )
 from zio_spark.protocol.zre import (
@@ -84,43 +85,22 @@ from zio_spark.protocol.zre import (
     EXPIRED_AFTER,
     MAX_PEERS,
     MAX_UNCONFIRMED,
-    Beacon,
     Command,
-    ConnectAction,
-    DropAction,
-    DropReason,
-    EnterEvent,
-    EvasiveEvent,
     Event,
-    ExitEvent,
-    Hello,
     Join,
-    JoinEvent,
     Leave,
-    LeaveEvent,
     Peer,
     PeerTable,
-    Ping,
-    PingOk,
-    SendPingAction,
-    SendPingOkAction,
     Shout,
-    ShoutEvent,
     Whisper,
-    WhisperEvent,
     ZioEndpoint,
-    decode_beacon,
-    decode_command,
-    decode_identity,
-    encode_beacon,
-    encode_command,
     encode_identity,
     group_zio_endpoints,
-    tcp_endpoint,
     zio_port_headers,
 )
 from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import UnknownPeerError
+from zio_spark.transport.zre_io import AppEvent, ZreIo, _route_source, _Throttle
 
 __all__ = [
     "BROADCAST_ENV",
@@ -138,21 +118,10 @@ INTERFACE_ENV = "ZIO_ZRE_INTERFACE_ADDR"
 """Environment variable naming the default mailbox interface address."""
 DEFAULT_BROADCAST = "255.255.255.255"
 
-AppEvent: TypeAlias = (
-    EnterEvent | ExitEvent | JoinEvent | LeaveEvent | WhisperEvent | ShoutEvent | EvasiveEvent
-)
-"""What the application receives from :meth:`ZreNode.next_event` or ``on_event``."""
-_APP_EVENTS = (EnterEvent, ExitEvent, JoinEvent, LeaveEvent, WhisperEvent, ShoutEvent, EvasiveEvent)
 
 _T = TypeVar("_T")
-
-_MAILBOX_PORTS = (0xC000, 0x10000)  # the spec's ephemeral range, upper bound exclusive
-_DATAGRAM_MAX = 512  # larger than a beacon, so an oversized datagram is seen as such
-_BIND_TRIES = 200
-_BATCH = 256  # inputs handled per source per loop turn, so timers are never starved
 _UINT8_MAX = 0xFF
-_LOG_BAD_FIRST = 20
-_LOG_BAD_EVERY = 1000
+
 _STAT_KEYS = (
     "beacons_sent",
     "beacon_send_errors",
@@ -189,19 +158,6 @@ def _ipv4(option: str, value: object) -> ipaddress.IPv4Address:
         return ipaddress.IPv4Address(str(value))
     except ValueError:
         raise ConfigError(option, value, "an IPv4 address (ZRE beacons are IPv4)") from None
-
-
-def _route_source(broadcast: str, port: int) -> str | None:
-    """The source address the kernel would use to send to ``broadcast`` (sends nothing)."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-        s.connect((broadcast, port))
-        return str(s.getsockname()[0])
-    except OSError:
-        return None
-    finally:
-        s.close()
 
 
 def _check_text(value: object, field: str, *, allow_empty: bool = False) -> str:
@@ -242,19 +198,7 @@ def _check_frames(frames: Iterable[object]) -> tuple[bytes, ...]:
     return tuple(out)
 
 
-class _Throttle:
-    """Logs the first few occurrences, then one in every ``_LOG_BAD_EVERY``."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, msg: str, *args: object) -> None:
-        self.count += 1
-        if self.count <= _LOG_BAD_FIRST or self.count % _LOG_BAD_EVERY == 0:
-            log.warning(msg + " [occurrence %d]", *args, self.count)
-
-
-class ZreNode:
+class ZreNode(ZreIo):
     """A ZRE node on the local network: discovery, groups, WHISPER and SHOUT.
 
     Parameters
@@ -862,84 +806,6 @@ class ZreNode:
             self._teardown(send_leaving=True)
             self._finish()
 
-    def _setup(self) -> None:
-        assert self._ctx is not None
-        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
-        self._udp = udp
-        try:
-            udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if hasattr(socket, "SO_REUSEPORT"):
-                udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            udp.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-            udp.bind(("0.0.0.0", self._beacon_port))
-            udp.setblocking(False)
-        except OSError as e:
-            raise TransportError(
-                f"ZRE node {self._name}: cannot bind the beacon socket: {e}",
-                endpoint=f"udp://0.0.0.0:{self._beacon_port}",
-            ) from e
-
-        router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
-        self._router = router
-        router.linger = 0
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        bind_base = f"tcp://{self._interface_addr}"
-        port = _bind_in_range(router, bind_base, self._name)
-        self._mailbox_port = port
-        self._endpoint = tcp_endpoint(self._interface_addr, port)
-
-        source = _route_source(self._broadcast, self._beacon_port)
-        if source is not None and source != self._interface_addr:
-            log.warning(
-                "ZRE node %s: beacons to %s leave from %s but the mailbox is on %s; peers "
-                "that discover us by beacon will connect to %s:%d and fail",
-                self._name,
-                self._broadcast,
-                source,
-                self._interface_addr,
-                source,
-                port,
-            )
-
-    def _loop(self) -> None:
-        waker = self._waker
-        assert self._udp is not None and self._router is not None and waker is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._udp, zmq.POLLIN)
-        poller.register(waker, zmq.POLLIN)
-        udp_fd = self._udp.fileno()
-        self._next_beacon = time.monotonic()
-        while True:
-            self._run_commands()
-            if self._stop_requested:
-                return
-            now = time.monotonic()
-            if now >= self._next_beacon:
-                self._send_beacon(self._mailbox_port)
-                self._next_beacon = now + self._interval
-            self._guarded(self._table.tick, now)
-            self._pump()
-            deadline = self._next_beacon
-            table_deadline = self._table.next_deadline()
-            if table_deadline is not None:
-                deadline = min(deadline, table_deadline)
-            timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            ready = dict(poller.poll(timeout_ms))
-            if waker.fd in ready:
-                waker.drain()
-            if self._router in ready:
-                self._read_mailbox()
-            if udp_fd in ready:
-                self._read_beacons()
-
-    def _guarded(self, fn: Callable[[float], list[Event]], now: float) -> None:
-        try:
-            self._pending.extend(fn(now))
-        except Exception:
-            self._stats["internal_errors"] += 1
-            log.exception("ZRE node %s: internal error", self._name)
-
     def _run_commands(self) -> None:
         while True:
             with self._lock:
@@ -975,268 +841,3 @@ class ZreNode:
                         value="stopped",
                     )
                 )
-
-    def _teardown(self, *, send_leaving: bool) -> None:
-        if send_leaving and self._udp is not None:
-            self._send_beacon(0)
-        for dealer in self._dealers.values():
-            dealer.close(linger=self._linger_ms)
-        self._dealers.clear()
-        if self._router is not None:
-            self._router.close(linger=0)
-            self._router = None
-        if self._udp is not None:
-            self._udp.close()
-            self._udp = None
-        log.info("ZRE node %s (%s) stopped", self._name, self._uuid)
-
-    # -- node thread: beacons ----------------------------------------------------------
-
-    def _send_beacon(self, port: int) -> None:
-        assert self._udp is not None
-        data = encode_beacon(Beacon(self._uuid, port))
-        try:
-            self._udp.sendto(data, (self._broadcast, self._beacon_port))
-        except OSError as e:
-            self._stats["beacon_send_errors"] += 1
-            self._send_error_log(
-                "ZRE node %s: beacon to %s:%d failed: %s",
-                self._name,
-                self._broadcast,
-                self._beacon_port,
-                e,
-            )
-        else:
-            self._stats["beacons_sent"] += 1
-
-    def _read_beacons(self) -> None:
-        assert self._udp is not None
-        for _ in range(_BATCH):
-            try:
-                data, addr = self._udp.recvfrom(_DATAGRAM_MAX)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # e.g. ICMP errors reported on the socket
-                log.debug("ZRE node %s: beacon socket: %s", self._name, e)
-                return
-            now = time.monotonic()
-            try:
-                beacon = decode_beacon(data)
-            except RemoteProtocolError as e:
-                self._stats["bad_beacons"] += 1
-                self._bad_beacon_log(
-                    "ZRE node %s: dropped a bad beacon from %s:%s: %s",
-                    self._name,
-                    addr[0],
-                    addr[1],
-                    e,
-                )
-                continue
-            if beacon.uuid == self._uuid:
-                self._stats["own_beacons"] += 1
-                continue
-            self._stats["beacons_received"] += 1
-            try:
-                self._pending.extend(self._table.on_beacon(beacon, addr[0], now))
-            except Exception:
-                self._stats["internal_errors"] += 1
-                log.exception(
-                    "ZRE node %s: internal error on a beacon from %s", self._name, addr[0]
-                )
-            self._pump()
-
-    # -- node thread: mailbox ----------------------------------------------------------
-
-    def _read_mailbox(self) -> None:
-        assert self._router is not None
-        for _ in range(_BATCH):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            now = time.monotonic()
-            raw = [f.bytes for f in frames]
-            try:
-                sender = decode_identity(raw[0])
-                cmd = decode_command(raw[1:])
-                if isinstance(cmd, Hello) and not _is_tcp_endpoint(cmd.endpoint):
-                    raise RemoteProtocolError(
-                        f"ZRE HELLO endpoint: got {cmd.endpoint[:80]!r}, expected tcp://host:port",
-                        field="endpoint",
-                        value=cmd.endpoint,
-                    )
-            except RemoteProtocolError as e:
-                self._stats["bad_messages"] += 1
-                self._bad_message_log(
-                    "ZRE node %s: dropped a bad mailbox message from %s (identity 0x%s): %s",
-                    self._name,
-                    _peer_address(frames[0]),
-                    raw[0][:32].hex(),
-                    e,
-                )
-                continue
-            self._stats["messages_received"] += 1
-            if isinstance(cmd, PingOk):
-                self._stats["ping_oks_received"] += 1
-            try:
-                self._pending.extend(self._table.on_message(sender, cmd, now))
-            except Exception:
-                self._stats["internal_errors"] += 1
-                log.exception(
-                    "ZRE node %s: internal error on a message from %s", self._name, sender
-                )
-            self._pump()
-
-    # -- node thread: carrying out the table's events ----------------------------------
-
-    def _pump(self) -> None:
-        while self._pending:
-            event = self._pending.popleft()
-            try:
-                self._dispatch(event)
-            except Exception:
-                self._stats["internal_errors"] += 1
-                log.exception("ZRE node %s: internal error handling %r", self._name, event)
-
-    def _dispatch(self, event: Event) -> None:
-        if isinstance(event, ConnectAction):
-            self._connect(event.peer, event.endpoint)
-        elif isinstance(event, DropAction):
-            self._drop(event)
-        elif isinstance(event, SendPingAction):
-            if self._send(event.peer, Ping(0)):
-                self._stats["pings_sent"] += 1
-        elif isinstance(event, SendPingOkAction):
-            self._send(event.peer, PingOk(0))
-        elif isinstance(event, _APP_EVENTS):
-            self._deliver(event)
-
-    def _connect(self, peer: UUID, endpoint: str) -> None:
-        assert self._ctx is not None
-        old = self._dealers.pop(peer, None)
-        if old is not None:  # a restarted peer: the table dropped it first, but be sure
-            old.close(linger=0)
-        dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.setsockopt(zmq.ROUTING_ID, encode_identity(self._uuid))
-        dealer.sndhwm = max(1000, int(self._expired_after * 100))
-        dealer.sndtimeo = 0
-        try:
-            dealer.connect(endpoint)
-        except zmq.ZMQError as e:
-            dealer.close(linger=0)
-            self._stats["bad_messages"] += 1
-            self._bad_message_log(
-                "ZRE node %s: peer %s gave an endpoint we cannot connect to, %r: %s",
-                self._name,
-                peer,
-                endpoint,
-                e,
-            )
-            self._pending.extend(self._table.remove(peer, f"cannot connect to {endpoint}"))
-            return
-        self._dealers[peer] = dealer
-        self._stats["peers_connected"] += 1
-        log.debug("ZRE node %s: connected to peer %s at %s", self._name, peer, endpoint)
-        hello = Hello(
-            0,
-            self._endpoint or "",
-            tuple(sorted(self._groups)),
-            self._status,
-            self._name,
-            self._headers,
-        )
-        self._send(peer, hello)
-
-    def _drop(self, event: DropAction) -> None:
-        dealer = self._dealers.pop(event.peer, None)
-        if dealer is not None:
-            dealer.close(linger=0)
-        self._stats["peers_dropped"] += 1
-        # Coming and going is normal; a broken sequence is the peer's bug.
-        level = logging.WARNING if event.reason is DropReason.SEQUENCE else logging.INFO
-        log.log(
-            level,
-            "ZRE node %s: dropped peer %s (%s%s)",
-            self._name,
-            event.peer,
-            event.reason.value,
-            f": {event.detail}" if event.detail else "",
-        )
-
-    def _send(self, peer: UUID, cmd: Command) -> bool:
-        """Stamp and send ``cmd``; False (and the peer removed) if its queue is full."""
-        dealer = self._dealers.get(peer)
-        if dealer is None or peer not in self._table:
-            return False
-        frames = encode_command(self._table.stamp(peer, cmd))
-        try:
-            dealer.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            self._stats["send_failures"] += 1
-            log.warning(
-                "ZRE node %s: peer %s is not responding (send queue full); dropping it",
-                self._name,
-                peer,
-            )
-            self._pending.extend(self._table.remove(peer, "send queue full"))
-            return False
-        self._stats["messages_sent"] += 1
-        return True
-
-    def _deliver(self, event: AppEvent) -> None:
-        if self._on_event is not None:
-            try:
-                self._on_event(event)
-            except Exception:
-                self._stats["callback_errors"] += 1
-                log.exception("ZRE node %s: on_event callback failed on %r", self._name, event)
-            return
-        try:
-            self._events.put_nowait(event)
-        except queue.Full:
-            self._stats["events_dropped"] += 1
-            self._event_drop_log(
-                "ZRE node %s: event queue full (%d), dropped %s",
-                self._name,
-                self._events.maxsize,
-                event.kind.value,
-            )
-
-
-def _bind_in_range(router: zmq.Socket[bytes], base: str, name: str) -> int:
-    # pyzmq's bind_to_random_port ignores a range equal to its defaults (it binds ":*",
-    # the OS range), so the spec's 0xC000..0xFFFF is tried here.
-    rng = random.Random()
-    error: zmq.ZMQError | None = None
-    for _ in range(_BIND_TRIES):
-        port = rng.randrange(*_MAILBOX_PORTS)
-        try:
-            router.bind(f"{base}:{port}")
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EADDRINUSE:
-                error = e
-                continue
-            raise TransportError(
-                f"ZRE node {name}: cannot bind the mailbox: {e}", endpoint=f"{base}:{port}"
-            ) from e
-        return port
-    raise TransportError(
-        f"ZRE node {name}: no free mailbox port in 0xC000..0xFFFF after {_BIND_TRIES} tries",
-        endpoint=f"{base}:*",
-    ) from error
-
-
-def _is_tcp_endpoint(endpoint: str) -> bool:
-    """``tcp://host:port`` with a non-empty host and a port in 1..65535."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) <= 0xFFFF)
-
-
-def _peer_address(frame: zmq.Frame) -> str:
-    try:
-        return str(frame.get("Peer-Address"))
-    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-        return "unknown address"
