@@ -248,6 +248,21 @@ class StoreIndex:
             self._resolve(key)
         return seg, slot, current
 
+    def _settle(self, key: int) -> tuple[LogFile, int, int] | None:
+        """End the flight of ``key`` (unpinned, not counted in flight); its (segment,
+        slot, current key) for the caller to set the new state, or None if it was not in
+        flight (or the store is closed)."""
+        if self._closed:
+            return None
+        found = self._taken(key)
+        if found is not None:
+            seg, slot, current = found
+            if self._pinned:
+                self._unpin(current)
+            self._in_flight -= 1
+            self._in_flight_bytes -= seg.lengths[slot]
+        return found
+
     def ack(self, key: int) -> bool:
         """Delete an in-flight message: a tombstone goes into the next commit.
 
@@ -261,19 +276,13 @@ class StoreIndex:
         bool
             True if it was in flight; False if unknown or not in flight (nothing changes).
         """
-        if self._closed:
-            return False
-        found = self._taken(key)
+        found = self._settle(key)
         if found is None:
             return False
         seg, slot, current = found
-        if self._pinned:
-            self._unpin(current)
         seg.state[slot] = _A
         seg.live -= 1
         self._messages -= 1
-        self._in_flight -= 1
-        self._in_flight_bytes -= seg.lengths[slot]
         if not self._failed:
             self._tombstones.append(current)
         return True
@@ -294,17 +303,11 @@ class StoreIndex:
         bool
             True if it was in flight.
         """
-        if self._closed:
-            return False
-        found = self._taken(key)
+        found = self._settle(key)
         if found is None:
             return False
         seg, slot, current = found
-        if self._pinned:
-            self._unpin(current)
         seg.state[slot] = _R if delivered else _Q
-        self._in_flight -= 1
-        self._in_flight_bytes -= seg.lengths[slot]
         self._requeue.append(current)
         return True
 
