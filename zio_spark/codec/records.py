@@ -1,10 +1,30 @@
-"""Record batches on the wire: how a zio-spark producer packs many records into one DAT.
+"""Records in DAT payloads: the one Arrow DAT codec and the one plain-record codec.
 
-Python pays per frame and per object, so a DAT from our own producer carries many
-records in one payload frame: an Arrow IPC *stream* holding one record batch with the
-columns of :data:`WIRE_SCHEMA`. The producer announces this in its BOT
-(``"encoding": "arrow"``); a plain ZIO giver sends one record per DAT, its payload being
-the record's value (see :func:`plain_value`).
+**Arrow DATs.** Python pays per frame and per object, so a DAT from our own producer
+carries many records in one payload frame: an Arrow IPC *stream* holding one record
+batch of :data:`~zio_spark.codec.schema.WIRE_SCHEMA` (:func:`encode_records`,
+:func:`decode_batch`); the producer announces it in its BOT (``"encoding": "arrow"``).
+The sink's ``format=arrow`` DATs are the same kind of stream with the columns of
+:data:`~zio_spark.codec.schema.SINK_SCHEMA` (:func:`encode_payload`,
+:func:`decode_payload`). Both are :func:`encode_stream`/:func:`decode_stream` with their
+schema.
+
+**Plain records.** A plain ZIO giver (the reference's, or ours towards a plain taker)
+sends one record per DAT: the payload is the value (:func:`plain_value`), the DAT label
+may carry ``key`` (base64 text) and ``headers`` (an object of strings). The one reading
+of such a DAT (:func:`decode_plain`), used by the source's receiver and the sink's
+consumer alike, is what the user sees in the ``key`` and ``headers`` columns:
+
+- ``key``, when it is valid base64 text, becomes the record's key;
+- ``headers``, when it is an object, is the record's headers (a value that is not a
+  string is kept as its JSON text);
+- any other label attribute (a foreign peer's own, or a ``key`` that is not base64) is
+  kept as a header of that name, its value as text (JSON text unless a string);
+- a DAT with several payload frames keeps them whole in czmq's length-prefixed framing,
+  with the frame count in the header ``zio.frames``.
+
+So a row the sink writes to a plain taker, with its key and headers, reads back from the
+source as the same row. :func:`plain_attrs` writes that label.
 
 Decoding checks everything a hostile peer could get wrong (not Arrow, wrong schema, null
 or non-contiguous sequence numbers) and raises
@@ -13,26 +33,97 @@ or non-contiguous sequence numbers) and raises
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from zio_spark.codec.schema import SINK_SCHEMA, WIRE_SCHEMA
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError
 from zio_spark.protocol.message import join_single
 
-__all__ = ["WIRE_SCHEMA", "decode_batch", "encode_batch", "encode_records", "plain_value"]
+__all__ = [
+    "ENCODING",
+    "WIRE_SCHEMA",
+    "PlainRecord",
+    "decode_batch",
+    "decode_payload",
+    "decode_plain",
+    "decode_stream",
+    "encode_batch",
+    "encode_payload",
+    "encode_records",
+    "encode_stream",
+    "plain_attrs",
+    "plain_value",
+]
 
-WIRE_SCHEMA = pa.schema(
-    [
-        pa.field("seq", pa.int64(), nullable=False),
-        pa.field("value", pa.binary()),
-        pa.field("key", pa.binary()),
-        pa.field("granule", pa.int64()),
-        pa.field("headers", pa.map_(pa.string(), pa.string())),
-    ]
-)
 ENCODING = "arrow"
+"""The name of the Arrow DAT encoding in a BOT's ``encoding``."""
+
+_IPC_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # continuation marker, length 0
+_SCHEMA_MESSAGES: dict[int, tuple[pa.Schema, bytes]] = {}
+
+
+def _schema_message(schema: pa.Schema) -> bytes:
+    got = _SCHEMA_MESSAGES.get(id(schema))
+    if got is None or got[0] is not schema:
+        got = (schema, schema.serialize().to_pybytes())
+        _SCHEMA_MESSAGES[id(schema)] = got
+    return got[1]
+
+
+# ------------------------------------------------------------------------- Arrow DATs
+
+
+def encode_stream(batch: pa.RecordBatch, schema: pa.Schema) -> bytes:
+    """One Arrow DAT payload: an Arrow IPC stream holding ``batch``, of ``schema``.
+
+    Raises
+    ------
+    LocalProtocolError
+        If the batch's schema is not ``schema``.
+    """
+    if not batch.schema.equals(schema):
+        raise LocalProtocolError(
+            f"record batch schema must be {schema}, got {batch.schema}", field="schema"
+        )
+    # schema message + record batch message + end-of-stream marker = an IPC stream; one
+    # pre-sized copy instead of a growing output stream and a second copy out of it.
+    return b"".join((_schema_message(schema), batch.serialize(), _IPC_EOS))
+
+
+def decode_stream(data: bytes, schema: pa.Schema, *, one: bool = False) -> list[pa.RecordBatch]:
+    """The record batches of one Arrow DAT payload, checked to be of ``schema``.
+
+    ``one``: the stream must hold exactly one batch (checked before the schema).
+
+    Raises
+    ------
+    RemoteProtocolError
+        ``field="payload"`` if the bytes are not an Arrow IPC stream (or, with ``one``,
+        hold another number of batches), ``field="schema"`` if its schema differs.
+    """
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        got = reader.schema
+        batches = list(reader)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise RemoteProtocolError(
+            f"DAT payload is not an Arrow IPC stream: {e}", field="payload"
+        ) from None
+    if one and len(batches) != 1:
+        raise RemoteProtocolError(
+            f"DAT payload must hold exactly one record batch, got {len(batches)}",
+            field="payload",
+            value=len(batches),
+        )
+    if not got.equals(schema):
+        raise RemoteProtocolError(f"DAT record schema must be {schema}, got {got}", field="schema")
+    return batches
 
 
 def encode_batch(batch: pa.RecordBatch) -> bytes:
@@ -43,14 +134,7 @@ def encode_batch(batch: pa.RecordBatch) -> bytes:
     LocalProtocolError
         If the batch's schema is not :data:`WIRE_SCHEMA`.
     """
-    if not batch.schema.equals(WIRE_SCHEMA):
-        raise LocalProtocolError(
-            f"record batch schema must be {WIRE_SCHEMA}, got {batch.schema}", field="schema"
-        )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, WIRE_SCHEMA) as writer:
-        writer.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    return encode_stream(batch, WIRE_SCHEMA)
 
 
 def encode_records(
@@ -103,24 +187,7 @@ def decode_batch(data: bytes, expected_first: int | None = None) -> pa.RecordBat
         ``field="schema"`` if the schema differs, ``field="seq"`` if sequence numbers are
         null, not contiguous, or start after ``expected_first`` (a gap).
     """
-    try:
-        reader = pa.ipc.open_stream(pa.py_buffer(data))
-        batches = list(reader)
-    except (pa.ArrowInvalid, pa.ArrowException, OSError, ValueError) as e:
-        raise RemoteProtocolError(
-            f"DAT payload is not an Arrow IPC stream: {e}", field="payload"
-        ) from None
-    if len(batches) != 1:
-        raise RemoteProtocolError(
-            f"DAT payload must hold exactly one record batch, got {len(batches)}",
-            field="payload",
-            value=len(batches),
-        )
-    batch = batches[0]
-    if not batch.schema.equals(WIRE_SCHEMA):
-        raise RemoteProtocolError(
-            f"DAT record schema must be {WIRE_SCHEMA}, got {batch.schema}", field="schema"
-        )
+    (batch,) = decode_stream(data, WIRE_SCHEMA, one=True)
     n = batch.num_rows
     if n == 0:
         raise RemoteProtocolError("DAT record batch is empty", field="payload", value=0)
@@ -149,6 +216,40 @@ def _increasing_by_one(seq: pa.Array) -> bool:
     return bool(pc.all(pc.equal(diffs.slice(1), 1)).as_py())
 
 
+def encode_payload(batch: pa.RecordBatch) -> bytes:
+    """One DAT payload of the sink's ``format=arrow``: a batch of :data:`SINK_SCHEMA`.
+
+    Raises
+    ------
+    LocalProtocolError
+        If the batch is not of :data:`SINK_SCHEMA`.
+    """
+    return encode_stream(batch, SINK_SCHEMA)
+
+
+def decode_payload(data: bytes) -> list[pa.RecordBatch]:
+    """Decode one DAT payload of the sink's ``format=arrow`` (any number of batches).
+
+    Raises
+    ------
+    RemoteProtocolError
+        ``field="payload"`` if the bytes are not an Arrow IPC stream, ``field="schema"``
+        if its schema is not :data:`SINK_SCHEMA`.
+    """
+    return decode_stream(data, SINK_SCHEMA)
+
+
+# ---------------------------------------------------------------------- plain records
+
+
+class PlainRecord(NamedTuple):
+    """One record of a plain DAT, as the ``value``, ``key`` and ``headers`` columns."""
+
+    value: bytes
+    key: bytes | None
+    headers: dict[str, str] | None
+
+
 def plain_value(payload: tuple[bytes, ...]) -> tuple[bytes, int]:
     """The record value of a plain ZIO DAT and the number of payload frames.
 
@@ -160,3 +261,45 @@ def plain_value(payload: tuple[bytes, ...]) -> tuple[bytes, int]:
     if not payload:
         return b"", 0
     return join_single(payload), len(payload)
+
+
+def _text(v: object) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def decode_plain(payload: tuple[bytes, ...], attrs: Mapping[str, Any]) -> PlainRecord:
+    """The record a plain DAT carries: its payload and its label's extra attributes
+    (``attrs``, without ``flow``), read as the module docstring says. Never raises on
+    what a peer sends: every attribute ends up somewhere."""
+    value, nframes = plain_value(payload)
+    key: bytes | None = None
+    headers: dict[str, str] = {}
+    for name, v in attrs.items():
+        if name == "key" and isinstance(v, str):
+            try:
+                key = base64.b64decode(v, validate=True)
+                continue
+            except ValueError:  # binascii.Error is one
+                pass  # not base64: kept as a header, like any foreign attribute
+        if name == "headers" and isinstance(v, Mapping):
+            for hk, hv in v.items():
+                headers[str(hk)] = _text(hv)
+            continue
+        headers[name] = _text(v)
+    if nframes > 1:
+        headers["zio.frames"] = str(nframes)
+    return PlainRecord(value, key, headers or None)
+
+
+def plain_attrs(
+    key: bytes | None, headers: Mapping[str, str] | None, into: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The label attributes of a plain record's DAT: ``key`` (base64 text) and
+    ``headers`` when present, added to ``into`` (returned; a new dict if None). A record
+    with neither adds nothing, so its label stays the reference's bare ``{"flow": "DAT"}``."""
+    attrs = {} if into is None else into
+    if key is not None:
+        attrs["key"] = base64.b64encode(key).decode("ascii")
+    if headers:
+        attrs["headers"] = dict(headers)
+    return attrs
