@@ -115,7 +115,7 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
     """`consume` publishes a committed batch to JSONL, text values as text, binary as b64."""
     import pyarrow as pa
 
-    from zio_spark.sink.consumer import StagingWriter, send_command
+    from zio_spark.sink.client import StagingWriter, send_command
 
     with zmq.Context() as probe:
         s = probe.socket(zmq.ROUTER)

@@ -150,7 +150,8 @@ def test_commit_and_abort_send_no_command_bot_to_a_plain_or_unknown_taker(taker)
 
 
 def test_commit_reaches_a_consumer_known_from_an_earlier_batch(tmp_path):
-    from zio_spark.sink.consumer import Consumer, StagingWriter
+    from zio_spark.sink.client import StagingWriter
+    from zio_spark.sink.consumer import Consumer
     from zio_spark.spark.sink import ZioCommitMessage, commit_batch, sink_options
 
     ctx: zmq.Context[Any] = zmq.Context()

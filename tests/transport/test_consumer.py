@@ -12,23 +12,18 @@ import pyarrow as pa
 import pytest
 import zmq
 
+from zio_spark.codec.records import encode_payload
+from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.sink import consumer as consumer_mod
-from zio_spark.sink.consumer import (
-    CONSUMER_SCHEMA,
-    CommandError,
-    Consumer,
-    ConsumerStateError,
-    StagingWriter,
-    encode_payload,
-    send_command,
-)
+from zio_spark.sink import staging as staging_mod
+from zio_spark.sink.client import CommandError, StagingWriter, send_command
+from zio_spark.sink.consumer import Consumer, ConsumerStateError
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
-HEADERS = CONSUMER_SCHEMA.field("headers").type
+HEADERS = SINK_SCHEMA.field("headers").type
 
 
 def _batch(values: list[bytes], keys: list[bytes | None] | None = None) -> pa.RecordBatch:
@@ -39,7 +34,7 @@ def _batch(values: list[bytes], keys: list[bytes | None] | None = None) -> pa.Re
             pa.array(keys if keys is not None else [None] * n, pa.binary()),
             pa.nulls(n, HEADERS),
         ],
-        schema=CONSUMER_SCHEMA,
+        schema=SINK_SCHEMA,
     )
 
 
@@ -296,7 +291,7 @@ def test_corrupt_committed_log_is_refused(make_consumer, tmp_path):
 
 
 def test_compaction_keeps_ids_as_ranges(ctx, make_consumer, tmp_path, monkeypatch):
-    monkeypatch.setattr(consumer_mod, "COMPACT_EVERY", 5)
+    monkeypatch.setattr(staging_mod, "COMPACT_EVERY", 5)
     path = tmp_path / "state"
     c = make_consumer(path)
     for b in [*range(12), 20, 21]:
@@ -307,7 +302,7 @@ def test_compaction_keeps_ids_as_ranges(ctx, make_consumer, tmp_path, monkeypatc
     c2 = make_consumer(path)
     assert all(c2.is_committed("s", b) for b in [*range(12), 20, 21])
     assert not c2.is_committed("s", 12) and not c2.is_committed("s", 19)
-    assert c2._ids["s"].los == [0, 20] and c2._ids["s"].his == [11, 21]
+    assert c2.folder._ids["s"].los == [0, 20] and c2.folder._ids["s"].his == [11, 21]
 
 
 # --------------------------------------------------------------------------- peers

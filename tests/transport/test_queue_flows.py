@@ -33,23 +33,20 @@ from test_queue import (  # the queue_process fixture is shared by importing it
     wait_for,
 )
 
+from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.protocol import pzq
 from zio_spark.protocol.message import join_single
 from zio_spark.pzq.broker import QueueBroker
 from zio_spark.pzq.flow_ports import bridge_message_id
-from zio_spark.sink.consumer import (
-    CONSUMER_SCHEMA,
-    Consumer,
-    StagingWriter,
-    send_command,
-)
+from zio_spark.sink.client import StagingWriter, send_command
+from zio_spark.sink.consumer import Consumer
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.flow_log import FlowLog
 from zio_spark.storage.spool import Spool
 from zio_spark.storage.store import MessageStore
 
 Sock = zmq.Socket[bytes]
-HEADERS = CONSUMER_SCHEMA.field("headers").type
+HEADERS = SINK_SCHEMA.field("headers").type
 
 
 # ---------------------------------------------------------------------- helpers
@@ -314,7 +311,7 @@ def _batch(values: list[bytes], headers: list[Any] | None = None) -> pa.RecordBa
             pa.array([b"k"] * n, pa.binary()),
             pa.array(headers, HEADERS) if headers is not None else pa.nulls(n, HEADERS),
         ],
-        schema=CONSUMER_SCHEMA,
+        schema=SINK_SCHEMA,
     )
 
 

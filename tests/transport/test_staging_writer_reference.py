@@ -18,13 +18,11 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceServer
+from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.protocol.flow import Direction, Role
-from zio_spark.sink.consumer import (
-    CONSUMER_SCHEMA,
-    Consumer,
-    StagingWriter,
-)
+from zio_spark.sink.client import StagingWriter
+from zio_spark.sink.consumer import Consumer
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
@@ -32,7 +30,7 @@ SOCKETS = [
     "routerdealer",
     pytest.param("clientserver", marks=pytest.mark.requires_draft),
 ]
-HEADERS = CONSUMER_SCHEMA.field("headers").type
+HEADERS = SINK_SCHEMA.field("headers").type
 
 
 @pytest.fixture
@@ -59,7 +57,7 @@ def _batch(values: list[bytes]) -> pa.RecordBatch:
     n = len(values)
     return pa.RecordBatch.from_arrays(
         [pa.array(values, pa.binary()), pa.nulls(n, pa.binary()), pa.nulls(n, HEADERS)],
-        schema=CONSUMER_SCHEMA,
+        schema=SINK_SCHEMA,
     )
 
 

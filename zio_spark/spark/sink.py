@@ -4,12 +4,13 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
 :mod:`zio_spark.sink.consumer`):
 
 1. **Task** (executor, :meth:`write`): one ZIO flow per task, the task being the
-   *client giver*: ``BOT{direction:"extract", credit, stream, batch, partition,
-   attempt, encoding: [...]}``, then DATs within the credit actually paid, then EOT
-   (see "Message shapes" for the negotiated format). The consumer echoes the EOT
-   only once the partition is durably staged (fsync'd), with ``{"rows": n}``; the task
-   checks ``n`` and returns a :class:`ZioCommitMessage`. A task whose input fails
-   midway sends ``EOT{error}`` (the consumer discards the partial file) and re-raises.
+   *client giver*: ``BOT{direction:"extract", credit, stream, spark_batch, partition,
+   attempt, encoding: [...]}`` (:mod:`zio_spark.protocol.sink`), then DATs within the
+   credit actually paid, then EOT (see "Message shapes" for the negotiated format).
+   The consumer echoes the EOT only once the partition is durably staged (fsync'd),
+   with ``{"rows": n}``; the task checks ``n`` and returns a :class:`ZioCommitMessage`.
+   A task whose input fails midway sends ``EOT{error}`` (the consumer discards the
+   partial file) and re-raises.
    An empty partition opens no flow (its message says 0 rows). No credit or no answer
    within ``connectTimeout`` fails the task with a
    :class:`~zio_spark.errors.TransportError` naming the endpoint.
@@ -107,15 +108,12 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from zio_spark.codec.records import encode_payload
+from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
-from zio_spark.sink.consumer import (
-    CONSUMER_SCHEMA,
-    BatchId,
-    StagingWriter,
-    encode_payload,
-    send_command,
-)
+from zio_spark.protocol.sink import BatchId
+from zio_spark.sink.client import StagingWriter, send_command
 from zio_spark.transport.discovery import FLOW_PORT
 from zio_spark.transport.port import choose_mode
 from zio_spark.transport.zre_node import ZreNode
@@ -140,7 +138,7 @@ _ACCEPTED = (
     "value (binary or string, required), key (binary or string, optional), "
     "headers (map<string,string>, optional)"
 )
-_HEADERS_TYPE = CONSUMER_SCHEMA.field("headers").type
+_HEADERS_TYPE = SINK_SCHEMA.field("headers").type
 
 
 @dataclass(frozen=True)
@@ -356,7 +354,7 @@ def _as_binary(col: pa.Array | pa.ChunkedArray, name: str) -> pa.Array:
 
 
 def _normalise(batch: pa.RecordBatch, cols: SinkColumns) -> pa.RecordBatch:
-    """Spark's Arrow batch -> a batch of :data:`CONSUMER_SCHEMA`."""
+    """Spark's Arrow batch -> a batch of :data:`SINK_SCHEMA`."""
     n = batch.num_rows
     value = _as_binary(batch.column(cols.value), cols.value)
     key = (
@@ -370,7 +368,7 @@ def _normalise(batch: pa.RecordBatch, cols: SinkColumns) -> pa.RecordBatch:
         headers = batch.column(cols.headers)
         if headers.type != _HEADERS_TYPE:
             headers = pc.cast(headers, _HEADERS_TYPE)
-    return pa.RecordBatch.from_arrays([value, key, headers], schema=CONSUMER_SCHEMA)
+    return pa.RecordBatch.from_arrays([value, key, headers], schema=SINK_SCHEMA)
 
 
 def _chunks(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
