@@ -33,6 +33,11 @@ and kept in memory until acknowledged:
 Credit: a giver spends only what PAYs paid (the C++ reference server announces the
 client's credit in its BOT but may pay less); nothing is sized from a BOT's credit.
 
+Where the parts live: the flow's giving side (terms, DAT packing, acks, one taker at a
+time) is :mod:`zio_spark.transport.giver`, shared with the PZQ queue's flow port; the
+retention window and its accounting are :mod:`zio_spark.source.backlog`; client mode's
+connect/reconnect loop is :mod:`zio_spark.source.producer_client`.
+
 Producer ids must be stable across restarts for exactly-once. A restarted producer
 numbers from 1 again; when a taker's ``resume`` shows it already holds more than this
 process ever sent, records not yet sent are renumbered to continue after ``resume``

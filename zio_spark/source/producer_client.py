@@ -44,6 +44,7 @@ from zio_spark.protocol.flow import (
 from zio_spark.protocol.message import DatCodec
 from zio_spark.protocol.negotiate import client_terms
 from zio_spark.transport.giver import Giving
+from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -132,7 +133,7 @@ class ClientGiver:
     """Client mode: connect, open the flow with a BOT, give, and reconnect after failures.
 
     Everything runs in one thread that owns the port; other threads reach it with
-    :meth:`call_soon` (an inproc waker interrupts the poll).
+    :meth:`call_soon` (a :class:`~zio_spark.transport.loop.Waker` interrupts the poll).
     """
 
     def __init__(
@@ -177,14 +178,7 @@ class ClientGiver:
         self.last_error: str | None = None
         self._calls: collections.deque[Any] = collections.deque()
         self._stop = threading.Event()
-        self._waker_addr = f"inproc://zio-producer-waker-{id(self)}"
-        self._wake_lock = threading.Lock()
-        self._wake_in = ctx.socket(zmq.PULL)
-        self._wake_in.linger = 0
-        self._wake_in.bind(self._waker_addr)
-        self._wake_out: zmq.Socket[bytes] | None = ctx.socket(zmq.PUSH)
-        self._wake_out.linger = 0
-        self._wake_out.connect(self._waker_addr)
+        self._waker = Waker()
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name=f"producer {producer.producer_id} -> {endpoint}", daemon=True
@@ -220,10 +214,7 @@ class ClientGiver:
 
     def call_soon(self, fn: Any) -> None:
         self._calls.append(fn)
-        with self._wake_lock:
-            if self._wake_out is not None:
-                with contextlib.suppress(zmq.Again):
-                    self._wake_out.send(b"", zmq.NOBLOCK)
+        self._waker.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -238,11 +229,7 @@ class ClientGiver:
             else:  # never started
                 self._finish()
             self._thread = None
-        with self._wake_lock:
-            for s in (self._wake_out, self._wake_in):
-                if s is not None:
-                    s.close(0)
-            self._wake_out = None
+        self._waker.close()
 
     # -- the loop ------------------------------------------------------------------
 
@@ -276,7 +263,7 @@ class ClientGiver:
             self._send_bot(conn, now)
             conn = self.conn
         poller = zmq.Poller()
-        poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(self._waker, zmq.POLLIN)
         if conn is not None:
             poller.register(conn.port.socket, zmq.POLLIN)
             if conn.monitor is not None:
@@ -285,12 +272,8 @@ class ClientGiver:
         if conn is None and not self.ending:
             wait = min(wait, max(0.0, self.retry_at - now))
         ready = dict(poller.poll(int(wait * 1000)))
-        if self._wake_in in ready:
-            while True:
-                try:
-                    self._wake_in.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        if self._waker.fd in ready:
+            self._waker.drain()
         while self._calls:
             fn = self._calls.popleft()
             try:
