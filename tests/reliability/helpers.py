@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from tests.spark.test_sink_driver_kill import Driver, _wait
+from tests.spark.test_sink_driver_kill import Driver
+from tests.support import wait_until
 
 __all__ = [
     "ROOT",
@@ -44,7 +45,6 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-wait_until = _wait  # (cond, timeout, what): poll with a deadline, never a bare sleep
 
 
 def chaos_rng(name: str) -> tuple[int, random.Random]:
