@@ -326,6 +326,65 @@ def test_plain_zio_giver_one_record_per_dat(ctx, consumer, make_client):
     assert all(isinstance(b, str) and b.startswith("flow-") for _, b in pubs)
 
 
+# The plain DATs a sink (or any giver) may send a plain taker: (payload, label attributes).
+PLAIN_DATS: list[tuple[tuple[bytes, ...], dict[str, Any] | None]] = [
+    ((b"bare",), None),
+    ((b"keyed",), {"key": "a2V5", "headers": {"h": "1", "n": 2}}),
+    ((b"foreign",), {"unit": "mV", "x": 5, "nested": {"a": [1]}}),
+    ((b"odd key",), {"key": "not base64!", "headers": "flat"}),
+    ((b"a", b"bc"), {"key": ""}),
+    ((), None),
+]
+
+
+def _give_plain(make_client: Callable[..., ClientPort], endpoint: str) -> None:
+    port = make_client()
+    port.connect(endpoint)
+    ep = FlowEndpoint(port, Role.CLIENT)
+    ep.connect(Direction.EXTRACT, 10, timeout=5)
+    for payload, attrs in PLAIN_DATS:
+        assert ep.put(payload, attrs, timeout=5)
+    ep.send_eot(timeout=5)
+
+
+def test_the_source_and_the_sink_read_a_plain_dat_alike(ctx, consumer, make_client, tmp_path):
+    """The same plain DATs to our consumer and to the source's receiver (bind mode) give
+    the same value, key and headers: one decoder (codec.records.decode_plain) for both."""
+    from zio_spark.source.receiver import Receiver
+    from zio_spark.storage.spool import Spool
+
+    _give_plain(make_client, consumer.endpoint)
+    pubs = _wait(lambda: consumer.published("zio"), what="plain batch published")
+    sink = [tuple(r) for p in pubs for r in consumer.records(*p)]
+
+    spool = Spool(tmp_path / "spool", sync=False)
+    receiver = Receiver(spool, [], ctx=ctx, bind=["tcp://127.0.0.1:*"]).start()
+    try:
+        (endpoint,) = receiver.bound_endpoints()
+        _give_plain(make_client, endpoint)
+        _wait(lambda: sum(st.records for st in receiver.status()) >= len(PLAIN_DATS), what="rows")
+        ends = spool.seal()
+        (producer,) = ends
+        batches = list(spool.read(producer, 1, ends[producer]))
+    finally:
+        receiver.stop()
+        spool.close()
+    source = [
+        (v, k, None if h is None else dict(h))
+        for b in batches
+        for v, k, h in zip(
+            *(b.column(c).to_pylist() for c in ("value", "key", "headers")), strict=True
+        )
+    ]
+    assert source == sink
+    assert sink[0] == (b"bare", None, None)
+    assert sink[1] == (b"keyed", b"key", {"h": "1", "n": "2"})
+    assert sink[2] == (b"foreign", None, {"unit": "mV", "x": "5", "nested": '{"a": [1]}'})
+    assert sink[3] == (b"odd key", None, {"key": "not base64!", "headers": "flat"})
+    assert sink[4][1] == b"" and sink[4][2] == {"zio.frames": "2"}
+    assert sink[5] == (b"", None, None)
+
+
 def test_garbage_from_a_raw_peer_is_dropped_and_others_still_work(
     ctx, consumer, raw_socket, make_client
 ):

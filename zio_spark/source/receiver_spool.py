@@ -10,15 +10,12 @@ appended in one go (:meth:`SpoolWriting._append_pending`). A mixin of
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import json
 import logging
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from zio_spark.codec.records import decode_batch, plain_value
+from zio_spark.codec.records import decode_batch, decode_plain
 from zio_spark.errors import DataLossError, RemoteProtocolError
 from zio_spark.protocol.flow import (
     Data,
@@ -141,17 +138,8 @@ class SpoolWriting(ReceiverParts):
             pend.last = max(held, first + batch.num_rows - 1)
             return
         else:
-            value, nframes = plain_value(data.message.payload)
-            headers = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.attrs.items()}
-            if nframes > 1:
-                headers["zio.frames"] = str(nframes)
-            key = None
-            if "key" in data.attrs and isinstance(data.attrs["key"], str):
-                with contextlib.suppress(ValueError):
-                    key = base64.b64decode(data.attrs["key"], validate=True)
-            records = [
-                Record(held + 1, value, key, origin, data.message.granule, ts, headers or None)
-            ]
+            value, key, headers = decode_plain(data.message.payload, data.attrs)
+            records = [Record(held + 1, value, key, origin, data.message.granule, ts, headers)]
         pend.records.extend(records)
         pend.bytes += len(value)
         pend.dats += 1
