@@ -11,27 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceClientGiver
+from tests.support import wait_until
 from zio_spark.errors import TransportError
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
 
 FLAVORS = ["cpp", "python"]
-
-
-def _wait(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture
@@ -90,7 +82,7 @@ def test_reference_clients_come_and_go(ctx, spool, things, flavor, wire_mode):
     assert ca.wait(30) and cb.wait(30), (ca.errors, cb.errors)
     cc = _client(things, ctx, endpoint, c, flavor=flavor, sockets=wire_mode, origin=11)
     assert cc.wait(30), cc.errors
-    _wait(lambda: sum(s.records for s in r.status()) == len(a) + len(b) + len(c))
+    wait_until(lambda: sum(s.records for s in r.status()) == len(a) + len(b) + len(c), timeout=20.0)
     assert _values(spool, "origin:11") == a + c
     assert _values(spool, "origin:22") == b
     states = sorted((s.producer, s.state, s.records) for s in r.status())
@@ -116,7 +108,11 @@ def test_backlog_is_bounded_per_client(ctx, spool, things):
     r, endpoint = _bound(things, spool, ctx, credit=10, max_backlog=30)
     one = _client(things, ctx, endpoint, [b"x%d" % i for i in range(80)], flavor="cpp", origin=1)
     two = _client(things, ctx, endpoint, [b"y%d" % i for i in range(80)], flavor="cpp", origin=2)
-    _wait(lambda: spool.backlog() == {"origin:1": 30, "origin:2": 30}, what="both backlogs full")
+    wait_until(
+        lambda: spool.backlog() == {"origin:1": 30, "origin:2": 30},
+        what="both backlogs full",
+        timeout=20.0,
+    )
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.5:  # and they stay there: no credit without commits
         assert max(spool.backlog().values()) <= 30
@@ -142,7 +138,7 @@ def test_a_client_that_takes_is_refused_with_a_reason(ctx, spool, things):
         _, prefix, _coord = d.recv_multipart()
     label = json.loads(prefix[len(b"ZIO0FLOW") :])
     assert label["flow"] == "EOT" and "give (direction extract)" in label["reason"]
-    _wait(lambda: any(s.state == "failed" for s in r.status()))
+    wait_until(lambda: any(s.state == "failed" for s in r.status()), timeout=20.0)
     assert "direction 'inject'" in str(r.status()[0].last_error)
 
 
@@ -153,7 +149,9 @@ def test_a_client_of_the_wrong_socket_kind_is_logged(ctx, spool, things, caplog)
     with caplog.at_level(logging.WARNING, logger="zio_spark.source"), ctx.socket(zmq.PUSH) as p:
         p.linger = 0
         p.connect(endpoint)
-        _wait(lambda: r.stats["handshake_failures"] >= 1, what="the handshake failure")
+        wait_until(
+            lambda: r.stats["handshake_failures"] >= 1, what="the handshake failure", timeout=20.0
+        )
     text = caplog.text
     assert endpoint.rsplit(":", 1)[1] in text and "ROUTER" in text and "ZMTP handshake" in text
 
@@ -168,7 +166,7 @@ def test_wrong_socket_kind_at_an_endpoint_fails_loudly(ctx, spool, things):
         endpoint = f"tcp://127.0.0.1:{port}"
         r = Receiver(spool, [endpoint], ctx=ctx, connect_timeout=1.0, reconnect=True).start()
         things.append(r)
-        _wait(lambda: r.error is not None, what="the receiver's error")
+        wait_until(lambda: r.error is not None, what="the receiver's error", timeout=20.0)
     err = r.error
     assert isinstance(err, TransportError) and err.endpoint == endpoint
     text = str(err)
@@ -194,7 +192,7 @@ def test_socket_kind_mismatch_with_real_peers(ctx, spool, things, ours, theirs, 
         endpoint = f"tcp://127.0.0.1:{port}"
         r = Receiver(spool, [endpoint], ctx=ctx, connect_timeout=1.0, mode=ours).start()
         things.append(r)
-        _wait(lambda: r.error is not None, what="the receiver's error")
+        wait_until(lambda: r.error is not None, what="the receiver's error", timeout=20.0)
     text = str(r.error)
     assert endpoint in text and fix in text and "handshake" in text
 
@@ -225,7 +223,7 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
     prod = Producer(connect=endpoint, producer_id="pc", ctx=ctx, linger_ms=0)
     things.append(prod)
     prod.send_many([b"r%d" % s for s in range(1, 3001)])
-    _wait(lambda: spool.next_seq("pc") == 3001, what="the first 3000 records")
+    wait_until(lambda: spool.next_seq("pc") == 3001, what="the first 3000 records", timeout=20.0)
     (st,) = r1.status()
     assert (st.producer, st.encoding, st.ack_capable, st.at_most_once) == (
         "pc",
@@ -234,21 +232,29 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
         False,
     )
     r1.commit(spool.seal())
-    _wait(lambda: prod.acked == 3000, what="the commit acknowledged to the producer")
+    wait_until(
+        lambda: prod.acked == 3000, what="the commit acknowledged to the producer", timeout=20.0
+    )
     # The receiver goes away (records 3001..5000 sent meanwhile) and comes back.
     r1.stop()
     prod.send_many([b"r%d" % s for s in range(3001, 5001)])
     r2 = Receiver(spool, ctx=ctx, bind=[endpoint], credit=20, max_backlog=5000).start()
     things.append(r2)
-    _wait(lambda: spool.next_seq("pc") == 5001, what="records 3001..5000 after the restart")
+    wait_until(
+        lambda: spool.next_seq("pc") == 5001,
+        what="records 3001..5000 after the restart",
+        timeout=20.0,
+    )
     # The producer restarts (same id): it resumes after what the spool holds.
     prod.close(flush=False, timeout=5)
     prod2 = Producer(connect=endpoint, producer_id="pc", ctx=ctx, linger_ms=0)
     things.append(prod2)
-    _wait(lambda: prod2.connected, what="the new producer's flow")
+    wait_until(lambda: prod2.connected, what="the new producer's flow", timeout=20.0)
     assert prod2.last_seq == 5000  # the bound receiver's resume
     prod2.send_many([b"r%d" % s for s in range(5001, 6001)])
-    _wait(lambda: spool.next_seq("pc") == 6001, what="the restarted producer's records")
+    wait_until(
+        lambda: spool.next_seq("pc") == 6001, what="the restarted producer's records", timeout=20.0
+    )
     got = _contents(spool, "pc")
     assert got == [(s, b"r%d" % s) for s in range(3001, 6001)]  # 1..3000 were committed
     assert r2.error is None and sum(s.duplicates for s in r2.status()) >= 0
@@ -274,7 +280,7 @@ def test_bind_with_curve_takes_an_encrypted_producer_client(ctx, spool, things):
     )
     things.append(prod)
     prod.send_many([b"s%d" % i for i in range(100)])
-    _wait(lambda: spool.next_seq("sealed") == 101, what="the records over CURVE")
+    wait_until(lambda: spool.next_seq("sealed") == 101, what="the records over CURVE", timeout=20.0)
     assert _values(spool, "sealed") == [b"s%d" % i for i in range(100)]
     # A client without the keys gets nothing through.
     plain = _client(things, ctx, endpoint, [b"nope"], flavor="cpp", origin=9, deadline_s=1.0)
@@ -288,7 +294,11 @@ def test_plain_clients_sharing_an_origin_share_one_backlog(ctx, spool, things):
     r, endpoint = _bound(things, spool, ctx, credit=10, max_backlog=30)
     a = _client(things, ctx, endpoint, [b"a%d" % i for i in range(60)], flavor="cpp", origin=5)
     b = _client(things, ctx, endpoint, [b"b%d" % i for i in range(60)], flavor="cpp", origin=5)
-    _wait(lambda: len(r.status()) == 2 and spool.backlog().get("origin:5") == 30, what="full")
+    wait_until(
+        lambda: len(r.status()) == 2 and spool.backlog().get("origin:5") == 30,
+        what="full",
+        timeout=20.0,
+    )
     t0 = time.monotonic()
     while time.monotonic() - t0 < 0.5:  # it stays at the bound: no credit beyond it
         assert spool.backlog()["origin:5"] <= 30

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from tests.support import wait_until
 from zio_spark.transport.discovery import GroupWatcher, advertise
 from zio_spark.transport.zre_node import ZreNode
 
@@ -22,15 +22,6 @@ def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture
@@ -68,7 +59,11 @@ def test_every_advertised_server_port_is_followed(group, caplog):
     with caplog.at_level(logging.WARNING, logger="zio_spark.transport"):
         w = _watch(beacon, None, added, [])
         try:
-            _wait(lambda: added and "tcp://127.0.0.1:42222" in w.refused, what="both ports seen")
+            wait_until(
+                lambda: added and "tcp://127.0.0.1:42222" in w.refused,
+                what="both ports seen",
+                timeout=15.0,
+            )
         finally:
             w.stop()
     assert added == [("tcp://127.0.0.1:41111", "routerdealer")]  # port "out", not "flow"
@@ -81,9 +76,13 @@ def test_group_port_narrows_to_one_name(group):
     added: list = []
     w = _watch(beacon, "flow", added, [])
     try:
-        _wait(lambda: "tcp://127.0.0.1:42222" in w.refused, what="the 'flow' port seen")
+        wait_until(
+            lambda: "tcp://127.0.0.1:42222" in w.refused, what="the 'flow' port seen", timeout=15.0
+        )
         # The "out" port of the other member is there too, and stays unfollowed.
-        _wait(lambda: len(w.node.zio_endpoints("daq")) == 2, what="both members' ports")
+        wait_until(
+            lambda: len(w.node.zio_endpoints("daq")) == 2, what="both members' ports", timeout=15.0
+        )
         w.sync()
     finally:
         w.stop()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -25,15 +26,6 @@ from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _wait(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def _wait_quiet(
@@ -279,7 +271,7 @@ def test_records_reach_the_spool(ctx, spool, closing):
         granules=list(range(n)),
     )
     r = _receiver(closing, spool, [prod.endpoint], ctx)
-    _wait(lambda: _held(spool, "p1") == n, what="all records in the spool")
+    wait_until(lambda: _held(spool, "p1") == n, what="all records in the spool", timeout=20.0)
     assert _contents(spool, "p1") == [(i + 1, f"rec-{i}".encode()) for i in range(n)]
     batch = next(iter(spool.read("p1", 1, 3)))
     assert batch.column("key").to_pylist() == [b"k0", b"k1"]
@@ -314,9 +306,13 @@ def test_backlog_bounded_until_commit_then_acks_flow(ctx, spool, closing):
             ends = spool.seal()
             committed = ends["big"]
             r.commit(ends)
-            _wait(lambda c=committed: prod.acked == c - 1, what=f"ack {committed - 1}")
+            wait_until(
+                lambda c=committed: prod.acked == c - 1, what=f"ack {committed - 1}", timeout=20.0
+            )
             if committed <= n:
-                _wait(lambda c=committed: _held(spool, "big") >= c, what="more records")
+                wait_until(
+                    lambda c=committed: _held(spool, "big") >= c, what="more records", timeout=20.0
+                )
         assert prod.acked == n and prod.pending == 0
     finally:
         sampler.stop()
@@ -331,18 +327,22 @@ def test_ack_only_pay_when_all_credit_is_out(ctx, spool, closing):
     prod = _producer(ctx, closing, "quiet")
     prod.send_many([b"a", b"b", b"c"])
     r = _receiver(closing, spool, [prod.endpoint], ctx, credit=4)
-    _wait(lambda: _held(spool, "quiet") == 3, what="3 records")
+    wait_until(lambda: _held(spool, "quiet") == 3, what="3 records", timeout=20.0)
     peer = r._peers[prod.endpoint]  # white box: prove the receiver holds no credit
-    _wait(lambda: peer.flow is not None and peer.flow.credit == 0, what="all credit paid out")
+    wait_until(
+        lambda: peer.flow is not None and peer.flow.credit == 0,
+        what="all credit paid out",
+        timeout=20.0,
+    )
     acks_before = r.stats["acks_sent"]
     r.commit(spool.seal())
-    _wait(lambda: prod.acked == 3, what="ack 3")
+    wait_until(lambda: prod.acked == 3, what="ack 3", timeout=20.0)
     assert prod.pending == 0
     assert r.stats["acks_sent"] == acks_before + 1
     assert peer.flow.credit == 0  # the PAY carried the ack and no credit
     # The flow still works after an ack-only PAY.
     prod.send_many([b"d"])
-    _wait(lambda: _held(spool, "quiet") == 4, what="record 4")
+    wait_until(lambda: _held(spool, "quiet") == 4, what="record 4", timeout=20.0)
     assert [v for _, v in _contents(spool, "quiet")] == [b"d"]
 
 
@@ -379,7 +379,7 @@ def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path,
     got: list[tuple[int, bytes]] = []
     end = _consume(spool, r2, "rs", got)
     assert end == first + 1  # everything the first receiver stored, nothing more
-    _wait(lambda: _held(spool, "rs") > first, what="records after the restart")
+    wait_until(lambda: _held(spool, "rs") > first, what="records after the restart", timeout=20.0)
     assert r2.status()[0].duplicates == 0
 
     # Drop and re-add the endpoint while records flow: a fresh flow, a fresh BOT.
@@ -387,12 +387,14 @@ def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path,
     r2.add_endpoint(prod.endpoint)
     while end <= n:
         end = _consume(spool, r2, "rs", got)
-        _wait(lambda e=end: _held(spool, "rs") >= min(e, n), what=f"records from {end}")
+        wait_until(
+            lambda e=end: _held(spool, "rs") >= min(e, n), what=f"records from {end}", timeout=20.0
+        )
     assert got == [(i + 1, b"r%d" % i) for i in range(n)]
     (st,) = r2.status()
     assert st.duplicates == 0 and spool.stats.duplicates == 0
     assert prod.stats["takers"] >= 3
-    _wait(lambda: prod.acked == n, what="every record acknowledged")
+    wait_until(lambda: prod.acked == n, what="every record acknowledged", timeout=20.0)
 
 
 def test_resent_records_are_dropped(ctx, spool, closing):
@@ -422,11 +424,11 @@ def test_resent_records_are_dropped(ctx, spool, closing):
     giver = Resender(ctx)
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, credit=3)
-    _wait(lambda: _held(spool, "again") == 100, what="round 1")
+    wait_until(lambda: _held(spool, "again") == 100, what="round 1", timeout=20.0)
     assert giver.bots[-1]["resume"] == 0
     r.remove_endpoint(giver.endpoint)
     r.add_endpoint(giver.endpoint)
-    _wait(lambda: _held(spool, "again") == 150, what="round 2")
+    wait_until(lambda: _held(spool, "again") == 150, what="round 2", timeout=20.0)
     assert giver.bots[-1]["resume"] == 100
     assert _contents(spool, "again") == [(s, b"x%d" % s) for s in range(1, 151)]
     (st,) = r.status()
@@ -443,7 +445,11 @@ def test_fresh_spool_starts_where_the_producer_is(ctx, tmp_path, closing):
         spool = Spool(tmp_path / f"spool{k}", sync=False)
         closing.append(spool)
         r = _receiver(closing, spool, [prod.endpoint], ctx, reconnect=False)
-        _wait(lambda s=spool, k=k: _held(s, "shared") >= 1000 * (k + 1), what=f"taker {k}")
+        wait_until(
+            lambda s=spool, k=k: _held(s, "shared") >= 1000 * (k + 1),
+            what=f"taker {k}",
+            timeout=20.0,
+        )
         assert r.fatal is None, r.fatal
         rows = _contents(spool, "shared")
         assert rows[0] == (1000 * k + 1, b"s%d" % (1000 * k))
@@ -474,17 +480,21 @@ def test_producer_restart_same_id_continues(ctx, spool, closing, how):
         endpoint = child.stdout.readline().strip()
         assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
     r = _receiver(closing, spool, [endpoint], ctx)
-    _wait(lambda: _held(spool, "same") == n, what="old producer's records")
+    wait_until(lambda: _held(spool, "same") == n, what="old producer's records", timeout=20.0)
     if how == "close":
         old.close(flush=False, timeout=5)
-        _wait(lambda: r.status()[0].state == "ended", what="EOT seen")
+        wait_until(lambda: r.status()[0].state == "ended", what="EOT seen", timeout=20.0)
     else:
         child.kill()
         child.wait(10)
-        _wait(lambda: r.status()[0].last_error == "disconnected", what="disconnect noticed")
+        wait_until(
+            lambda: r.status()[0].last_error == "disconnected",
+            what="disconnect noticed",
+            timeout=20.0,
+        )
     new = _rebind(ctx, closing, "same", endpoint)
     new.send_many([b"new-%d" % i for i in range(n)])
-    _wait(lambda: _held(spool, "same") == 2 * n, what="new producer's records")
+    wait_until(lambda: _held(spool, "same") == 2 * n, what="new producer's records", timeout=20.0)
     expected = [b"old-%d" % i for i in range(n)] + [b"new-%d" % i for i in range(n)]
     assert _contents(spool, "same") == list(zip(range(1, 2 * n + 1), expected, strict=True))
     assert new.last_seq == 2 * n  # it numbered its records after the old ones
@@ -527,13 +537,15 @@ def test_plain_zio_giver(ctx, spool, closing, unit, monkeypatch):
     giver = PlainGiver(ctx, values, credit=5, unit=unit)
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
-    _wait(lambda: r.status()[0].state == "ended", what="EOT from the plain giver")
+    wait_until(
+        lambda: r.status()[0].state == "ended", what="EOT from the plain giver", timeout=20.0
+    )
     (st,) = r.status()
     producer = giver.endpoint  # a plain giver names no producer: the endpoint is its id
     assert st.producer == producer
     assert not st.ack_capable and st.at_most_once and st.encoding == "plain"
     assert st.records == 40
-    _wait(lambda: giver.eot_echoes == 1, what="the receiver's EOT echo")
+    wait_until(lambda: giver.eot_echoes == 1, what="the receiver's EOT echo", timeout=20.0)
     bot = giver.bots[0]
     assert bot["direction"] == "inject" and bot["ack"] is True and bot["resume"] == 0
     ends = spool.seal()
@@ -565,7 +577,7 @@ def test_a_plain_giver_fills_the_backlog_exactly(ctx, spool, closing):
     held = _wait_quiet(lambda: r.status()[0].records, what="the backlog filled")
     assert held == 50 and spool.backlog()[producer] == 50
     r.commit(spool.seal())
-    _wait(lambda: r.status()[0].state == "ended", what="the rest and the EOT")
+    wait_until(lambda: r.status()[0].state == "ended", what="the rest and the EOT", timeout=20.0)
     assert r.status()[0].records == 100
     assert [v for _, v in _contents(spool, producer)] == values[50:]
 
@@ -594,8 +606,10 @@ def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     r = _receiver(closing, spool, [bad.endpoint, prod.endpoint], ctx, credit=20)
     for wave in range(3):
         prod.send_many([b"g%d" % i for i in range(wave * 2000, (wave + 1) * 2000)])
-        _wait(lambda w=wave: _held(spool, "good") == 2000 * (w + 1), what=f"wave {wave}")
-    _wait(lambda: len(bad.bots) >= 3 and r.stats["dropped"] >= 3, what="3 drops")
+        wait_until(
+            lambda w=wave: _held(spool, "good") == 2000 * (w + 1), what=f"wave {wave}", timeout=20.0
+        )
+    wait_until(lambda: len(bad.bots) >= 3 and r.stats["dropped"] >= 3, what="3 drops", timeout=20.0)
     bad_status = next(s for s in r.status() if s.endpoint == bad.endpoint)
     assert bad_status.failures >= 3
     assert bad_status.last_error
@@ -613,7 +627,7 @@ def test_stop_is_prompt(ctx, spool, closing):
     try:
         endpoints = [prod.endpoint, f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:1"]
         r = _receiver(closing, spool, endpoints, ctx, credit=10, max_backlog=5000)
-        _wait(lambda: _held(spool, "busy") > 0, what="records flowing")
+        wait_until(lambda: _held(spool, "busy") > 0, what="records flowing", timeout=20.0)
         t = time.monotonic()
         r.stop()
         took = time.monotonic() - t
@@ -641,7 +655,9 @@ def test_a_spool_append_error_fails_that_flow_not_the_receiver(ctx, spool, closi
 
     monkeypatch.setattr(spool, "append_batch", refuse_once)
     r = _receiver(closing, spool, [prod.endpoint], ctx)
-    _wait(lambda: _held(spool, "p1") == n, what="all records after the refused append")
+    wait_until(
+        lambda: _held(spool, "p1") == n, what="all records after the refused append", timeout=20.0
+    )
     assert refused and r.error is None
     (st,) = r.status()
     assert st.failures >= 1 and "cannot store records" in (st.last_error or "")
@@ -695,13 +711,17 @@ def test_a_producer_is_idle_once_it_said_more_false_and_all_it_sent_is_stored(ct
         time.sleep(0.001)  # sampling period, not a wait for a condition
     assert seen_busy
     prod.send_many([b"more"] * 1500)
-    _wait(lambda: _held(spool, "p1") == n + 1500 and r.status()[0].idle, what="idle again")
+    wait_until(
+        lambda: _held(spool, "p1") == n + 1500 and r.status()[0].idle,
+        what="idle again",
+        timeout=20.0,
+    )
 
 
 def test_a_producer_with_nothing_to_send_is_idle_at_once(ctx, spool, closing):
     prod = _producer(ctx, closing, "empty")
     r = _receiver(closing, spool, [prod.endpoint], ctx)
-    _wait(lambda: r.status()[0].state == "receiving", what="the flow")
+    wait_until(lambda: r.status()[0].state == "receiving", what="the flow", timeout=20.0)
     (st,) = r.status()
     assert st.idle and st.records == 0  # said in its BOT
 
@@ -710,7 +730,7 @@ def test_idle_follows_the_last_dat_of_a_hand_written_producer(ctx, spool, closin
     giver = ProfileGiver(ctx, [({}, 3), ({"more": False}, 2), ({}, 4)])
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
-    _wait(lambda: _held(spool, "raw") == 9, what="9 records")
+    wait_until(lambda: _held(spool, "raw") == 9, what="9 records", timeout=20.0)
     assert not r.status()[0].idle  # its last DAT did not say more: false
 
 
@@ -718,7 +738,7 @@ def test_a_bad_state_attribute_fails_the_flow_naming_it(ctx, spool, closing):
     giver = ProfileGiver(ctx, [({"more": "no"}, 2)])
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
-    _wait(lambda: r.status()[0].state == "failed", what="the flow to fail")
+    wait_until(lambda: r.status()[0].state == "failed", what="the flow to fail", timeout=20.0)
     (st,) = r.status()
     assert "DAT more must be true or false, got 'no'" in (st.last_error or "")
     assert not st.idle and _held(spool, "raw") == 0
@@ -728,7 +748,7 @@ def test_the_producers_stated_blocked_time_is_reported(ctx, spool, closing):
     giver = ProfileGiver(ctx, [({"blocked_ms": 1234}, 2), ({}, 1)])
     closing.append(giver)
     r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=False)
-    _wait(lambda: _held(spool, "raw") == 3, what="3 records")
+    wait_until(lambda: _held(spool, "raw") == 3, what="3 records", timeout=20.0)
     assert r.holdups()["raw"]["blockedMs"] == 1234  # kept until it states another
 
 
@@ -742,15 +762,29 @@ def test_a_blocked_producer_and_the_withheld_credit_are_reported(ctx, spool, clo
     r = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=100)
     sending = threading.Thread(target=prod.send_many, args=([b"x"] * 300,), daemon=True)
     sending.start()
-    _wait(lambda: prod.window_full and prod.blocked_seconds >= 0.3, what="a blocked producer")
-    _wait(lambda: r.holdups().get("w", {}).get("withheldMs", 0) >= 300, what="credit withheld")
+    wait_until(
+        lambda: prod.window_full and prod.blocked_seconds >= 0.3,
+        what="a blocked producer",
+        timeout=20.0,
+    )
+    wait_until(
+        lambda: r.holdups().get("w", {}).get("withheldMs", 0) >= 300,
+        what="credit withheld",
+        timeout=20.0,
+    )
     while _held(spool, "w") < 300:  # Spark's commits, as fast as the records come
         ends = spool.seal()
         r.commit(ends)
-        _wait(lambda e=ends["w"]: _held(spool, "w") >= min(e, 300), what="more records")
+        wait_until(
+            lambda e=ends["w"]: _held(spool, "w") >= min(e, 300), what="more records", timeout=20.0
+        )
     sending.join(10)
     r.commit(spool.seal())
-    _wait(lambda: r.holdups()["w"].get("blockedMs", 0) >= 300, what="the stated blocked time")
+    wait_until(
+        lambda: r.holdups()["w"].get("blockedMs", 0) >= 300,
+        what="the stated blocked time",
+        timeout=20.0,
+    )
     assert r.holdups()["w"]["blockedMs"] <= prod.blocked_seconds * 1000 + 1
     done = _wait_quiet(lambda: r.holdups()["w"]["withheldMs"], quiet=0.3, what="withheld time")
     assert done >= 300
@@ -762,5 +796,5 @@ def test_a_giver_client_of_a_bound_receiver_says_idle_too(ctx, spool, closing):
     prod = Producer(ctx=ctx, producer_id="c1", linger_ms=0, connect=endpoint)
     closing.append(prod)
     prod.send_many([b"c%d" % i for i in range(5000)])
-    _wait(lambda: any(s.idle for s in r.status()), what="the client flow idle")
+    wait_until(lambda: any(s.idle for s in r.status()), what="the client flow idle", timeout=20.0)
     assert _held(spool, "c1") == 5000

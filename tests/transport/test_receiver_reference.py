@@ -11,25 +11,17 @@ runs in the draft pass). No Spark; loopback, random ports, polled waits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.peers.zio_reference import ReferenceServer
+from tests.support import wait_until
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
 
 FLAVORS = ["cpp", "python"]
-
-
-def _wait(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture
@@ -79,7 +71,9 @@ def test_every_record_from_a_reference_server_giver(ctx, spool, things, flavor, 
     things.append(server)
     r = Receiver(spool, [server.endpoint], ctx=ctx, mode=wire_mode, reconnect=False, credit=credit)
     things.append(r.start())
-    _wait(lambda: r.status()[0].state in ("ended", "failed"), what="the flow to end")
+    wait_until(
+        lambda: r.status()[0].state in ("ended", "failed"), what="the flow to end", timeout=20.0
+    )
     (st,) = r.status()
     assert st.state == "ended", st.last_error
     assert (st.encoding, st.ack_capable, st.at_most_once) == ("plain", False, True)
@@ -145,7 +139,7 @@ def test_a_streaming_receiver_does_not_reopen_a_plain_giver_after_its_eot(ctx, s
     things.append(server)
     r = Receiver(spool, [server.endpoint], ctx=ctx, reconnect=True, credit=10)
     things.append(r.start())
-    _wait(lambda: r.status()[0].state == "ended", what="the flow to end")
+    wait_until(lambda: r.status()[0].state == "ended", what="the flow to end", timeout=20.0)
     # Well past the first reconnect back-off (0.2 s): still one flow, every record once.
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.0:
