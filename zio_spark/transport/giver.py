@@ -26,12 +26,12 @@ Everything here runs in the thread that owns the port.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zio_spark.codec.records import ENCODING, encode_records
+from zio_spark.codec.records import plain_attrs as record_attrs
 from zio_spark.errors import RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -131,11 +131,7 @@ def plain_attrs(
     seq: int, key: bytes | None, headers: Mapping[str, str] | None, granule: int | None
 ) -> dict[str, Any]:
     """The label of a plain (one record) DAT in the zio-spark profile."""
-    attrs: dict[str, Any] = {"seq": seq}
-    if key is not None:
-        attrs["key"] = base64.b64encode(key).decode("ascii")
-    if headers:
-        attrs["headers"] = dict(headers)
+    attrs = record_attrs(key, headers, {"seq": seq})
     if granule is not None:
         attrs["granule"] = granule
     return attrs
