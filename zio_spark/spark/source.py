@@ -41,43 +41,29 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions, parse_source_options
 from zio_spark.source.receiver import Receiver
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
-from zio_spark.storage.spool import SPARK_SCHEMA, Spool, project, read_sealed
+from zio_spark.storage.spool import Spool, project, read_sealed
 from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]
 
 log = logging.getLogger("zio_spark.source")
 
-DEFAULT_SCHEMA = (
-    "value binary, key binary, producer string, seq bigint, origin bigint, granule bigint, "
-    "timestamp timestamp, headers map<string,string>"
-)
-_SPARK_TYPES = {
-    "value": "binary",
-    "key": "binary",
-    "producer": "string",
-    "seq": "bigint",
-    "origin": "bigint",
-    "granule": "bigint",
-    "timestamp": "timestamp",
-    "headers": "map<string,string>",
-}
-
 
 def _columns(schema: StructType | None) -> tuple[str, ...]:
     """Check a user schema lists a subset of the default columns, with their types."""
     if schema is None:
-        return tuple(_SPARK_TYPES)
+        return tuple(SPARK_TYPES)
     names = []
     for f in schema.fields:
-        want = _SPARK_TYPES.get(f.name)
+        want = SPARK_TYPES.get(f.name)
         got = f.dataType.simpleString()
         if want is None:
-            raise ConfigError("schema", f.name, f"columns among {', '.join(_SPARK_TYPES)}")
+            raise ConfigError("schema", f.name, f"columns among {', '.join(SPARK_TYPES)}")
         if got != want:
             raise ConfigError("schema", f"{f.name} {got}", f"column {f.name} of type {want}")
         names.append(f.name)
