@@ -103,7 +103,7 @@ from zio_spark.pzq.flow_ports import (
 )
 from zio_spark.pzq.receive import DEFAULT_ACK_BACKLOG, ReceiveSide
 from zio_spark.pzq.send import SendSide
-from zio_spark.pzq.wire import check_count, now_us
+from zio_spark.pzq.wire import POLLIN, POLLOUT, check_count, now_us
 from zio_spark.storage.store import (
     DEFAULT_DEDUP_WINDOW,
     DEFAULT_SEGMENT_BYTES,
@@ -655,7 +655,7 @@ class QueueBroker:
         )
 
     def _want_pollout(self, on: bool) -> None:
-        self._poller.modify(self._tx, zmq.POLLIN | zmq.POLLOUT if on else zmq.POLLIN)
+        self._poller.modify(self._tx, POLLIN | POLLOUT if on else POLLIN)
 
     def after_durable(self, callback: Callable[[bool], None]) -> None:
         """Run ``callback(ok)`` in the broker thread once every put made so far is
@@ -704,9 +704,9 @@ class QueueBroker:
             if tx_events is not None and tx_events in events:
                 guard(sending.consumer_links)
             tx_ready = events.get(tx, 0)
-            if tx_ready & zmq.POLLIN:
+            if tx_ready & POLLIN:
                 guard(sending.receive)
-            if tx_ready & zmq.POLLOUT:
+            if tx_ready & POLLOUT:
                 sending.writable()
             if mon is not None and mon in events:
                 guard(self._answer_monitor)

@@ -41,7 +41,7 @@ from zio_spark.protocol.pzq import (
     decode_producer_message,
     encode_producer_ack,
 )
-from zio_spark.pzq.wire import recv_frames, send_frames
+from zio_spark.pzq.wire import readable, recv_frames, send_frames
 from zio_spark.storage.store import CommitTicket, MessageRejected, MessageStore, StoreError
 
 __all__ = ["DEFAULT_ACK_BACKLOG", "MAX_BACKLOG_PRODUCERS", "MAX_BACKLOG_TOTAL", "ReceiveSide"]
@@ -171,6 +171,8 @@ class ReceiveSide:
         in_grace = now < self._grace_until
         self.last_put = now
         for _ in range(self._max_batch):
+            if not readable(rx):
+                break
             try:
                 frames = recv_frames(rx)
             except zmq.Again:

@@ -39,7 +39,7 @@ from zio_spark.protocol.pzq import (
     InFlight,
     decode_consumer_ack,
 )
-from zio_spark.pzq.wire import now_us, recv_frames, send_frames
+from zio_spark.pzq.wire import now_us, readable, recv_frames, send_frames
 from zio_spark.storage.store import MessageStore, StoredMessage, StoreError
 
 __all__ = ["SendSide"]
@@ -309,7 +309,7 @@ class SendSide:
         """dealer mode: the DEALER picks the consumer (round robin over the connections
         whose pipe has room); a refused send waits for POLLOUT."""
         events = self.events
-        if events is not None and int(events.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if events is not None and readable(events):
             # Learn of new connections before sending: one attached since is then
             # known to have been there (see consumer_links).
             self.consumer_links()
