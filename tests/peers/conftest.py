@@ -11,51 +11,18 @@ Draft sockets: tests marked ``@pytest.mark.requires_draft`` follow the suite-wid
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import zmq
 
-TERM_TIMEOUT_S = 5.0
-
-
-class _TrackingContext(zmq.Context):  # type: ignore[type-arg]
-    """Holds every socket it made so a leak is seen, not garbage-collected."""
-
-    _made: list[zmq.Socket[Any]]
-
-    def socket(self, *args: Any, **kwargs: Any) -> Any:
-        s = super().socket(*args, **kwargs)
-        if not hasattr(self, "_made"):
-            self._made = []
-        self._made.append(s)
-        return s
-
-    def open_sockets(self) -> list[zmq.Socket[Any]]:
-        return [s for s in getattr(self, "_made", []) if not s.closed]
+from tests.support import TrackingContext, tracked_context
 
 
 @pytest.fixture
-def ctx() -> Iterator[_TrackingContext]:
-    context = _TrackingContext()
-    yield context
-    leaked = context.open_sockets()
-    names = [repr(s) for s in leaked]
-    for s in leaked:
-        s.close(linger=0)
-    done = threading.Event()
-
-    def term() -> None:
-        context.term()
-        done.set()
-
-    threading.Thread(target=term, name="zmq-ctx-term", daemon=True).start()
-    if not done.wait(TERM_TIMEOUT_S):
-        pytest.fail(f"zmq context did not terminate within {TERM_TIMEOUT_S} s", pytrace=False)
-    if names:
-        pytest.fail(f"test leaked {len(names)} zmq socket(s): {names}", pytrace=False)
+def ctx() -> Iterator[TrackingContext]:
+    yield from tracked_context()
 
 
 @pytest.fixture(

@@ -28,62 +28,14 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
+from tests.support import TERM_TIMEOUT_S, TrackingContext, tracked_context
 from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.port import ClientPort, ServerPort
-
-TERM_TIMEOUT_S = 5.0
-
-
-class TrackingContext(zmq.Context):  # type: ignore[type-arg]
-    """A context that holds every socket it made, so a leak is seen, not garbage-collected.
-
-    pyzmq closes an unreferenced socket when it is collected (with only a ResourceWarning),
-    which would hide a port that a test or the code under test forgot to close.
-    """
-
-    _made: list[zmq.Socket[Any]]
-
-    def socket(self, *args: Any, **kwargs: Any) -> Any:
-        s = super().socket(*args, **kwargs)
-        if not hasattr(self, "_made"):
-            self._made = []
-        self._made.append(s)
-        return s
-
-    def open_sockets(self) -> list[zmq.Socket[Any]]:
-        return [s for s in getattr(self, "_made", []) if not s.closed]
-
-
-def terminate(ctx: TrackingContext, timeout_s: float = TERM_TIMEOUT_S) -> list[str]:
-    """Terminate ``ctx`` within ``timeout_s``; returns descriptions of leaked sockets.
-
-    Leaked sockets are closed with linger 0 first so termination cannot hang on them.
-    Raises AssertionError if termination still does not finish in time.
-    """
-    leaked = ctx.open_sockets()
-    names = [repr(s) for s in leaked]
-    for s in leaked:
-        s.close(linger=0)
-    done = threading.Event()
-
-    def term() -> None:
-        ctx.term()
-        done.set()
-
-    t = threading.Thread(target=term, name="zmq-ctx-term", daemon=True)
-    t.start()
-    if not done.wait(timeout_s):
-        raise AssertionError(f"zmq context did not terminate within {timeout_s} s")
-    return names
 
 
 @pytest.fixture
 def ctx() -> Iterator[TrackingContext]:
-    context = TrackingContext()
-    yield context
-    leaked = terminate(context)
-    if leaked:
-        pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
+    yield from tracked_context()
 
 
 P = TypeVar("P", ServerPort, ClientPort)
