@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ import pyarrow as pa
 from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import LocalProtocolError, ZioSparkError
 from zio_spark.protocol.sink import BatchId
+from zio_spark.storage.files import atomic_write, lock_folder
 from zio_spark.storage.files import fsync_dir as _fsync_dir
 from zio_spark.storage.files import fsync_file as _fsync_file
 
@@ -559,15 +559,12 @@ class SinkFolder:
                         shutil.rmtree(entry, ignore_errors=True)
 
     def _take_lock(self) -> int:
-        fd = os.open(self.root / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            raise ConsumerStateError(
-                f"consumer folder {self.root} is in use by another process ({e})"
-            ) from e
-        return fd
+        return lock_folder(
+            self.root,
+            lambda: ConsumerStateError(
+                f"consumer folder {self.root} is in use by another process (its LOCK is held)"
+            ),
+        )
 
     # -- committed log ---------------------------------------------------------------
 
@@ -594,13 +591,12 @@ class SinkFolder:
             "next_seq": self._next_seq,
             "streams": {s: ids.snapshot() for s, ids in self._ids.items()},
         }
-        tmp = self.root / "committed.json.tmp"
-        tmp.write_text(json.dumps(snap))
-        if self.fsync:
-            _fsync_file(tmp)
-        os.rename(tmp, self.root / "committed.json")
-        if self.fsync:
-            _fsync_dir(self.root)
+        atomic_write(
+            self.root / "committed.json",
+            json.dumps(snap).encode("utf-8"),
+            sync=self.fsync,
+            tmp=self.root / "committed.json.tmp",
+        )
         self._log.truncate(0)
         self._log.seek(0)
         if self.fsync:
