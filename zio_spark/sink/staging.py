@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import LocalProtocolError, ZioSparkError
-from zio_spark.protocol.sink import BatchId
+from zio_spark.protocol.sink import BatchId, error_reply
 from zio_spark.storage.files import atomic_write, lock_folder
 from zio_spark.storage.files import fsync_dir as _fsync_dir
 from zio_spark.storage.files import fsync_file as _fsync_file
@@ -407,8 +407,6 @@ class SinkFolder:
 
     # -- commands (server thread) ----------------------------------------------------
 
-    # -- commands ----------------------------------------------------------------------
-
     def commit(
         self,
         stream: str,
@@ -416,6 +414,9 @@ class SinkFolder:
         parts: Sequence[tuple[int, int, int]],
         query: str | None,
     ) -> dict[str, Any]:
+        """Publish the staged ``(partition, attempt, rows)`` of a batch once, record its
+        id; returns the command's reply (see :mod:`zio_spark.sink.consumer`). Disk
+        trouble and the fault hook's exceptions propagate."""
         with self._lock:
             ids = self._ids.setdefault(stream, CommittedIds())
             staging = self.staging_dir(stream, batch)
@@ -427,13 +428,12 @@ class SinkFolder:
                     and query != ids.query
                 ):
                     self.stats["commit_errors"] += 1
-                    return {
-                        "result": "error",
-                        "reason": f"batch {batch} of stream {stream!r} was already committed "
+                    return error_reply(
+                        f"batch {batch} of stream {stream!r} was already committed "
                         f"by another query ({ids.query}; this is {query}): a new checkpoint "
                         "must write to a new stream name, or its batches would be dropped "
-                        "as duplicates",
-                    }
+                        "as duplicates"
+                    )
                 self.stats["duplicate_commits"] += 1
                 self._drop_staging(staging)
                 return {"result": "ok", "published": False, "reason": "already committed"}
@@ -445,19 +445,17 @@ class SinkFolder:
                 f = staging / f"{p}-{a}.arrow"
                 if not f.exists():
                     self.stats["commit_errors"] += 1
-                    return {
-                        "result": "error",
-                        "reason": f"partition {p} attempt {a} of batch {batch!r} (stream "
-                        f"{stream!r}) is not staged: no complete staging file",
-                    }
+                    return error_reply(
+                        f"partition {p} attempt {a} of batch {batch!r} (stream "
+                        f"{stream!r}) is not staged: no complete staging file"
+                    )
                 n = _count_rows(f)
                 if n != rows:
                     self.stats["commit_errors"] += 1
-                    return {
-                        "result": "error",
-                        "reason": f"partition {p} attempt {a} of batch {batch!r} has {n} "
-                        f"staged rows, the commit says {rows}",
-                    }
+                    return error_reply(
+                        f"partition {p} attempt {a} of batch {batch!r} has {n} "
+                        f"staged rows, the commit says {rows}"
+                    )
                 files.append((p, f))
                 total += rows
             self._fault("before_publish", stream, batch)
@@ -526,6 +524,7 @@ class SinkFolder:
             _fsync_dir(parent)
 
     def abort(self, stream: str, batch: BatchId) -> dict[str, Any]:
+        """Discard a batch's staging (nothing once it is committed); the reply."""
         with self._lock:
             self.stats["aborts"] += 1
             ids = self._ids.get(stream)
