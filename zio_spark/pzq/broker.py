@@ -112,6 +112,7 @@ from zio_spark.storage.store import (
     StoreError,
 )
 from zio_spark.transport.curve import apply_server, key_pair
+from zio_spark.transport.loop import Waker
 
 __all__ = [
     "DEDUP_RULES",
@@ -335,7 +336,7 @@ class QueueBroker:
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
-        self._wake_r, self._wake_w = -1, -1
+        self._waker: Waker | None = None  # wakes the loop: stop, calls, commits done
         self.endpoints: dict[str, str] = {}
         """Bound endpoints by socket name (``receive``, ``send``, ``monitor``, and
         ``flow_producer``/``flow_consumer`` when enabled)."""
@@ -397,9 +398,7 @@ class QueueBroker:
         """
         if self._thread is not None:
             raise TransportError("the queue broker was already started")
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
+        self._waker = Waker()
         self._thread = threading.Thread(target=self._main, name="zio-queue", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
@@ -407,7 +406,7 @@ class QueueBroker:
             raise TransportError(f"the queue broker did not start within {timeout} s")
         if self._start_error is not None:
             self._thread.join()
-            self._close_pipe()
+            self._close_waker()
             raise self._start_error
         return self
 
@@ -426,19 +425,16 @@ class QueueBroker:
         if thread is None:
             return
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"s")
+        self._wake()
         thread.join(timeout)
         if thread.is_alive():
             raise TransportError(f"the queue broker did not stop within {timeout} s")
-        self._close_pipe()
+        self._close_waker()
 
-    def _close_pipe(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._wake_r = self._wake_w = -1
+    def _close_waker(self) -> None:
+        if self._waker is not None:
+            self._waker.close()
+            self._waker = None
 
     def __enter__(self) -> QueueBroker:
         return self.start() if self._thread is None else self
@@ -467,8 +463,6 @@ class QueueBroker:
         store: MessageStore | None = None
         sync_thread: threading.Thread | None = None
         self._sync_q: queue.SimpleQueue[CommitTicket | None] = queue.SimpleQueue()
-        self._done_r, self._done_w = os.pipe()
-        os.set_blocking(self._done_r, False)
         try:
             try:
                 store = MessageStore(self._store_path, **self._store_options)  # type: ignore[arg-type]
@@ -506,9 +500,6 @@ class QueueBroker:
                 s.close(linger=self._linger)
             if self._given_ctx is None:
                 ctx.term()
-            for fd in (self._done_r, self._done_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
 
     def _open_sockets(self, ctx: zmq.Context[Any], sockets: list[zmq.Socket[bytes]]) -> None:
         receive_ep, send_ep, monitor_ep = self._endpoints_wanted
@@ -613,8 +604,9 @@ class QueueBroker:
         self.endpoints.update(self._flows.endpoints())
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"w")
+        waker = self._waker
+        if waker is not None:
+            waker.wake()
 
     def _sync_worker(self) -> None:
         while True:
@@ -622,8 +614,7 @@ class QueueBroker:
             if ticket is None:
                 return
             ticket.run()
-            with contextlib.suppress(OSError):
-                os.write(self._done_w, b"d")
+            self._wake()  # the loop ends the commit and sends its acks
 
     # ------------------------------------------------------------------ serving
 
@@ -680,8 +671,9 @@ class QueueBroker:
             poller.register(tx_events, zmq.POLLIN)
         if mon is not None:
             poller.register(mon, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(self._done_r, zmq.POLLIN)
+        waker = self._waker
+        assert waker is not None  # set by start() before the thread runs
+        poller.register(waker, zmq.POLLIN)
         flows = self._flows
         flow_sockets = flows.sockets() if flows is not None else []
         for sock in flow_sockets:
@@ -690,14 +682,10 @@ class QueueBroker:
         self._last_stats = self._collect_stats(store)
         while not self._stopping.is_set():
             events = dict(poller.poll(self._poll_timeout_ms(receiving, sending)))
-            if self._wake_r in events:
-                with contextlib.suppress(OSError):
-                    os.read(self._wake_r, 64)
+            if waker.fd in events:
+                waker.drain()
                 if self._stopping.is_set():
                     break
-            if self._done_r in events:
-                with contextlib.suppress(OSError):
-                    os.read(self._done_r, 64)
             guard(receiving.finish_commit)
             if rx in events:
                 guard(receiving.receive)
