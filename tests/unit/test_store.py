@@ -2,6 +2,7 @@
 
 No sockets. "Crash" means the store's files are closed without a commit or a close (what
 SIGKILL leaves behind); torn tails are made by truncating or overwriting segment bytes.
+Segments are preallocated by default, so a crashed store's active segment ends in zeros.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from zio_spark.errors import ConfigError
 from zio_spark.storage import store as store_mod
+from zio_spark.storage.files import RECORD_HEAD, read_record
 from zio_spark.storage.store import (
     MAX_ID_BYTES,
     MessageRejected,
@@ -34,6 +36,21 @@ def crash(store: MessageStore) -> None:
 
 def segments(path: Path) -> list[Path]:
     return sorted(path.glob("seg-*.log"))
+
+
+def records_end(path: Path) -> int:
+    """Where the last whole, valid record of a segment file ends (read independently)."""
+    data = path.read_bytes()
+    pos = 0
+    while not isinstance(got := read_record(data, pos, len(data)), str):
+        pos = got[1]
+    return pos
+
+
+def active_end(store: MessageStore) -> int:
+    """The end of the records in the store's active segment (call before a crash)."""
+    assert store._active is not None
+    return store._active.end
 
 
 def put_many(store: MessageStore, ids: list[bytes], body: bytes = b"x" * 100) -> list[int]:
@@ -174,16 +191,21 @@ def test_uncommitted_puts_are_lost_in_a_crash(tmp_path: Path) -> None:
         assert again.put(b"late000000", [b"x"]) is not None
 
 
-def test_torn_tail_is_truncated_and_counted(tmp_path: Path) -> None:
-    st = MessageStore(tmp_path)
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_torn_tail_is_truncated_and_counted(tmp_path: Path, preallocate: bool) -> None:
+    st = MessageStore(tmp_path, preallocate=preallocate)
     put_many(st, ids(50))
     st.commit()
     last = segments(tmp_path)[-1]
+    end = active_end(st)
     crash(st)
-    size = last.stat().st_size
     with last.open("r+b") as f:  # a commit that stopped half way through a record
-        f.truncate(size - 7)
-    with MessageStore(tmp_path) as again:
+        if preallocate:  # the rest of the region stays zero
+            f.seek(end - 7)
+            f.write(bytes(7))
+        else:
+            f.truncate(end - 7)
+    with MessageStore(tmp_path, preallocate=preallocate) as again:
         assert again.stats().torn_records == 1
         assert drain(again) == ids(49)
         assert again.put(b"new", [b"n"]) is not None
@@ -193,17 +215,19 @@ def test_torn_tail_is_truncated_and_counted(tmp_path: Path) -> None:
         assert drain(third) == [b"new"]
 
 
-def test_garbage_after_the_tail_and_bad_crc(tmp_path: Path) -> None:
-    st = MessageStore(tmp_path)
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_garbage_after_the_tail_and_bad_crc(tmp_path: Path, preallocate: bool) -> None:
+    st = MessageStore(tmp_path, preallocate=preallocate)
     put_many(st, ids(20))
     st.commit()
     last = segments(tmp_path)[-1]
+    end = active_end(st)
     crash(st)
     data = bytearray(last.read_bytes())
-    data[-3] ^= 0xFF  # the last record's payload no longer matches its CRC
-    data += os.urandom(100)
+    data[end - 3] ^= 0xFF  # the last record's payload no longer matches its CRC
+    data[end : end + 100] = os.urandom(100)
     last.write_bytes(bytes(data))
-    with MessageStore(tmp_path) as again:
+    with MessageStore(tmp_path, preallocate=preallocate) as again:
         assert again.stats().torn_records == 1
         assert drain(again) == ids(19)
 
@@ -215,6 +239,119 @@ def test_empty_segment_left_by_a_crash_is_removed(tmp_path: Path) -> None:
     with MessageStore(tmp_path) as again:
         assert not (tmp_path / "seg-0000000099.log").exists()
         assert drain(again) == ids(3)
+
+
+# ---------------------------------------------------------------------- preallocation
+
+
+def test_crash_with_a_preallocated_tail_loses_nothing_and_counts_nothing(
+    tmp_path: Path,
+) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(300))
+    st.commit()
+    put_many(st, ids(5, "late"))  # never committed
+    last = segments(tmp_path)[-1]
+    end = active_end(st)
+    crash(st)
+    assert last.stat().st_size == SMALL > end, "the crash leaves a zero tail"
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.stats().torn_records == 0
+        assert last.stat().st_size == records_end(last) < end, "tail truncated on replay"
+        assert drain(again) == ids(300)
+
+
+@pytest.mark.parametrize("damage", ["half record", "zero head, data later"])
+def test_torn_record_in_the_preallocated_area_is_counted_once(tmp_path: Path, damage: str) -> None:
+    st = MessageStore(tmp_path)
+    put_many(st, ids(30))
+    st.commit()
+    last = segments(tmp_path)[-1]
+    end = active_end(st)
+    crash(st)
+    with last.open("r+b") as f:
+        if damage == "half record":  # a head claiming 500 bytes, 40 written, then zeros
+            f.seek(end)
+            f.write(RECORD_HEAD.pack(500, 0x1234_5678) + os.urandom(40))
+        else:  # a commit whose later page reached the disk, its first did not
+            f.seek(end + 8192)
+            f.write(os.urandom(100))
+    size = last.stat().st_size
+    with MessageStore(tmp_path) as again:
+        assert again.stats().torn_records == 1
+        assert drain(again) == ids(30)
+        assert last.stat().st_size == records_end(last) == end < size
+    with MessageStore(tmp_path) as third:
+        assert third.stats().torn_records == 0
+
+
+def test_rollover_and_close_truncate_segments_to_their_records(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0)
+    for batch in range(12):
+        put_many(st, ids(100, f"b{batch}-"), b"y" * 300)
+        if batch % 2:  # the async form: the rollover happens with the ticket outstanding
+            ticket = st.begin_commit()
+            assert ticket is not None
+            ticket.run()
+            st.end_commit(ticket)
+        else:
+            st.commit()
+    files = segments(tmp_path)
+    assert len(files) > 3
+    *closed, active = files
+    for path in closed:
+        assert path.stat().st_size == records_end(path), f"{path.name} not truncated"
+    assert active.stat().st_size == SMALL, "the active segment is preallocated"
+    assert st.db_size() == sum(map(records_end, files))
+    st.close()
+    for path in files:
+        assert path.stat().st_size == records_end(path), f"{path.name} not truncated"
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.stats().torn_records == 0
+        assert again.messages == 1200
+
+
+def test_without_preallocation_files_hold_records_only(tmp_path: Path) -> None:
+    with MessageStore(tmp_path, segment_bytes=SMALL, preallocate=False) as st:
+        put_many(st, ids(20))
+        st.commit()
+        (only,) = segments(tmp_path)
+        assert only.stat().st_size == records_end(only) == active_end(st)
+        put_many(st, ids(400, "more"), b"z" * 300)  # past SMALL: a rollover
+        st.commit()
+        for path in segments(tmp_path):
+            assert path.stat().st_size == records_end(path)
+
+
+def test_a_filesystem_without_fallocate_falls_back_to_appending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls = []
+
+    def unsupported(*args: object) -> None:
+        calls.append(args)
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    caplog.set_level("DEBUG", logger=store_mod.log.name)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as st:
+        put_many(st, ids(400), b"z" * 300)  # several segments
+        st.commit()
+        put_many(st, ids(400, "more"), b"z" * 300)
+        st.commit()
+        for path in segments(tmp_path):
+            assert path.stat().st_size == records_end(path)
+    assert len(calls) == 1, "tried once, then off for the store"
+    assert [r.levelname for r in caplog.records if "preallocation" in r.message] == ["DEBUG"]
+    with MessageStore(tmp_path, segment_bytes=SMALL, preallocate=False) as again:
+        assert again.messages == 800
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_preallocate_must_be_a_bool(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ConfigError, match="preallocate") as info:
+        MessageStore(tmp_path, preallocate=value)  # type: ignore[arg-type]
+    assert info.value.option == "preallocate" and info.value.value == value
 
 
 # ---------------------------------------------------------------------- reclaiming disk
@@ -416,7 +553,7 @@ def test_snapshot_never_holds_ids_that_are_not_durable(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- failures
 
 
-@pytest.mark.parametrize("call", ["write", "fdatasync"])
+@pytest.mark.parametrize("call", ["pwrite", "fdatasync"])
 def test_commit_failure_fails_the_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
@@ -441,7 +578,7 @@ def test_commit_failure_fails_the_store(
     crash(st)
     with MessageStore(tmp_path) as again:
         # The acks could not be made durable any more, so those five come back.
-        if call == "write":  # nothing reached the file: a resend is stored
+        if call == "pwrite":  # nothing reached the file: a resend is stored
             assert again.messages == 5
             assert again.put(b"doomed000000", [b"resent"]) is not None
         else:  # written, sync failed: the data may well be there; a resend is a duplicate

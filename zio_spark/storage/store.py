@@ -28,13 +28,14 @@ dict entry) and the requeue/forwarding tables (bounded by what is in flight). Re
 keeps at most ~2 windows of ids while it scans.
 
 Group commit. :meth:`MessageStore.put` and :meth:`MessageStore.ack` only buffer. A
-commit writes the buffer with one ``write`` and one ``fdatasync``, however many messages
-it holds. It comes in two forms: :meth:`MessageStore.commit` (synchronous), or
-:meth:`MessageStore.begin_commit` → :meth:`CommitTicket.run` (any thread; it only
-touches the file) → :meth:`MessageStore.end_commit`, so a server can keep buffering the
-next batch and delivering while the disk syncs. One ticket may be outstanding at a time;
-tickets complete in order. A put is durable, and its producer may be acked, only after
-the commit that covers it has ended; a message is not deliverable
+commit writes the buffer with one ``pwrite`` (at the segment's end; segments are
+preallocated, see :mod:`~zio_spark.storage.store_format`) and one ``fdatasync``, however
+many messages it holds. It comes in two forms: :meth:`MessageStore.commit`
+(synchronous), or :meth:`MessageStore.begin_commit` → :meth:`CommitTicket.run` (any
+thread; it only touches the file) → :meth:`MessageStore.end_commit`, so a server can
+keep buffering the next batch and delivering while the disk syncs. One ticket may be
+outstanding at a time; tickets complete in order. A put is durable, and its producer may
+be acked, only after the commit that covers it has ended; a message is not deliverable
 (:meth:`MessageStore.take`) before then. Tombstones ride along with the next commit; one
 lost in a crash only means a redelivery.
 
@@ -58,9 +59,11 @@ when the store is idle.
 
 Crash safety. Only records of a commit that had not finished can be torn: replay stops a
 segment at its first short or CRC-failing record, truncates the rest away and counts it
-(:attr:`StoreStats.torn_records`). Every open starts a fresh segment, so nothing is
-ever appended after a torn spot. Everything not acked by a replayed tombstone comes back
-as pending: in-flight state is not persisted, so a restart redelivers it.
+(:attr:`StoreStats.torn_records`); a preallocated zero tail is the clean end, not
+counted (details in :mod:`~zio_spark.storage.store_format`). Every open starts a fresh
+segment, so nothing is ever written after a torn spot. Everything not acked by a
+replayed tombstone comes back as pending: in-flight state is not persisted, so a restart
+redelivers it.
 
 Duplicates. A producer id already in the window is not stored again
 (:meth:`MessageStore.put` returns ``None``; the broker acks it once the original is
@@ -90,6 +93,7 @@ may run elsewhere.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -99,7 +103,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zio_spark.errors import ConfigError
-from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder, write_all
+from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder
 from zio_spark.storage.store_format import (
     _A,
     _F,
@@ -129,6 +133,7 @@ from zio_spark.storage.store_format import (
     _encode_snapshot,
     _header_payload,
     _message_payload,
+    _pwrite_all,
     _record,
 )
 from zio_spark.storage.store_index import StoreIndex
@@ -151,6 +156,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _RECLAIM_BYTES = 1 << 20  # maintain() retires a fully acked active segment this big
+_NO_FALLOCATE = frozenset((errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS))
 
 
 def _check_int(option: str, value: object, minimum: int) -> int:
@@ -179,6 +185,11 @@ class MessageStore(StoreIndex):
     sync
         ``fdatasync`` on commit (default). False is for tests and benchmarks only: nothing
         is then durable.
+    preallocate
+        Give each new segment file ``segment_bytes`` up front (``posix_fallocate``) and
+        truncate it to its records when it is closed (default): a commit then does not
+        grow the file, and its ``fdatasync`` is cheaper (see
+        :mod:`~zio_spark.storage.store_format`). False: segments grow as they are written.
 
     Raises
     ------
@@ -200,6 +211,7 @@ class MessageStore(StoreIndex):
         dedup_window: int = DEFAULT_DEDUP_WINDOW,
         compact_ratio: float = 0.25,
         sync: bool = True,
+        preallocate: bool = True,
     ) -> None:
         self._segment_bytes = _check_int("segment_bytes", segment_bytes, 4096)
         if self._segment_bytes > _MAX_SEGMENT_BYTES:
@@ -213,6 +225,9 @@ class MessageStore(StoreIndex):
             raise ConfigError("compact_ratio", compact_ratio, "a number in [0, 1)")
         self._compact_ratio = float(compact_ratio)
         self._sync = bool(sync)
+        if not isinstance(preallocate, bool):
+            raise ConfigError("preallocate", preallocate, "a bool (True or False)")
+        self._preallocate = preallocate
         super().__init__(Path(path))
         self._next_no = 1
         # Write buffer for the active segment: record pieces, first slot, puts, tombstones.
@@ -285,6 +300,11 @@ class MessageStore(StoreIndex):
                 self.end_commit(ticket)
             if not self._failed and self.dirty:
                 self.commit()
+            if not self._failed and self._active is not None:
+                try:
+                    self._seal(self._active)
+                except OSError as e:  # harmless: replay ends the log at the zero tail
+                    log.warning("store %s: truncating the active segment: %s", self._root, e)
         finally:
             self._closed = True
             self._close_files()
@@ -347,19 +367,24 @@ class MessageStore(StoreIndex):
 
     def _open_segment(self) -> LogFile:
         """Start a new active segment (header written, not synced). Buffer must be empty."""
+        old = self._active
+        if old is not None and (self._ticket is None or self._ticket._seg is not old):
+            self._seal(old)  # else end_commit seals it once its last commit has run
         no = self._next_no
         self._next_no += 1
         path = self._root / f"seg-{no:010d}.log"
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             header = b"".join(_record(_header_payload(no)))
-            write_all(fd, header)
+            _pwrite_all(fd, header, 0)
+            allocated = self._allocate(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(path)
             raise
         seg = LogFile(no, path, fd, len(header))
+        seg.allocated = allocated
         seg.needs_sync = True  # the first commit into it syncs header and directory
         self._segments[no] = seg
         self._active = seg
@@ -367,6 +392,31 @@ class MessageStore(StoreIndex):
         if not self._cursor_no:
             self._cursor_no = no
         return seg
+
+    def _allocate(self, fd: int) -> int:
+        """Preallocate a new segment file to ``segment_bytes``; returns the size given
+        (0 when not preallocated)."""
+        if not self._preallocate:
+            return 0
+        try:
+            os.posix_fallocate(fd, 0, self._segment_bytes)
+        except OSError as e:
+            if e.errno in _NO_FALLOCATE:  # the filesystem cannot: append from now on
+                log.debug("store %s: no preallocation on this filesystem (%s)", self._root, e)
+                self._preallocate = False
+                return 0
+            if e.errno != errno.ENOSPC:
+                raise
+            # A full disk: this segment grows as it is written, as without preallocation
+            # (the space may have been given in part: find the size it has).
+            return os.fstat(fd).st_size
+        return self._segment_bytes
+
+    def _seal(self, seg: LogFile) -> None:
+        """Truncate a closed segment's preallocated tail: the file holds records only."""
+        if seg.allocated > seg.end:
+            os.ftruncate(seg.fd, seg.end)
+        seg.allocated = 0
 
     def _sync_new_segment(self) -> None:
         seg = self._active
@@ -439,7 +489,7 @@ class MessageStore(StoreIndex):
                     moves.append((head, slot, state))
         if moves:
             data = b"".join(self._buf)
-            write_all(active.fd, data)
+            _pwrite_all(active.fd, data, active.size)
             if self._sync:
                 os.fdatasync(active.fd)
                 self._fsync_dir()
@@ -654,9 +704,11 @@ class MessageStore(StoreIndex):
             self._buf += (header, payload)
             active.end += len(header) + len(payload)
             self._tombstones = []
+        data = b"".join(self._buf)
         ticket = CommitTicket(
             active,
-            b"".join(self._buf),
+            data,
+            active.end - len(data),
             self._buf_first,
             self._buf_puts,
             self._sync,
@@ -721,10 +773,12 @@ class MessageStore(StoreIndex):
         self._commits += 1
         self._durable_seq = max(self._durable_seq, self._ticket_seq)
         try:
+            if seg is not self._active:  # the commit that ended it: it is closed now
+                self._seal(seg)
             self._reclaim()
         except OSError as e:
-            self._fail(f"deleting a segment failed: {e}")
-            raise StoreError(f"deleting a segment failed: {e}", path=self._root) from e
+            self._fail(f"closing or deleting a segment failed: {e}")
+            raise StoreError(f"closing or deleting a segment failed: {e}", path=self._root) from e
         return ticket.puts
 
     def commit(self) -> int:

@@ -4,7 +4,9 @@
 PUT/MOVE record as a pending slot, applies MOVE originals and ACK tombstones, and
 rebuilds the duplicate window. A segment stops at its first short, CRC-failing or
 malformed record: the rest is truncated away and counted (only a commit that never
-finished can leave one, unless the disk corrupted data). A segment without even its
+finished can leave one, unless the disk corrupted data), unless the rest is all zero
+bytes: the preallocated tail of a segment that was not closed, truncated and not
+counted (see "Crash safety" in :mod:`zio_spark.storage.store_format`). A segment without even its
 header (created just before a crash) is deleted. See :mod:`zio_spark.storage.store`.
 """
 
@@ -17,6 +19,7 @@ import os
 import struct
 from collections import deque
 from pathlib import Path
+from typing import Final
 
 from zio_spark.storage.files import fsync_dir, read_record
 from zio_spark.storage.store_format import (
@@ -43,6 +46,8 @@ from zio_spark.storage.store_format import (
 
 __all__ = ["Replay"]
 
+_ZERO_CHUNK: Final = 1 << 20  # the zero-tail check compares this many bytes at a time
+
 log = logging.getLogger("zio_spark.storage.store")
 
 
@@ -59,7 +64,8 @@ class Replay:
     messages
         Live messages found.
     torn
-        Torn or corrupt records dropped (one per segment at most).
+        Torn or corrupt records dropped (one per segment at most; a zero tail is not
+        one).
     next_no
         The number for the next new segment.
     last_seq
@@ -145,7 +151,8 @@ class Replay:
                 assert mm is not None
                 got = read_record(mm, pos, size)
                 if isinstance(got, str):
-                    bad = got
+                    if not _all_zero(mm, pos, size):
+                        bad = got
                     break
                 payload, end = got
                 length = len(payload)
@@ -208,6 +215,7 @@ class Replay:
                 size,
                 bad,
             )
+        if good < size:  # torn, or the zero tail of a preallocated segment never closed
             os.ftruncate(fd, good)
             if self.sync:
                 os.fsync(fd)
@@ -266,3 +274,13 @@ class Replay:
         self.window = deque(window)
         self.window_first = first
         self.window_ids = {mid: seq for seq, mid in zip(itertools.count(first), window) if mid}
+
+
+def _all_zero(mm: mmap.mmap, pos: int, size: int) -> bool:
+    """Whether bytes ``pos`` to ``size`` of the map are all zero (a preallocated tail)."""
+    while pos < size:
+        n = min(_ZERO_CHUNK, size - pos)
+        if mm[pos : pos + n] != bytes(n):
+            return False
+        pos += n
+    return True
