@@ -41,12 +41,14 @@ from zio_spark.protocol.zre import (
     Join,
     Ping,
     Shout,
-    ShoutEvent,
     Whisper,
-    WhisperEvent,
     encode_beacon,
     encode_command,
     encode_identity,
+)
+from zio_spark.protocol.zre_peers import (
+    ShoutEvent,
+    WhisperEvent,
 )
 from zio_spark.pzq.broker import QueueBroker
 from zio_spark.source.producer import Producer

@@ -29,6 +29,7 @@ import pytest
 import zmq
 
 from zio_spark.errors import ConfigError, LocalProtocolError, TransportError
+from zio_spark.protocol.zio_ports import ZioEndpoint
 from zio_spark.protocol.zre import (
     DISCOVERY_PORT,
     Beacon,
@@ -36,7 +37,6 @@ from zio_spark.protocol.zre import (
     Ping,
     PingOk,
     Whisper,
-    ZioEndpoint,
     decode_beacon,
     decode_command,
     encode_beacon,

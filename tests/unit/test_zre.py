@@ -1,4 +1,4 @@
-"""Tests for zio_spark.protocol.zre: beacons, commands, the peer table, ZIO port ads.
+"""Tests for protocol.zre, zre_peers and zio_ports: beacons, commands, peers, ZIO port ads.
 
 Golden vectors are written by hand from specs/36-zre.txt (ABNF field order, big-endian
 numbers, 1-byte ``string`` and 4-byte ``longstr`` lengths). Hypothesis checks round
@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from uuid import UUID
 
@@ -26,10 +27,34 @@ from hypothesis import strategies as st
 
 from tests.fuzz_live.live_fuzz_support import mutate
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from zio_spark.protocol import zre
+from zio_spark.protocol import zio_ports, zre, zre_peers
+from zio_spark.protocol.zio_ports import (
+    ZioEndpoint,
+    ZioPort,
+    advertised_ports,
+    group_zio_endpoints,
+    zio_port_headers,
+)
 from zio_spark.protocol.zre import (
     Beacon,
     Command,
+    Hello,
+    Join,
+    Leave,
+    Ping,
+    PingOk,
+    Shout,
+    Whisper,
+    ZreCommand,
+    decode_beacon,
+    decode_command,
+    decode_identity,
+    encode_beacon,
+    encode_command,
+    encode_identity,
+    tcp_endpoint,
+)
+from zio_spark.protocol.zre_peers import (
     ConnectAction,
     DropAction,
     DropReason,
@@ -37,34 +62,14 @@ from zio_spark.protocol.zre import (
     EvasiveEvent,
     Event,
     ExitEvent,
-    Hello,
-    Join,
     JoinEvent,
-    Leave,
     LeaveEvent,
     PeerTable,
-    Ping,
-    PingOk,
     SendPingAction,
     SendPingOkAction,
-    Shout,
     ShoutEvent,
-    Whisper,
     WhisperEvent,
-    ZioEndpoint,
-    ZioPort,
-    ZreCommand,
     ZreEventType,
-    advertised_ports,
-    decode_beacon,
-    decode_command,
-    decode_identity,
-    encode_beacon,
-    encode_command,
-    encode_identity,
-    group_zio_endpoints,
-    tcp_endpoint,
-    zio_port_headers,
 )
 
 ME = UUID("00000000-0000-4000-8000-000000000000")
@@ -1086,8 +1091,10 @@ def test_group_zio_endpoints() -> None:
 # Purity
 
 
-def test_module_imports_no_io() -> None:
-    tree = ast.parse(Path(zre.__file__).read_text(encoding="utf-8"))
+@pytest.mark.parametrize("module", [zre, zre_peers, zio_ports])
+def test_module_imports_no_io(module: ModuleType) -> None:
+    assert module.__file__ is not None
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -1100,7 +1107,8 @@ def test_module_imports_no_io() -> None:
 
 def test_import_in_fresh_interpreter_pulls_no_zmq_or_pyspark() -> None:
     code = (
-        "import sys, zio_spark.protocol.zre; "
+        "import sys, zio_spark.protocol.zre, zio_spark.protocol.zre_peers, "
+        "zio_spark.protocol.zio_ports; "
         "bad = {'zmq', 'pyspark', 'asyncio'} & set(sys.modules); "
         "assert not bad, bad"
     )

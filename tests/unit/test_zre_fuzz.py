@@ -16,18 +16,17 @@ import pytest
 
 from tests.fuzz_live.live_fuzz_support import mutate
 from zio_spark.errors import RemoteProtocolError
+from zio_spark.protocol.zio_ports import advertised_ports
 from zio_spark.protocol.zre import (
     Beacon,
     Command,
     Hello,
     Join,
     Leave,
-    PeerTable,
     Ping,
     PingOk,
     Shout,
     Whisper,
-    advertised_ports,
     decode_beacon,
     decode_command,
     decode_identity,
@@ -35,6 +34,7 @@ from zio_spark.protocol.zre import (
     encode_command,
     encode_identity,
 )
+from zio_spark.protocol.zre_peers import PeerTable
 
 pytestmark = pytest.mark.fuzz
 

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from zio_spark.protocol.zre import advertised_ports
+from zio_spark.protocol.zio_ports import advertised_ports
 from zio_spark.transport.zre_node import ZreNode
 
 __all__ = ["run_peers"]

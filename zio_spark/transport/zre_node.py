@@ -79,24 +79,28 @@ from zio_spark.errors import (
     LocalProtocolError,
     TransportError,
 )
+from zio_spark.protocol.zio_ports import (
+    ZioEndpoint,
+    group_zio_endpoints,
+    zio_port_headers,
+)
 from zio_spark.protocol.zre import (
     DISCOVERY_PORT,
+    Command,
+    Join,
+    Leave,
+    Shout,
+    Whisper,
+    encode_identity,
+)
+from zio_spark.protocol.zre_peers import (
     EVASIVE_AFTER,
     EXPIRED_AFTER,
     MAX_PEERS,
     MAX_UNCONFIRMED,
-    Command,
     Event,
-    Join,
-    Leave,
     Peer,
     PeerTable,
-    Shout,
-    Whisper,
-    ZioEndpoint,
-    encode_identity,
-    group_zio_endpoints,
-    zio_port_headers,
 )
 from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import UnknownPeerError
