@@ -1,4 +1,4 @@
-"""Tests for zio_spark.protocol.pzq: PZQ frames and the in-flight table.
+"""Tests for zio_spark.protocol.pzq, pzq_fields and pzq_inflight: frames, in-flight table.
 
 Golden vectors are written by hand from specs/pzq-sockets-and-formats.txt; hypothesis
 checks round trips, tolerance of extra header parts, and that garbage only ever raises
@@ -14,19 +14,19 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError
-from zio_spark.protocol import pzq
+from zio_spark.protocol import pzq, pzq_fields, pzq_inflight
 from zio_spark.protocol.pzq import (
     MAX_TIMESTAMP_US,
     MONITOR_KEYS,
     ConsumerAck,
     Delivery,
-    InFlight,
     ProducerAck,
     ProducerMessage,
     decode_consumer_ack,
@@ -44,6 +44,7 @@ from zio_spark.protocol.pzq import (
     is_expired,
     split_identity,
 )
+from zio_spark.protocol.pzq_inflight import InFlight
 
 DECODERS: dict[str, Callable[[Sequence[bytes]], object]] = {
     "producer_message": decode_producer_message,
@@ -68,8 +69,10 @@ SPEC_MONITOR_EXAMPLE = (
 # --------------------------------------------------------------------------- purity
 
 
-def test_module_imports_no_io_modules() -> None:
-    source = Path(pzq.__file__).read_text(encoding="utf-8")
+@pytest.mark.parametrize("module", [pzq, pzq_fields, pzq_inflight])
+def test_module_imports_no_io_modules(module: ModuleType) -> None:
+    assert module.__file__ is not None
+    source = Path(module.__file__).read_text(encoding="utf-8")
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -83,7 +86,7 @@ def test_fresh_import_loads_no_zmq_or_spark() -> None:
     code = (
         "import sys\n"
         "before = set(sys.modules)\n"
-        "import zio_spark.protocol.pzq\n"
+        "import zio_spark.protocol.pzq, zio_spark.protocol.pzq_inflight\n"
         "new = set(sys.modules) - before\n"
         "print(sorted(m for m in new if m.split('.')[0] in "
         "{'zmq', 'pyspark', 'threading', 'socket', 'time'}))\n"
@@ -99,9 +102,10 @@ def test_fresh_import_loads_no_zmq_or_spark() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_all_is_accurate() -> None:
-    for name in pzq.__all__:
-        assert hasattr(pzq, name), name
+@pytest.mark.parametrize("module", [pzq, pzq_fields, pzq_inflight])
+def test_all_is_accurate(module: ModuleType) -> None:
+    for name in module.__all__:
+        assert hasattr(module, name), name
 
 
 # --------------------------------------------------------------------------- golden vectors

@@ -1,4 +1,4 @@
-"""PZQ producer, consumer and monitor frames, plus the queue's in-flight table.
+"""PZQ producer, consumer and monitor frames (the wire codecs).
 
 Theory of operation (spec: ``specs/pzq-sockets-and-formats.txt``)
 -----------------------------------------------------------------
@@ -11,7 +11,8 @@ readers: parts between the fixed fields and the delimiter are kept as ``extra`` 
 otherwise ignored.
 
 This module is pure: frames in, dataclasses out, and back. It never touches a socket or a
-clock; time is passed in as ``now_us`` (integer microseconds).
+clock; time is passed in as ``now_us`` (integer microseconds). The queue's table of
+deliveries awaiting an ack is beside it, in :mod:`zio_spark.protocol.pzq_inflight`.
 
 Routing envelopes are *not* part of the frames handled here. Each ROUTER socket prepends
 the sender's identity on receive and consumes a destination identity on send; the
@@ -61,11 +62,25 @@ daemon as run nor this module reads those.)
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from zio_spark.errors import LocalProtocolError, RemoteProtocolError
+from zio_spark.protocol.pzq_fields import (
+    DELIMITER,
+    MAX_TIMESTAMP_US,
+    as_parts,
+    check_bool,
+    check_instance,
+    check_message_id,
+    check_parts,
+    check_time,
+    decode_delimiter,
+    decode_message_id,
+    decode_timestamp,
+    local_error,
+    remote_error,
+    show,
+)
 
 __all__ = [
     "ACK_FAILURE",
@@ -77,8 +92,6 @@ __all__ = [
     "REFERENCE_MONITOR_KEYS",
     "ConsumerAck",
     "Delivery",
-    "InFlight",
-    "InFlightEntry",
     "ProducerAck",
     "ProducerMessage",
     "decode_consumer_ack",
@@ -103,9 +116,6 @@ ACK_SUCCESS = b"1"
 ACK_FAILURE = b"0"
 """Status / ACK value meaning failure (producer ack) or "requeue now" (consumer ack)."""
 
-DELIMITER = b""
-"""The empty part between protocol fields and user data."""
-
 MONITOR_REQUEST = b"MONITOR"
 """The one part a monitor sends to ask for statistics."""
 
@@ -122,172 +132,6 @@ MONITOR_KEYS: tuple[str, ...] = (
 REFERENCE_MONITOR_KEYS: tuple[str, ...] = ("messages_inflight", "inflight_db_size")
 """The reference daemon's spelling of the spec's ``messages_in_flight`` and
 ``in_flightdb_size`` (same values; a queue writes both so either reader finds its keys)."""
-
-MAX_TIMESTAMP_US = 2**64 - 1
-"""Largest ``sent``/``ack timeout`` value accepted: PZQ writes them as unsigned 64-bit."""
-
-# 2**64 - 1 has 20 digits; bounding the length first keeps int() cheap on hostile input.
-_MAX_DIGITS = 20
-_SHOW_LIMIT = 48
-_BYTES_LIKE = (bytes, bytearray, memoryview, str)
-# Rebuild the deadline heap once this many stale entries outnumber the live ones.
-_COMPACT_MIN_STALE = 64
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _show(value: bytes) -> str:
-    if len(value) <= _SHOW_LIMIT:
-        return repr(value)
-    return f"{value[:_SHOW_LIMIT]!r}... ({len(value)} bytes)"
-
-
-def _remote(kind: str, field: str, got: str, expected: str, value: object) -> RemoteProtocolError:
-    return RemoteProtocolError(
-        f"PZQ {kind}: {field} {got}; expected {expected}", field=field, value=value
-    )
-
-
-def _local(kind: str, field: str, got: str, expected: str, value: object) -> LocalProtocolError:
-    return LocalProtocolError(
-        f"{kind}: {field} {got}; expected {expected}", field=field, value=value
-    )
-
-
-def _as_parts(frames: Sequence[bytes], kind: str) -> list[bytes]:
-    """Copy ``frames`` to a list of ``bytes`` (zmq ``Frame``/``bytearray`` are accepted)."""
-    if isinstance(frames, _BYTES_LIKE) or not isinstance(frames, Sequence):
-        raise _local(
-            f"decoding a PZQ {kind}",
-            "frames",
-            f"is a {type(frames).__name__}",
-            "a sequence of parts (list of bytes)",
-            frames,
-        )
-    parts: list[bytes] = []
-    for index, part in enumerate(frames):
-        if type(part) is bytes:
-            parts.append(part)
-            continue
-        try:
-            parts.append(bytes(memoryview(part)))
-        except TypeError:
-            raise _local(
-                f"decoding a PZQ {kind}",
-                "frames",
-                f"has a {type(part).__name__} at index {index}",
-                "bytes or a buffer",
-                part,
-            ) from None
-    return parts
-
-
-def _find_delimiter(parts: list[bytes], start: int) -> int:
-    """Index of the first empty part at or after ``start``, or -1."""
-    try:
-        return parts.index(DELIMITER, start)
-    except ValueError:
-        return -1
-
-
-def _decode_message_id(parts: list[bytes], kind: str) -> bytes:
-    if not parts:
-        raise _remote(kind, "message_id", "is missing (no parts)", "a non-empty id part", None)
-    message_id = parts[0]
-    if not message_id:
-        raise _remote(kind, "message_id", "is empty", "a non-empty id part", message_id)
-    return message_id
-
-
-def _decode_delimiter(parts: list[bytes], start: int, kind: str) -> int:
-    delimiter = _find_delimiter(parts, start)
-    if delimiter < 0:
-        raise _remote(
-            kind,
-            "delimiter",
-            f"is missing (no empty part after part {start - 1} in {len(parts)} parts)",
-            "an empty part between the protocol fields and the data",
-            len(parts),
-        )
-    return delimiter
-
-
-def _decode_timestamp(parts: list[bytes], index: int, field: str, kind: str) -> int:
-    if len(parts) <= index:
-        raise _remote(
-            kind,
-            field,
-            f"is missing (only {len(parts)} parts)",
-            f"an ASCII decimal at part {index}",
-            None,
-        )
-    raw = parts[index]
-    # bytes.isdigit() is ASCII-only, so signs, spaces, "_" and non-ASCII digits all fail,
-    # where int() alone would accept " +1_0 ".
-    if not (0 < len(raw) <= _MAX_DIGITS and raw.isdigit()):
-        raise _remote(
-            kind,
-            field,
-            f"is {_show(raw)}",
-            f"a non-negative ASCII decimal integer of 1 to {_MAX_DIGITS} digits (microseconds)",
-            raw,
-        )
-    value = int(raw)
-    if value > MAX_TIMESTAMP_US:
-        raise _remote(kind, field, f"is {value}", f"at most {MAX_TIMESTAMP_US} (2**64 - 1)", raw)
-    return value
-
-
-def _check_message_id(kind: str, message_id: object) -> None:
-    if not isinstance(message_id, bytes):
-        raise _local(kind, "message_id", f"is a {type(message_id).__name__}", "bytes", message_id)
-    if not message_id:
-        raise _local(kind, "message_id", "is empty", "a non-empty id", message_id)
-
-
-def _check_parts(kind: str, field: str, value: object, *, data: bool) -> tuple[bytes, ...]:
-    """Validate a body (``data=True``: >= 1 part, empty parts fine) or extra parts.
-
-    Extra parts must be non-empty: an empty one would be read back as the delimiter.
-    """
-    if isinstance(value, _BYTES_LIKE) or not isinstance(value, Iterable):
-        raise _local(kind, field, f"is a {type(value).__name__}", "a tuple of bytes parts", value)
-    parts = tuple(value)
-    for index, part in enumerate(parts):
-        if not isinstance(part, bytes):
-            raise _local(
-                kind, field, f"has a {type(part).__name__} at index {index}", "bytes parts", value
-            )
-        if not data and not part:
-            raise _local(
-                kind,
-                field,
-                f"has an empty part at index {index}",
-                "non-empty parts (an empty part is the delimiter)",
-                value,
-            )
-    if data and not parts:
-        raise _local(kind, field, "has no parts", "at least one body part", value)
-    return parts
-
-
-def _check_bool(kind: str, field: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise _local(kind, field, f"is a {type(value).__name__}", "a bool", value)
-
-
-def _check_time(kind: str, field: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _local(kind, field, f"is a {type(value).__name__}", "an int (microseconds)", value)
-    if not 0 <= value <= MAX_TIMESTAMP_US:
-        raise _local(kind, field, f"is {value}", f"0 <= value <= {MAX_TIMESTAMP_US}", value)
-
-
-def _check_instance(kind: str, value: object, cls: type) -> None:
-    if not isinstance(value, cls):
-        raise _local(kind, "message", f"is a {type(value).__name__}", cls.__name__, value)
-
 
 # --------------------------------------------------------------------------- producer
 
@@ -321,9 +165,9 @@ class ProducerMessage:
 
     def __post_init__(self) -> None:
         kind = "ProducerMessage"
-        _check_message_id(kind, self.message_id)
-        object.__setattr__(self, "body", _check_parts(kind, "body", self.body, data=True))
-        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+        check_message_id(kind, self.message_id)
+        object.__setattr__(self, "body", check_parts(kind, "body", self.body, data=True))
+        object.__setattr__(self, "extra", check_parts(kind, "extra", self.extra, data=False))
 
 
 def encode_producer_message(message: ProducerMessage) -> list[bytes]:
@@ -344,7 +188,7 @@ def encode_producer_message(message: ProducerMessage) -> list[bytes]:
     LocalProtocolError
         If ``message`` is not a :class:`ProducerMessage`.
     """
-    _check_instance("encode_producer_message", message, ProducerMessage)
+    check_instance("encode_producer_message", message, ProducerMessage)
     return [message.message_id, *message.extra, DELIMITER, *message.body]
 
 
@@ -372,11 +216,11 @@ def decode_producer_message(frames: Sequence[bytes]) -> ProducerMessage:
         If ``frames`` is not a sequence of bytes-like parts.
     """
     kind = "producer message"
-    parts = _as_parts(frames, kind)
-    message_id = _decode_message_id(parts, kind)
-    delimiter = _decode_delimiter(parts, 1, kind)
+    parts = as_parts(frames, kind)
+    message_id = decode_message_id(parts, kind)
+    delimiter = decode_delimiter(parts, 1, kind)
     if delimiter == len(parts) - 1:
-        raise _remote(
+        raise remote_error(
             kind, "body", "is missing (delimiter is the last part)", "at least one part", None
         )
     return ProducerMessage(message_id, tuple(parts[delimiter + 1 :]), tuple(parts[1:delimiter]))
@@ -414,17 +258,19 @@ class ProducerAck:
 
     def __post_init__(self) -> None:
         kind = "ProducerAck"
-        _check_message_id(kind, self.message_id)
-        _check_bool(kind, "ok", self.ok)
+        check_message_id(kind, self.message_id)
+        check_bool(kind, "ok", self.ok)
         if not isinstance(self.reason, str):
-            raise _local(kind, "reason", f"is a {type(self.reason).__name__}", "a str", self.reason)
+            raise local_error(
+                kind, "reason", f"is a {type(self.reason).__name__}", "a str", self.reason
+            )
         try:
             self.reason.encode("utf-8")
         except UnicodeEncodeError:
-            raise _local(
+            raise local_error(
                 kind, "reason", f"is {self.reason!r}", "text encodable as UTF-8", self.reason
             ) from None
-        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+        object.__setattr__(self, "extra", check_parts(kind, "extra", self.extra, data=False))
 
 
 def encode_producer_ack(ack: ProducerAck) -> list[bytes]:
@@ -445,7 +291,7 @@ def encode_producer_ack(ack: ProducerAck) -> list[bytes]:
     LocalProtocolError
         If ``ack`` is not a :class:`ProducerAck`.
     """
-    _check_instance("encode_producer_ack", ack, ProducerAck)
+    check_instance("encode_producer_ack", ack, ProducerAck)
     status = ACK_SUCCESS if ack.ok else ACK_FAILURE
     return [ack.message_id, status, *ack.extra, DELIMITER, ack.reason.encode("utf-8")]
 
@@ -478,12 +324,12 @@ def decode_producer_ack(frames: Sequence[bytes]) -> ProducerAck:
         If ``frames`` is not a sequence of bytes-like parts.
     """
     kind = "producer ack"
-    parts = _as_parts(frames, kind)
-    message_id = _decode_message_id(parts, kind)
+    parts = as_parts(frames, kind)
+    message_id = decode_message_id(parts, kind)
     if len(parts) < 2 or not parts[1]:
         got = "is missing (only 1 part)" if len(parts) < 2 else "is empty"
-        raise _remote(kind, "status", got, 'b"1" (success) or b"0" (failure) at part 1', None)
-    delimiter = _decode_delimiter(parts, 2, kind)
+        raise remote_error(kind, "status", got, 'b"1" (success) or b"0" (failure) at part 1', None)
+    delimiter = decode_delimiter(parts, 2, kind)
     reason = b"\n".join(parts[delimiter + 1 :]).decode("utf-8", "replace")
     return ProducerAck(message_id, parts[1] == ACK_SUCCESS, reason, tuple(parts[2:delimiter]))
 
@@ -527,11 +373,11 @@ class Delivery:
 
     def __post_init__(self) -> None:
         kind = "Delivery"
-        _check_message_id(kind, self.message_id)
-        _check_time(kind, "sent_us", self.sent_us)
-        _check_time(kind, "ack_timeout_us", self.ack_timeout_us)
-        object.__setattr__(self, "body", _check_parts(kind, "body", self.body, data=True))
-        object.__setattr__(self, "extra", _check_parts(kind, "extra", self.extra, data=False))
+        check_message_id(kind, self.message_id)
+        check_time(kind, "sent_us", self.sent_us)
+        check_time(kind, "ack_timeout_us", self.ack_timeout_us)
+        object.__setattr__(self, "body", check_parts(kind, "body", self.body, data=True))
+        object.__setattr__(self, "extra", check_parts(kind, "extra", self.extra, data=False))
 
     @property
     def deadline_us(self) -> int:
@@ -557,7 +403,7 @@ def encode_delivery(delivery: Delivery) -> list[bytes]:
     LocalProtocolError
         If ``delivery`` is not a :class:`Delivery`.
     """
-    _check_instance("encode_delivery", delivery, Delivery)
+    check_instance("encode_delivery", delivery, Delivery)
     return [
         delivery.message_id,
         str(delivery.sent_us).encode("ascii"),
@@ -595,13 +441,13 @@ def decode_delivery(frames: Sequence[bytes]) -> Delivery:
         If ``frames`` is not a sequence of bytes-like parts.
     """
     kind = "delivery"
-    parts = _as_parts(frames, kind)
-    message_id = _decode_message_id(parts, kind)
-    sent_us = _decode_timestamp(parts, 1, "sent_us", kind)
-    ack_timeout_us = _decode_timestamp(parts, 2, "ack_timeout_us", kind)
-    delimiter = _decode_delimiter(parts, 3, kind)
+    parts = as_parts(frames, kind)
+    message_id = decode_message_id(parts, kind)
+    sent_us = decode_timestamp(parts, 1, "sent_us", kind)
+    ack_timeout_us = decode_timestamp(parts, 2, "ack_timeout_us", kind)
+    delimiter = decode_delimiter(parts, 3, kind)
     if delimiter == len(parts) - 1:
-        raise _remote(
+        raise remote_error(
             kind, "body", "is missing (delimiter is the last part)", "at least one part", None
         )
     return Delivery(
@@ -635,9 +481,9 @@ def is_expired(delivery: Delivery, now_us: int) -> bool:
     LocalProtocolError
         If ``delivery`` is not a :class:`Delivery` or ``now_us`` is not an int.
     """
-    _check_instance("is_expired", delivery, Delivery)
+    check_instance("is_expired", delivery, Delivery)
     if not isinstance(now_us, int) or isinstance(now_us, bool):
-        raise _local("is_expired", "now_us", f"is a {type(now_us).__name__}", "an int", now_us)
+        raise local_error("is_expired", "now_us", f"is a {type(now_us).__name__}", "an int", now_us)
     return delivery.deadline_us < now_us
 
 
@@ -664,8 +510,8 @@ class ConsumerAck:
     ok: bool
 
     def __post_init__(self) -> None:
-        _check_message_id("ConsumerAck", self.message_id)
-        _check_bool("ConsumerAck", "ok", self.ok)
+        check_message_id("ConsumerAck", self.message_id)
+        check_bool("ConsumerAck", "ok", self.ok)
 
 
 def encode_consumer_ack(ack: ConsumerAck) -> list[bytes]:
@@ -687,7 +533,7 @@ def encode_consumer_ack(ack: ConsumerAck) -> list[bytes]:
     LocalProtocolError
         If ``ack`` is not a :class:`ConsumerAck`.
     """
-    _check_instance("encode_consumer_ack", ack, ConsumerAck)
+    check_instance("encode_consumer_ack", ack, ConsumerAck)
     return [ack.message_id, ACK_SUCCESS if ack.ok else ACK_FAILURE]
 
 
@@ -715,16 +561,16 @@ def decode_consumer_ack(frames: Sequence[bytes]) -> ConsumerAck:
         If ``frames`` is not a sequence of bytes-like parts.
     """
     kind = "consumer ack"
-    parts = _as_parts(frames, kind)
-    message_id = _decode_message_id(parts, kind)
+    parts = as_parts(frames, kind)
+    message_id = decode_message_id(parts, kind)
     if len(parts) < 2:
-        raise _remote(kind, "ack", "is missing (only 1 part)", 'b"0" or b"1" at part 1', None)
+        raise remote_error(kind, "ack", "is missing (only 1 part)", 'b"0" or b"1" at part 1', None)
     value = parts[1]
     if value == ACK_SUCCESS:
         return ConsumerAck(message_id, True)
     if value == ACK_FAILURE:
         return ConsumerAck(message_id, False)
-    raise _remote(kind, "ack", f"is {_show(value)}", 'b"0" (nack) or b"1" (ack)', value)
+    raise remote_error(kind, "ack", f"is {show(value)}", 'b"0" (nack) or b"1" (ack)', value)
 
 
 def split_identity(frames: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
@@ -747,10 +593,10 @@ def split_identity(frames: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
     LocalProtocolError
         If ``frames`` is not a sequence of bytes-like parts.
     """
-    parts = _as_parts(frames, "routed message")
+    parts = as_parts(frames, "routed message")
     if not parts or not parts[0]:
         got = "is missing (no parts)" if not parts else "is empty"
-        raise _remote("routed message", "identity", got, "a non-empty routing identity", None)
+        raise remote_error("routed message", "identity", got, "a non-empty routing identity", None)
     return parts[0], parts[1:]
 
 
@@ -782,13 +628,15 @@ def decode_monitor_request(frames: Sequence[bytes]) -> None:
     LocalProtocolError
         If ``frames`` is not a sequence of bytes-like parts.
     """
-    parts = _as_parts(frames, "monitor request")
+    parts = as_parts(frames, "monitor request")
     if len(parts) != 1:
-        raise _remote(
+        raise remote_error(
             "monitor request", "request", f"has {len(parts)} parts", 'one part, b"MONITOR"', None
         )
     if parts[0] != MONITOR_REQUEST:
-        raise _remote("monitor request", "request", f"is {_show(parts[0])}", 'b"MONITOR"', parts[0])
+        raise remote_error(
+            "monitor request", "request", f"is {show(parts[0])}", 'b"MONITOR"', parts[0]
+        )
 
 
 def encode_monitor_reply(stats: Mapping[str, int | str]) -> list[bytes]:
@@ -816,13 +664,13 @@ def encode_monitor_reply(stats: Mapping[str, int | str]) -> list[bytes]:
     """
     kind = "encode_monitor_reply"
     if not isinstance(stats, Mapping):
-        raise _local(kind, "stats", f"is a {type(stats).__name__}", "a mapping", stats)
+        raise local_error(kind, "stats", f"is a {type(stats).__name__}", "a mapping", stats)
     lines: list[str] = []
     for key, value in stats.items():
         if not isinstance(key, str):
-            raise _local(kind, "key", f"is a {type(key).__name__}", "a str", key)
+            raise local_error(kind, "key", f"is a {type(key).__name__}", "a str", key)
         if not key or ":" in key or "\n" in key or key != key.strip():
-            raise _local(
+            raise local_error(
                 kind,
                 "key",
                 f"is {key!r}",
@@ -830,17 +678,17 @@ def encode_monitor_reply(stats: Mapping[str, int | str]) -> list[bytes]:
                 key,
             )
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise _local(
+            raise local_error(
                 kind, "value", f"of {key!r} is a {type(value).__name__}", "int or str", value
             )
         try:
             text = str(value)
         except ValueError:  # an int beyond sys.get_int_max_str_digits()
-            raise _local(
+            raise local_error(
                 kind, "value", f"of {key!r} is too large", "a printable int", key
             ) from None
         if "\n" in text or text != text.strip():
-            raise _local(
+            raise local_error(
                 kind,
                 "value",
                 f"of {key!r} is {text!r}",
@@ -852,7 +700,7 @@ def encode_monitor_reply(stats: Mapping[str, int | str]) -> list[bytes]:
     try:
         return [blob.encode("utf-8")]
     except UnicodeEncodeError:
-        raise _local(kind, "stats", f"is {blob!r}", "text encodable as UTF-8", stats) from None
+        raise local_error(kind, "stats", f"is {blob!r}", "text encodable as UTF-8", stats) from None
 
 
 def decode_monitor_reply(frames: Sequence[bytes]) -> dict[str, str]:
@@ -880,13 +728,13 @@ def decode_monitor_reply(frames: Sequence[bytes]) -> dict[str, str]:
         If ``frames`` is not a sequence of bytes-like parts.
     """
     kind = "monitor reply"
-    parts = _as_parts(frames, kind)
+    parts = as_parts(frames, kind)
     if len(parts) != 1:
-        raise _remote(kind, "reply", f"has {len(parts)} parts", "exactly one part", None)
+        raise remote_error(kind, "reply", f"has {len(parts)} parts", "exactly one part", None)
     try:
         text = parts[0].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _remote(
+        raise remote_error(
             kind, "reply", f"is not UTF-8 ({e.reason} at byte {e.start})", "UTF-8 text", parts[0]
         ) from None
     stats: dict[str, str] = {}
@@ -895,299 +743,13 @@ def decode_monitor_reply(frames: Sequence[bytes]) -> dict[str, str]:
             continue
         key, colon, value = line.partition(":")
         if not colon:
-            raise _remote(kind, "line", f"{number} is {line!r}", "'key: value'", line)
+            raise remote_error(kind, "line", f"{number} is {line!r}", "'key: value'", line)
         key = key.strip()
         if not key:
-            raise _remote(kind, "key", f"on line {number} is empty", "a non-empty key", line)
+            raise remote_error(kind, "key", f"on line {number} is empty", "a non-empty key", line)
         if key in stats:
-            raise _remote(
+            raise remote_error(
                 kind, "key", f"{key!r} repeats on line {number}", "each key at most once", key
             )
         stats[key] = value.strip()
     return stats
-
-
-# --------------------------------------------------------------------------- in flight
-
-
-@dataclass(frozen=True, slots=True)
-class InFlightEntry:
-    """One delivery awaiting its consumer's ack.
-
-    Parameters
-    ----------
-    message_id
-        The delivered message's id.
-    consumer
-        The consumer's routing identity.
-    sent_us
-        When it was sent, in microseconds.
-    timeout_us
-        The ack timeout it was sent with, in microseconds.
-    """
-
-    message_id: bytes
-    consumer: bytes
-    sent_us: int
-    timeout_us: int
-
-    @property
-    def deadline_us(self) -> int:
-        """``sent_us + timeout_us``; the entry expires once ``now_us`` passes it."""
-        return self.sent_us + self.timeout_us
-
-
-class InFlight:
-    """The queue's table of deliveries awaiting an ack, for redelivery and in-flight limits.
-
-    No clock: callers pass ``now_us``. A message expires when
-    ``sent_us + timeout_us < now_us``, the same rule as :func:`is_expired`, so the queue
-    resends exactly when a consumer would discard. Deadlines sit in a heap; acks delete
-    from the table only and leave their heap entry to be skipped later (lazy deletion),
-    with a rebuild once stale entries outnumber live ones, so every operation is
-    O(log n) amortised.
-
-    Parameters
-    ----------
-    per_consumer_limit
-        Most messages one consumer may hold unacked (``None``: no limit).
-
-    Raises
-    ------
-    LocalProtocolError
-        If ``per_consumer_limit`` is not None or a positive int.
-    """
-
-    __slots__ = ("_by_consumer", "_entries", "_heap", "_limit", "_seq", "_stale")
-
-    def __init__(self, per_consumer_limit: int | None = None) -> None:
-        if per_consumer_limit is not None and (
-            not isinstance(per_consumer_limit, int)
-            or isinstance(per_consumer_limit, bool)
-            or per_consumer_limit < 1
-        ):
-            raise _local(
-                "InFlight",
-                "per_consumer_limit",
-                f"is {per_consumer_limit!r}",
-                "None or an int >= 1",
-                per_consumer_limit,
-            )
-        self._limit = per_consumer_limit
-        # message id -> (entry, heap sequence number of its live heap item)
-        self._entries: dict[bytes, tuple[InFlightEntry, int]] = {}
-        self._heap: list[tuple[int, int, bytes]] = []
-        self._by_consumer: dict[bytes, int] = {}
-        self._seq = 0
-        self._stale = 0
-
-    @property
-    def per_consumer_limit(self) -> int | None:
-        """The limit given at construction."""
-        return self._limit
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, message_id: object) -> bool:
-        return message_id in self._entries
-
-    def get(self, message_id: bytes) -> InFlightEntry | None:
-        """The entry for ``message_id``, or None if it is not in flight."""
-        slot = self._entries.get(message_id)
-        return None if slot is None else slot[0]
-
-    def count(self, consumer: bytes) -> int:
-        """How many messages ``consumer`` holds unacked."""
-        return self._by_consumer.get(consumer, 0)
-
-    def can_send(self, consumer: bytes) -> bool:
-        """Whether ``consumer`` is below the per-consumer limit."""
-        return self._limit is None or self.count(consumer) < self._limit
-
-    def add(
-        self, message_id: bytes, consumer: bytes, sent_us: int, timeout_us: int
-    ) -> InFlightEntry:
-        """Record that ``message_id`` was sent to ``consumer`` at ``sent_us``.
-
-        Parameters
-        ----------
-        message_id
-            The delivered message's id; must not already be in flight.
-        consumer
-            The consumer's routing identity.
-        sent_us, timeout_us
-            Send time and ack timeout, microseconds, each in ``0..MAX_TIMESTAMP_US``.
-
-        Returns
-        -------
-        InFlightEntry
-
-        Raises
-        ------
-        LocalProtocolError
-            If an argument has the wrong type or range, the id is already in flight, or
-            ``consumer`` is at its limit (check :meth:`can_send` first).
-        """
-        kind = "InFlight.add"
-        _check_message_id(kind, message_id)
-        if not isinstance(consumer, bytes):
-            raise _local(kind, "consumer", f"is a {type(consumer).__name__}", "bytes", consumer)
-        _check_time(kind, "sent_us", sent_us)
-        _check_time(kind, "timeout_us", timeout_us)
-        if message_id in self._entries:
-            raise _local(
-                kind,
-                "message_id",
-                f"{_show(message_id)} is already in flight",
-                "ack, nack or expire it before sending it again",
-                message_id,
-            )
-        if not self.can_send(consumer):
-            raise _local(
-                kind,
-                "consumer",
-                f"{_show(consumer)} holds {self.count(consumer)} unacked messages",
-                f"fewer than the limit of {self._limit}",
-                consumer,
-            )
-        entry = InFlightEntry(message_id, consumer, sent_us, timeout_us)
-        self._seq += 1
-        self._entries[message_id] = (entry, self._seq)
-        heapq.heappush(self._heap, (entry.deadline_us, self._seq, message_id))
-        self._by_consumer[consumer] = self._by_consumer.get(consumer, 0) + 1
-        return entry
-
-    def ack(self, message_id: bytes) -> bool:
-        """Forget ``message_id`` after a positive ack.
-
-        Returns
-        -------
-        bool
-            True if it was in flight; False for an unknown, late or repeated ack.
-        """
-        return self._discard(message_id) is not None
-
-    def nack(self, message_id: bytes) -> bool:
-        """Forget ``message_id`` after a negative ack; the caller requeues it now.
-
-        Returns
-        -------
-        bool
-            True if it was in flight.
-        """
-        return self._discard(message_id) is not None
-
-    def drop_consumer(self, consumer: bytes) -> list[bytes]:
-        """Forget everything ``consumer`` holds (it went away); the caller requeues them.
-
-        Returns
-        -------
-        list[bytes]
-            The message ids, earliest deadline first.
-        """
-        if consumer not in self._by_consumer:
-            return []
-        held = sorted(
-            (slot for slot in self._entries.values() if slot[0].consumer == consumer),
-            key=lambda slot: (slot[0].deadline_us, slot[1]),
-        )
-        for entry, _ in held:
-            self._discard(entry.message_id)
-        return [entry.message_id for entry, _ in held]
-
-    def drop_sent_before(self, consumer: bytes, before_us: int) -> list[bytes]:
-        """Forget what ``consumer`` was sent before ``before_us`` (the caller requeues
-        it): for a queue that cannot tell its consumers apart but knows that nobody
-        still connected was there to receive those.
-
-        Returns
-        -------
-        list[bytes]
-            The message ids, earliest deadline first.
-        """
-        held = sorted(
-            (
-                slot
-                for slot in self._entries.values()
-                if slot[0].consumer == consumer and slot[0].sent_us < before_us
-            ),
-            key=lambda slot: (slot[0].deadline_us, slot[1]),
-        )
-        for entry, _ in held:
-            self._discard(entry.message_id)
-        return [entry.message_id for entry, _ in held]
-
-    def expired(self, now_us: int) -> list[bytes]:
-        """Remove and return the messages whose deadline is before ``now_us``.
-
-        They are no longer in flight: the caller requeues them for redelivery.
-
-        Parameters
-        ----------
-        now_us
-            The current time in microseconds.
-
-        Returns
-        -------
-        list[bytes]
-            Message ids, earliest deadline first (ties in the order they were added).
-
-        Raises
-        ------
-        LocalProtocolError
-            If ``now_us`` is not an int.
-        """
-        if not isinstance(now_us, int) or isinstance(now_us, bool):
-            raise _local(
-                "InFlight.expired", "now_us", f"is a {type(now_us).__name__}", "an int", now_us
-            )
-        heap = self._heap
-        out: list[bytes] = []
-        while heap and heap[0][0] < now_us:
-            _, seq, message_id = heapq.heappop(heap)
-            slot = self._entries.get(message_id)
-            if slot is None or slot[1] != seq:
-                self._stale -= 1
-                continue
-            self._forget(slot[0])
-            out.append(message_id)
-        return out
-
-    def next_deadline(self) -> int | None:
-        """The earliest deadline in flight (microseconds), or None when empty.
-
-        :meth:`expired` returns it once ``now_us`` exceeds this value, so a poll loop can
-        sleep until then.
-        """
-        heap = self._heap
-        while heap:
-            _, seq, message_id = heap[0]
-            slot = self._entries.get(message_id)
-            if slot is not None and slot[1] == seq:
-                return heap[0][0]
-            heapq.heappop(heap)
-            self._stale -= 1
-        return None
-
-    def _discard(self, message_id: bytes) -> InFlightEntry | None:
-        slot = self._entries.get(message_id)
-        if slot is None:
-            return None
-        self._forget(slot[0])
-        self._stale += 1
-        if self._stale > _COMPACT_MIN_STALE and self._stale > len(self._entries):
-            self._heap = [
-                (entry.deadline_us, seq, mid) for mid, (entry, seq) in self._entries.items()
-            ]
-            heapq.heapify(self._heap)
-            self._stale = 0
-        return slot[0]
-
-    def _forget(self, entry: InFlightEntry) -> None:
-        del self._entries[entry.message_id]
-        remaining = self._by_consumer[entry.consumer] - 1
-        if remaining:
-            self._by_consumer[entry.consumer] = remaining
-        else:
-            del self._by_consumer[entry.consumer]

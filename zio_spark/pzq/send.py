@@ -36,9 +36,9 @@ from zio_spark.protocol.pzq import (
     ACK_FAILURE,
     ACK_SUCCESS,
     DELIMITER,
-    InFlight,
     decode_consumer_ack,
 )
+from zio_spark.protocol.pzq_inflight import InFlight
 from zio_spark.pzq.wire import now_us, readable, recv_frames, send_frames
 from zio_spark.storage.store import MessageStore, StoredMessage, StoreError
 
