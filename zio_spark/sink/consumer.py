@@ -371,7 +371,6 @@ class Consumer:
                 raise ConfigError(name, value, "an integer >= 1")
         self.credit = credit
         self.record_credit = record_credit
-        self.fsync = fsync
         self.plain_batch_rows = plain_batch_rows
         self.plain_batch_seconds = plain_batch_seconds
         self.stats: dict[str, int] = {
@@ -420,6 +419,15 @@ class Consumer:
         ).start()
 
     # -- lifecycle -------------------------------------------------------------------
+
+    @property
+    def fault_hook(self) -> Callable[[str, str, BatchId], None] | None:
+        """The test hook (see the class docstring); settable while serving."""
+        return self.folder.fault_hook
+
+    @fault_hook.setter
+    def fault_hook(self, hook: Callable[[str, str, BatchId], None] | None) -> None:
+        self.folder.fault_hook = hook
 
     @property
     def endpoint(self) -> str:
