@@ -75,6 +75,7 @@ from zio_spark.protocol.pzq_fields import (
     check_parts,
     check_time,
     decode_delimiter,
+    decode_extra_and_body,
     decode_message_id,
     decode_timestamp,
     local_error,
@@ -218,12 +219,8 @@ def decode_producer_message(frames: Sequence[bytes]) -> ProducerMessage:
     kind = "producer message"
     parts = as_parts(frames, kind)
     message_id = decode_message_id(parts, kind)
-    delimiter = decode_delimiter(parts, 1, kind)
-    if delimiter == len(parts) - 1:
-        raise remote_error(
-            kind, "body", "is missing (delimiter is the last part)", "at least one part", None
-        )
-    return ProducerMessage(message_id, tuple(parts[delimiter + 1 :]), tuple(parts[1:delimiter]))
+    extra, body = decode_extra_and_body(parts, 1, kind)
+    return ProducerMessage(message_id, body, extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,18 +442,8 @@ def decode_delivery(frames: Sequence[bytes]) -> Delivery:
     message_id = decode_message_id(parts, kind)
     sent_us = decode_timestamp(parts, 1, "sent_us", kind)
     ack_timeout_us = decode_timestamp(parts, 2, "ack_timeout_us", kind)
-    delimiter = decode_delimiter(parts, 3, kind)
-    if delimiter == len(parts) - 1:
-        raise remote_error(
-            kind, "body", "is missing (delimiter is the last part)", "at least one part", None
-        )
-    return Delivery(
-        message_id,
-        sent_us,
-        ack_timeout_us,
-        tuple(parts[delimiter + 1 :]),
-        tuple(parts[3:delimiter]),
-    )
+    extra, body = decode_extra_and_body(parts, 3, kind)
+    return Delivery(message_id, sent_us, ack_timeout_us, body, extra)
 
 
 def is_expired(delivery: Delivery, now_us: int) -> bool:

@@ -22,6 +22,7 @@ __all__ = [
     "check_parts",
     "check_time",
     "decode_delimiter",
+    "decode_extra_and_body",
     "decode_message_id",
     "decode_timestamp",
     "find_delimiter",
@@ -120,6 +121,19 @@ def decode_delimiter(parts: list[bytes], start: int, kind: str) -> int:
             len(parts),
         )
     return delimiter
+
+
+def decode_extra_and_body(
+    parts: list[bytes], start: int, kind: str
+) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """Split ``parts[start:]`` at the delimiter into ``(extra, body)``; the body must
+    have at least one part."""
+    delimiter = decode_delimiter(parts, start, kind)
+    if delimiter == len(parts) - 1:
+        raise remote_error(
+            kind, "body", "is missing (delimiter is the last part)", "at least one part", None
+        )
+    return tuple(parts[start:delimiter]), tuple(parts[delimiter + 1 :])
 
 
 def decode_timestamp(parts: list[bytes], index: int, field: str, kind: str) -> int:
