@@ -7,8 +7,12 @@ imports it in a fresh interpreter and checks ``sys.modules``. One module per pro
 - :mod:`.flow` -- the ZIO flow state machine (BOT/PAY/DAT/EOT) and zio-spark profile.
 - :mod:`.negotiate` -- the profile's handshake terms, read so that an echoed BOT means
   a plain peer.
-- :mod:`.zre` -- 36/ZRE beacons, commands and peer bookkeeping.
+- :mod:`.zre` -- the 36/ZRE wire codec: beacons, identities, commands.
+- :mod:`.zre_peers` -- the ZRE peer table (events, sequences, expiry), a state machine.
+- :mod:`.zio_ports` -- the ``zio.port.*`` HELLO headers that advertise ZIO flow ports.
 - :mod:`.pzq` -- PZQ producer, consumer and monitor frames.
+- :mod:`.pzq_fields` -- the field checks and errors the PZQ modules share.
+- :mod:`.pzq_inflight` -- the PZQ queue's table of deliveries awaiting an ack.
 """
 
 from __future__ import annotations
