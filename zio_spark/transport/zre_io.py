@@ -2,7 +2,7 @@
 
 :class:`ZreIo` is the half of :class:`~zio_spark.transport.zre_node.ZreNode` that runs in
 the node thread: it binds the sockets, runs the poll loop, reads beacons and mailbox
-messages into the pure :class:`~zio_spark.protocol.zre.PeerTable`, and carries out what
+messages into the pure :class:`~zio_spark.protocol.zre_peers.PeerTable`, and carries out what
 the table answers (connect, drop, ping, deliver events). The public API, the
 configuration and the command plumbing between threads are in :mod:`.zre_node`; read
 its docstring for the theory of operation.

@@ -6,7 +6,7 @@ lines because the public API is documented method by method.
 
 Theory of operation:
 
-All protocol decisions live in the pure :class:`~zio_spark.protocol.zre.PeerTable`; this
+All protocol decisions live in the pure :class:`~zio_spark.protocol.zre_peers.PeerTable`; this
 module only moves bytes and time. One background thread owns every socket (zmq sockets
 are not thread-safe): the UDP beacon socket, the mailbox ROUTER and the per-peer DEALERs.
 It loops on a single poll whose timeout is the earliest of "next beacon due" and
@@ -229,7 +229,7 @@ class ZreNode(ZreIo):
     max_peers, max_unconfirmed
         Most peers known, and most known only from a beacon (still waiting for their
         HELLO); defaults 512 and 64. Each peer costs a socket, and a context has about
-        1000: see :class:`~zio_spark.protocol.zre.PeerTable` for how the bounds keep a
+        1000: see :class:`~zio_spark.protocol.zre_peers.PeerTable` for how the bounds keep a
         flood of forged beacons from locking real peers out (``stats["peers_refused"]``).
     ctx
         The zmq context for the mailbox and DEALERs; by default the node makes its own
@@ -453,7 +453,7 @@ class ZreNode(ZreIo):
         """Advertise a ZIO flow port in our HELLO headers. Only before :meth:`start`.
 
         Sets ``zio.port.<name>.address`` and ``zio.port.<name>.socket``
-        (see :func:`~zio_spark.protocol.zre.zio_port_headers`).
+        (see :func:`~zio_spark.protocol.zio_ports.zio_port_headers`).
 
         Parameters
         ----------
@@ -696,7 +696,7 @@ class ZreNode(ZreIo):
     def zio_endpoints(self, group: str, port: str | None = None) -> list[ZioEndpoint]:
         """The ZIO flow ports advertised by the entered peers in ``group``.
 
-        See :func:`~zio_spark.protocol.zre.group_zio_endpoints`; ``port`` keeps only
+        See :func:`~zio_spark.protocol.zio_ports.group_zio_endpoints`; ``port`` keeps only
         that port name.
         """
         return self._query(lambda: group_zio_endpoints(self._table, group, port=port))
