@@ -135,9 +135,9 @@ def _wal_record(rng: random.Random, tmp: Path) -> bytes:
 def _reseal(record: bytes) -> bytes:
     """A WAL record with a correct length and CRC for whatever payload it now has."""
     payload = record[wal_mod._WAL_HEADER.size :]
-    return wal_mod._WAL_HEADER.pack(
-        wal_mod._WAL_MAGIC, len(payload), zlib.crc32(payload), 0
-    ) + (payload)
+    return wal_mod._WAL_HEADER.pack(wal_mod._WAL_MAGIC, len(payload), zlib.crc32(payload), 0) + (
+        payload
+    )
 
 
 @pytest.mark.parametrize("n", cases())
