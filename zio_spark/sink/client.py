@@ -283,7 +283,8 @@ class StagingWriter:
             )
 
     def write_batch(self, batch: pa.RecordBatch) -> None:
-        """Send one record batch of :data:`CONSUMER_SCHEMA` as one DAT (``format=arrow``)."""
+        """Send one record batch of :data:`~zio_spark.codec.schema.SINK_SCHEMA` as one DAT
+        (``format=arrow``)."""
         self._check_format("arrow")
         self._put((encode_payload(batch),))
         self.rows += batch.num_rows
