@@ -347,6 +347,26 @@ def test_a_filesystem_without_fallocate_falls_back_to_appending(
         assert again.messages == 800
 
 
+def test_a_full_disk_at_segment_start_leaves_that_segment_growing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def full(*args: object) -> None:
+        calls.append(args)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as st:
+        put_many(st, ids(400), b"z" * 300)  # a rollover: a second segment starts
+        st.commit()
+        assert len(calls) == 2, "tried again for the next segment"
+        for path in segments(tmp_path):
+            assert path.stat().st_size == records_end(path)
+    with MessageStore(tmp_path, segment_bytes=SMALL, preallocate=False) as again:
+        assert again.messages == 400 and again.stats().torn_records == 0
+
+
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_preallocate_must_be_a_bool(tmp_path: Path, value: object) -> None:
     with pytest.raises(ConfigError, match="preallocate") as info:

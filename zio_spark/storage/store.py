@@ -93,7 +93,6 @@ may run elsewhere.
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import logging
 import os
@@ -131,7 +130,6 @@ from zio_spark.storage.store_format import (
     StoreStats,
     _ack_payload,
     _encode_snapshot,
-    _header_payload,
     _message_payload,
     _pwrite_all,
     _record,
@@ -156,7 +154,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _RECLAIM_BYTES = 1 << 20  # maintain() retires a fully acked active segment this big
-_NO_FALLOCATE = frozenset((errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS))
 
 
 def _check_int(option: str, value: object, minimum: int) -> int:
@@ -186,10 +183,9 @@ class MessageStore(StoreIndex):
         ``fdatasync`` on commit (default). False is for tests and benchmarks only: nothing
         is then durable.
     preallocate
-        Give each new segment file ``segment_bytes`` up front (``posix_fallocate``) and
-        truncate it to its records when it is closed (default): a commit then does not
-        grow the file, and its ``fdatasync`` is cheaper (see
-        :mod:`~zio_spark.storage.store_format`). False: segments grow as they are written.
+        Give each new segment ``segment_bytes`` up front (``posix_fallocate``), truncated
+        to its records when closed (default): a commit then does not grow the file, so its
+        ``fdatasync`` is cheaper (see :mod:`~zio_spark.storage.store_format`).
 
     Raises
     ------
@@ -301,10 +297,8 @@ class MessageStore(StoreIndex):
             if not self._failed and self.dirty:
                 self.commit()
             if not self._failed and self._active is not None:
-                try:
-                    self._seal(self._active)
-                except OSError as e:  # harmless: replay ends the log at the zero tail
-                    log.warning("store %s: truncating the active segment: %s", self._root, e)
+                with contextlib.suppress(OSError):  # harmless: replay ends at a zero tail
+                    self._active.seal()
         finally:
             self._closed = True
             self._close_files()
@@ -369,54 +363,20 @@ class MessageStore(StoreIndex):
         """Start a new active segment (header written, not synced). Buffer must be empty."""
         old = self._active
         if old is not None and (self._ticket is None or self._ticket._seg is not old):
-            self._seal(old)  # else end_commit seals it once its last commit has run
+            old.seal()  # else end_commit seals it once its last commit has run
         no = self._next_no
         self._next_no += 1
         path = self._root / f"seg-{no:010d}.log"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            header = b"".join(_record(_header_payload(no)))
-            _pwrite_all(fd, header, 0)
-            allocated = self._allocate(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        seg = LogFile(no, path, fd, len(header))
-        seg.allocated = allocated
-        seg.needs_sync = True  # the first commit into it syncs header and directory
+        seg, supported = LogFile.create(no, path, self._segment_bytes if self._preallocate else 0)
+        if not supported:  # the filesystem cannot: segments grow as written from now on
+            log.debug("store %s: no preallocation on this filesystem", self._root)
+            self._preallocate = False
         self._segments[no] = seg
         self._active = seg
         self._buf_first = 0
         if not self._cursor_no:
             self._cursor_no = no
         return seg
-
-    def _allocate(self, fd: int) -> int:
-        """Preallocate a new segment file to ``segment_bytes``; returns the size given
-        (0 when not preallocated)."""
-        if not self._preallocate:
-            return 0
-        try:
-            os.posix_fallocate(fd, 0, self._segment_bytes)
-        except OSError as e:
-            if e.errno in _NO_FALLOCATE:  # the filesystem cannot: append from now on
-                log.debug("store %s: no preallocation on this filesystem (%s)", self._root, e)
-                self._preallocate = False
-                return 0
-            if e.errno != errno.ENOSPC:
-                raise
-            # A full disk: this segment grows as it is written, as without preallocation
-            # (the space may have been given in part: find the size it has).
-            return os.fstat(fd).st_size
-        return self._segment_bytes
-
-    def _seal(self, seg: LogFile) -> None:
-        """Truncate a closed segment's preallocated tail: the file holds records only."""
-        if seg.allocated > seg.end:
-            os.ftruncate(seg.fd, seg.end)
-        seg.allocated = 0
 
     def _sync_new_segment(self) -> None:
         seg = self._active
@@ -774,7 +734,7 @@ class MessageStore(StoreIndex):
         self._durable_seq = max(self._durable_seq, self._ticket_seq)
         try:
             if seg is not self._active:  # the commit that ended it: it is closed now
-                self._seal(seg)
+                seg.seal()
             self._reclaim()
         except OSError as e:
             self._fail(f"closing or deleting a segment failed: {e}")

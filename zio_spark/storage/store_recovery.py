@@ -54,8 +54,8 @@ log = logging.getLogger("zio_spark.storage.store")
 class Replay:
     """What replaying a store folder found (the store adopts it, then starts a segment).
 
-    Opens every segment file (``O_APPEND``); on an error the files opened so far are
-    closed again.
+    Opens every segment file (read and truncated here, never written again); on an error
+    the files opened so far are closed again.
 
     Attributes
     ----------
@@ -135,7 +135,7 @@ class Replay:
 
     def _replay_segment(self, no: int, path: Path, seen: list[tuple[int, bytes]]) -> int:
         """Index one segment file; returns the highest accept seq in it."""
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         size = os.fstat(fd).st_size
         seg = LogFile(no, path, fd, size)
         self.segments[no] = seg  # tombstones may name this segment's own slots
