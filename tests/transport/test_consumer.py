@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ import pyarrow as pa
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.codec.records import encode_payload
 from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import TransportError
@@ -36,16 +36,6 @@ def _batch(values: list[bytes], keys: list[bytes | None] | None = None) -> pa.Re
         ],
         schema=SINK_SCHEMA,
     )
-
-
-def _wait(cond: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -183,7 +173,7 @@ def test_eot_with_error_discards_the_partial_partition(ctx, consumer):
     w.write_batch(_batch([b"half"]))
     w.fail("task failed: boom")
     folder = consumer.root / "staging" / "s" / f"{0:020d}"
-    _wait(lambda: not any(folder.glob("0-0.*")), what="staging discarded")
+    wait_until(lambda: not any(folder.glob("0-0.*")), what="staging discarded", timeout=10.0)
 
 
 def test_new_bot_for_the_same_partition_truncates(ctx, consumer):
@@ -201,7 +191,7 @@ def test_credit_bounds_what_is_in_flight(ctx, make_consumer, make_client):
     attrs = {"stream": "s", "batch": 0, "partition": 0, "format": "arrow"}
     bot = ep.connect(Direction.EXTRACT, 1000, attrs, timeout=5)
     assert bot.credit == 2
-    _wait(lambda: ep.poll() and ep.flow.credit == 2, what="initial PAY")
+    wait_until(lambda: ep.poll() and ep.flow.credit == 2, what="initial PAY", timeout=10.0)
     ep.put((encode_payload(_batch([b"x"])),), timeout=5)
     ep.put((encode_payload(_batch([b"y"])),), timeout=5)
     assert ep.flow.credit == 0  # a third DAT has to wait for the consumer's PAY
@@ -319,7 +309,7 @@ def test_plain_zio_giver_one_record_per_dat(ctx, consumer, make_client):
         assert ep.put((b"rec-%d" % i,), timeout=5)
     assert ep.put((b"with-attrs",), {"key": "a2V5", "headers": {"h": "1"}, "x": 5}, timeout=5)
     assert ep.send_eot(timeout=5).attrs["rows"] == 51
-    pubs = _wait(lambda: consumer.published("zio"), what="plain batch published")
+    pubs = wait_until(lambda: consumer.published("zio"), what="plain batch published", timeout=10.0)
     records = [r for p in pubs for r in consumer.records(*p)]
     assert [r.value for r in records] == [b"rec-%d" % i for i in range(50)] + [b"with-attrs"]
     assert records[-1].key == b"key" and records[-1].headers == {"h": "1", "x": "5"}
@@ -354,7 +344,7 @@ def test_the_source_and_the_sink_read_a_plain_dat_alike(ctx, consumer, make_clie
     from zio_spark.storage.spool import Spool
 
     _give_plain(make_client, consumer.endpoint)
-    pubs = _wait(lambda: consumer.published("zio"), what="plain batch published")
+    pubs = wait_until(lambda: consumer.published("zio"), what="plain batch published", timeout=10.0)
     sink = [tuple(r) for p in pubs for r in consumer.records(*p)]
 
     spool = Spool(tmp_path / "spool", sync=False)
@@ -362,7 +352,11 @@ def test_the_source_and_the_sink_read_a_plain_dat_alike(ctx, consumer, make_clie
     try:
         (endpoint,) = receiver.bound_endpoints()
         _give_plain(make_client, endpoint)
-        _wait(lambda: sum(st.records for st in receiver.status()) >= len(PLAIN_DATS), what="rows")
+        wait_until(
+            lambda: sum(st.records for st in receiver.status()) >= len(PLAIN_DATS),
+            what="rows",
+            timeout=10.0,
+        )
         ends = spool.seal()
         (producer,) = ends
         batches = list(spool.read(producer, 1, ends[producer]))
@@ -398,9 +392,9 @@ def test_garbage_from_a_raw_peer_is_dropped_and_others_still_work(
     bad_ep = FlowEndpoint(bad, Role.CLIENT)
     attrs = {"stream": "s", "batch": 0, "partition": 9, "format": "arrow"}
     bad_ep.connect(Direction.EXTRACT, 4, attrs, timeout=5)
-    _wait(lambda: bad_ep.poll() and bad_ep.flow.credit > 0, what="credit")
+    wait_until(lambda: bad_ep.poll() and bad_ep.flow.credit > 0, what="credit", timeout=10.0)
     bad_ep.put((b"definitely not arrow",), timeout=5)
-    _wait(lambda: consumer.server.stats["dropped"] >= 1, what="bad flow dropped")
+    wait_until(lambda: consumer.server.stats["dropped"] >= 1, what="bad flow dropped", timeout=10.0)
     assert consumer.server.stats["bad_messages"] >= 2
     # Everybody else is unaffected.
     assert _stage(ctx, consumer, 0, 0, [b"fine"]) == 1
