@@ -8,6 +8,8 @@
   teardown.
 - Endpoints: ``tcp://127.0.0.1:*`` only (never a fixed port or another address), unique
   ``inproc://`` names, ``ipc://`` under ``tmp_path``.
+- ``make_broker``: a PZQ queue broker on this test's context (linger 0), stopped at
+  teardown; ``make(store=None, **options)``.
 - ``recording_proxy``: a plain TCP relay on 127.0.0.1 that keeps every byte it forwards.
 
 Draft sockets: tests marked ``@pytest.mark.requires_draft`` are handled suite-wide in
@@ -29,6 +31,7 @@ import pytest
 import zmq
 
 from tests.support import TERM_TIMEOUT_S, TrackingContext, tracked_context
+from zio_spark.pzq.broker import QueueBroker
 from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.port import ClientPort, ServerPort
 
@@ -36,6 +39,24 @@ from zio_spark.transport.port import ClientPort, ServerPort
 @pytest.fixture
 def ctx() -> Iterator[TrackingContext]:
     yield from tracked_context()
+
+
+@pytest.fixture
+def make_broker(ctx: zmq.Context[Any], tmp_path: Path) -> Iterator[Callable[..., QueueBroker]]:
+    """A PZQ queue broker on ``ctx`` (linger 0, store under ``tmp_path`` unless given),
+    stopped at teardown."""
+    made: list[QueueBroker] = []
+
+    def make(store: Path | None = None, **kw: Any) -> QueueBroker:
+        kw.setdefault("linger_ms", 0)
+        kw.setdefault("context", ctx)
+        b = QueueBroker(store or tmp_path / "store", **kw).start()
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.stop()
 
 
 P = TypeVar("P", ServerPort, ClientPort)

@@ -380,19 +380,3 @@ def test_the_monitor_answers_with_the_spec_and_the_reference_keys(
         assert stats[spec] == stats[reference] and int(stats[reference]) > 0
     for key in (*pzq.MONITOR_KEYS, *pzq.REFERENCE_MONITOR_KEYS):
         assert stats[key].isdigit()
-
-
-@pytest.fixture
-def make_broker(ctx: zmq.Context[Any], tmp_path: Path) -> Iterator[Callable[..., QueueBroker]]:
-    made: list[QueueBroker] = []
-
-    def make(store: Path | None = None, **kw: Any) -> QueueBroker:
-        kw.setdefault("linger_ms", 0)
-        kw.setdefault("context", ctx)
-        b = QueueBroker(store or tmp_path / "store", **kw).start()
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.stop()

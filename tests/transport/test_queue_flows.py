@@ -53,22 +53,6 @@ HEADERS = SINK_SCHEMA.field("headers").type
 
 
 @pytest.fixture
-def make_broker(ctx: zmq.Context[Any], tmp_path: Path) -> Iterator[Callable[..., QueueBroker]]:
-    made: list[QueueBroker] = []
-
-    def make(store: Path | None = None, **kw: Any) -> QueueBroker:
-        kw.setdefault("linger_ms", 0)
-        kw.setdefault("context", ctx)
-        b = QueueBroker(store or tmp_path / "store", **kw).start()
-        made.append(b)
-        return b
-
-    yield make
-    for b in made:
-        b.stop()
-
-
-@pytest.fixture
 def spool(tmp_path: Path) -> Iterator[Spool]:
     s = Spool(tmp_path / "spool", sync=False)
     yield s
