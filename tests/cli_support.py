@@ -1,6 +1,7 @@
 """Helpers shared by the tests that run `zio-spark` commands in-process (``main(argv)``).
 
-- :func:`free_endpoint`: a ``tcp://127.0.0.1:<port>`` nobody listens on (yet).
+- :func:`free_endpoint` (from ``tests/support.py``): a ``tcp://127.0.0.1:<port>`` nobody
+  listens on (yet).
 - :class:`Run`: ``main(argv)`` in a thread; ``result()`` joins it with a deadline.
 - :func:`last_json`: the command's JSON summary (its last stdout line) and its stderr.
 """
@@ -8,22 +9,18 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from typing import Any
 
 import pytest
 
+from tests.support import free_endpoint
 from zio_spark.cli.main import main
 
+__all__ = ["Run", "free_endpoint", "last_json"]
+
 WAIT = 30.0
-
-
-def free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 class Run:

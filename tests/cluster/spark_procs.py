@@ -22,14 +22,10 @@ from pathlib import Path
 
 import pyspark
 
+from tests.support import free_port
+
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spark_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from test_queue import (  # the queue_process fixture is shared by importing it
     wait_for,
 )
 
+from tests.support import free_endpoint
 from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.protocol import pzq
 from zio_spark.protocol.message import join_single
@@ -110,12 +110,6 @@ class Collector:
         if commit:
             self.receiver.commit(ends)
         return len(self.rows)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stats(b: QueueBroker, key: str) -> int:
@@ -213,7 +207,7 @@ def test_queue_killed_mid_flow_resumes_without_loss_or_duplicate(
     tmp_path: Path,
 ) -> None:
     store = tmp_path / "store"
-    flow_ep = f"tcp://127.0.0.1:{_free_port()}"
+    flow_ep = free_endpoint()
     proc, info = queue_process(store, "--flow-producer", flow_ep)
     assert info["flow_producer"] == flow_ep
     pid = f"queue:{info['queue_id']}"
