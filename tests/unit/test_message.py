@@ -17,6 +17,7 @@ from zio_spark.errors import LocalProtocolError, RemoteProtocolError
 from zio_spark.protocol import message as message_module
 from zio_spark.protocol.message import (
     FLOW_FORM,
+    DatCodec,
     Level,
     Message,
     decode_frames,
@@ -711,3 +712,10 @@ def test_join_single_rejects_frames_of_4_gib():
     with pytest.raises(LocalProtocolError) as info:
         join_single([Huge(b"x")])
     assert info.value.field == "length"
+
+
+def test_dat_codec_coord_is_the_coord_part_of_the_full_encoding():
+    # The ROUTER wire packs a DAT from codec.prefix and codec.coord (no Message).
+    codec = DatCodec(0x0102030405060708)
+    msg = Message(FLOW_FORM, DAT_LABEL, 0, 0x0102030405060708, 0, 1, (b"x",))
+    assert [codec.prefix, codec.coord(1), b"x"] == encode_frames(msg)

@@ -272,18 +272,26 @@ def decode_frames(frames: Sequence[bytes]) -> Message:
         )
     prefix = bytes(frames[0])
     coord = frames[1]
-    known = _PREFIX_IN.get(prefix)
-    if known is not None:
-        if len(coord) != COORD_SIZE:
-            raise RemoteProtocolError(
-                f"coord must be exactly 24 bytes, got {len(coord)}",
-                field="coord",
-                value=len(coord),
-            )
-        origin, granule, seqno = _COORD.unpack(coord)
-        level, form, label = known
-        payload = tuple(map(bytes, frames[2:]))
-        return _new_message(Message, (form, label, level, origin, granule, seqno, payload))
+    known = _PREFIX_IN.get(prefix)  # a prefix seen before is valid: no checks again
+    level, form, label = _decode_prefix(prefix) if known is None else known
+    if len(coord) != COORD_SIZE:
+        raise RemoteProtocolError(
+            f"coord must be exactly 24 bytes, got {len(coord)}",
+            field="coord",
+            value=len(coord),
+        )
+    origin, granule, seqno = _COORD.unpack(coord)
+    if known is None:
+        if form == FLOW_FORM:
+            parse_flow_label(label)
+        if len(_PREFIX_IN) < _PREFIX_CACHE_MAX:
+            _PREFIX_IN[prefix] = (level, form, label)
+    payload = tuple(map(bytes, frames[2:]))
+    return _new_message(Message, (form, label, level, origin, granule, seqno, payload))
+
+
+def _decode_prefix(prefix: bytes) -> tuple[int, str, str]:
+    """Level, form and label of a prefix not in the cache, checked (not the flow label)."""
     if len(prefix) < 8:
         raise RemoteProtocolError(
             f"prefix must be at least 8 bytes (ZIO + level + 4-byte form), got {prefix!r}",
@@ -315,26 +323,7 @@ def decode_frames(frames: Sequence[bytes]) -> Message:
             field="label",
             value=prefix[8:],
         ) from None
-    if len(coord) != COORD_SIZE:
-        raise RemoteProtocolError(
-            f"coord must be exactly 24 bytes, got {len(coord)}",
-            field="coord",
-            value=len(coord),
-        )
-    origin, granule, seqno = _COORD.unpack(coord)
-    if form == FLOW_FORM:
-        parse_flow_label(label)
-    if len(_PREFIX_IN) < _PREFIX_CACHE_MAX:
-        _PREFIX_IN[prefix] = (level_byte - 48, form, label)
-    return Message(
-        form=form,
-        label=label,
-        level=level_byte - 48,
-        origin=origin,
-        granule=granule,
-        seqno=seqno,
-        payload=tuple(bytes(f) for f in frames[2:]),
-    )
+    return level_byte - 48, form, label
 
 
 def _single_pieces(frames: Sequence[bytes]) -> list[bytes]:
