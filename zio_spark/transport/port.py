@@ -4,24 +4,19 @@ Theory of operation (specs/zio-wire.md, specs/41-clientserver.txt, DESIGN.md "So
 
 A *port* is one ZeroMQ socket with a role (:class:`PortKind`): a :class:`ServerPort`
 binds and talks to many clients, each addressed by an opaque :data:`PeerId`; a
-:class:`ClientPort` connects and talks to its server. Two wire modes (:class:`SocketMode`)
-exist and a port speaks exactly one of them:
+:class:`ClientPort` connects and talks to its server. A port speaks exactly one wire mode
+(:class:`SocketMode`; the framing of each is in :mod:`zio_spark.transport.wire`):
 
 ``clientserver``
-    Real draft CLIENT/SERVER sockets (41/CLIENTSERVER). They carry one frame per
-    message, so a ZIO message travels in czmq's single-frame encoding
-    (:func:`~zio_spark.protocol.message.encode_single`). The SERVER names each client
-    by a non-zero uint32 *routing id* (an ``int`` here). Needs a pyzmq built against a
-    draft-enabled libzmq: stock PyPI pyzmq has no draft API, and a CLIENT/SERVER
-    handshake with it aborts the whole process, so these sockets are only ever created
-    when ``zmq.DRAFT_API`` is true (see ``scripts/build-draft-pyzmq.sh``).
+    Real draft CLIENT/SERVER sockets (41/CLIENTSERVER), one frame per message in czmq's
+    single-frame encoding; the SERVER names each client by a non-zero uint32 *routing
+    id* (an ``int``). Needs a pyzmq built against a draft-enabled libzmq: stock PyPI
+    pyzmq has no draft API, and a CLIENT/SERVER handshake with it aborts the whole
+    process, so these sockets are only ever created when ``zmq.DRAFT_API`` is true (see
+    ``scripts/build-draft-pyzmq.sh``).
 ``routerdealer``
-    The reference ZIO fallback: the server side is a ROUTER, which receives
-    ``[identity][empty][prefix][coord][payload...]`` and replies
-    ``[identity][empty][prefix][coord][payload...]``; the client side is a DEALER,
-    which sends ``[empty][prefix][coord][payload...]`` and receives
-    ``[empty][prefix][coord][payload...]``. The peer id is the ROUTER identity
-    (``bytes``).
+    The reference ZIO fallback: a ROUTER serves, DEALERs connect, and the ZIO parts
+    follow an empty delimiter frame. The peer id is the ROUTER identity (``bytes``).
 
 The two modes never interoperate: libzmq checks socket types during the ZMTP 3
 handshake, and a DEALER talking to a SERVER connects and then silently delivers
@@ -74,21 +69,25 @@ server's public key is accepted. Keys and the authenticator live in
 
 Structure. A port is a role (:class:`ServerPort`, :class:`ClientPort`) holding one wire
 strategy (:mod:`zio_spark.transport.wire`: the framing of SERVER, CLIENT, ROUTER or
-DEALER). The roles never look at the mode; the wires never count, log or wait.
-This module is about 1000 lines, over the usual 800, because most of it is the ports'
-documented public API (timeouts, bad input, errors) and splitting the roles would
-scatter what a user of one port reads.
+DEALER). The roles never look at the mode; the wires never count, log or wait. What the
+roles share (options, receiving, sending with deadlines, bad input, closing) is written
+once in their base; a role adds only its CURVE keys, how it attaches (``bind`` or
+``connect``) and whom it sends to (a server names the peer, a client has one). This
+module is about 950 lines, over the usual 800, because most of it is the ports'
+documented public API (timeouts, bad input, errors): splitting the base from the roles
+would scatter what a user of one port reads.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypedDict, TypeVar
 
 import zmq
 
@@ -114,12 +113,16 @@ from zio_spark.transport.wire import (
     socket_type_name,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "BadMessage",
     "ClientPort",
     "CurveAuthenticator",  # from .curve (the README names it here)
     "PeerId",  # this and the mode vocabulary below: from .wire
     "PortKind",
+    "PortOptions",
     "ServerPort",
     "SocketMode",
     "UnknownPeerError",
@@ -133,9 +136,10 @@ __all__ = [
 log = logging.getLogger("zio_spark.transport")
 
 OnBadMessage = Literal["return", "raise"]
-_P = TypeVar("_P", bound="_Port")
+_P = TypeVar("_P", bound="_Port[Any, Any]")
 _R = TypeVar("_R")
-
+_Got = TypeVar("_Got")  # what recv gives: (peer, message) on a server, a message on a client
+_Parts = TypeVar("_Parts")  # what recv_frames gives: (peer, parts) or the parts
 # Bad-message log lines are throttled so that a peer spraying garbage cannot flood the
 # log: the first few are logged, then one in every _LOG_BAD_EVERY with the running total.
 _LOG_BAD_FIRST = 20
@@ -203,21 +207,38 @@ def _check_count(value: int, option: str, minimum: int) -> int:
     return value
 
 
-class _Port:
-    """What both port kinds share: the socket, options, polling, stats, bad input, close."""
+class PortOptions(TypedDict, total=False):
+    """The options both port kinds take, as keywords (see :class:`ServerPort`)."""
 
-    kind: PortKind
+    mode: SocketMode | str | None
+    linger_ms: int
+    sndhwm: int
+    rcvhwm: int
+    send_timeout_ms: float
+    on_bad_message: OnBadMessage
+
+
+class _Port(Generic[_Got, _Parts]):
+    """What both port kinds share: the socket, options, polling, stats, bad input, close,
+    and receiving (what a message comes as is the role's ``_Got``/``_Parts``)."""
+
+    kind: ClassVar[PortKind]
+    _peered: ClassVar[bool]  # a server: messages come from named peers, replies go to one
+    curve_public_key: bytes | None
+    """This port's Z85 public key when CURVE is on: a server's for its clients, a
+    client's for the server's allow-list."""
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
+        secure: Callable[[zmq.Socket[bytes]], None] | None,
         *,
-        mode: SocketMode | str | None,
-        linger_ms: int,
-        sndhwm: int,
-        rcvhwm: int,
-        send_timeout_ms: float,
-        on_bad_message: OnBadMessage,
+        mode: SocketMode | str | None = None,
+        linger_ms: int = 1000,
+        sndhwm: int = 1000,
+        rcvhwm: int = 1000,
+        send_timeout_ms: float = 5000,
+        on_bad_message: OnBadMessage = "return",
     ) -> None:
         self.mode: SocketMode = choose_mode(mode, None)
         self._linger = _check_count(linger_ms, "linger_ms", -1)
@@ -228,6 +249,7 @@ class _Port:
             raise ConfigError("on_bad_message", on_bad_message, "'return' or 'raise'")
         self._raise_bad = on_bad_message == "raise"
         self._held_error: RemoteProtocolError | None = None  # see _recv_many
+        self._last_peer: PeerId | None = None  # a server's; see ServerPort.last_peer
         self.stats: dict[str, int] = {"sent": 0, "received": 0, "bad_messages": 0}
         self._endpoints: list[str] = []
         self._closed = False
@@ -240,7 +262,10 @@ class _Port:
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             if self._socket_name == "ROUTER":
                 sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if secure is not None:
+                secure(sock)  # the role's CURVE options
         except BaseException:
+            self._closed = True
             sock.close(linger=0)
             raise
         self._rcvtimeo = -1  # libzmq's default; _recv_with sets it per call
@@ -373,6 +398,8 @@ class _Port:
         except Undecodable as bad:
             return self.report_bad_message(self._from(bad), bad.error, bad.frames)
         self.stats["received"] += 1
+        if self._peered:
+            self._last_peer = item[0]
         return item
 
     def _from(self, bad: Undecodable) -> PeerId | str | None:
@@ -549,10 +576,100 @@ class _Port:
         except zmq.ZMQError:
             pass  # closed or terminated: the next call says so; what came is kept
         self.stats["received"] += len(out) - bad
+        if self._peered:
+            for item in reversed(out):
+                if type(item) is not BadMessage:
+                    self._last_peer = item[0]
+                    break
         return out
 
+    # -- receiving (public) ------------------------------------------------------------
 
-class ServerPort(_Port):
+    def recv(self, timeout_ms: float) -> _Got | BadMessage | None:
+        """Receive and decode one ZIO message: ``(peer, message)`` on a
+        :class:`ServerPort` (the peer becomes :attr:`~ServerPort.last_peer`), the
+        message on a :class:`ClientPort`.
+
+        Returns
+        -------
+        The message; a :class:`BadMessage` if the envelope or the message is broken (in
+        "return" mode); ``None`` if nothing arrived within ``timeout_ms``.
+
+        Raises
+        ------
+        RemoteProtocolError
+            For a bad message, in "raise" mode (``.peer`` set: the peer id on a server,
+            the endpoint on a client).
+        TransportError
+            If the port is closed or the context terminated.
+        """
+        return self._recv_one(self._decode, timeout_ms)  # type: ignore[no-any-return]
+
+    def recv_frames(self, timeout_ms: float) -> _Parts | BadMessage | None:
+        """Receive one message as ZIO parts ``[prefix, coord, *payload]``, undecoded:
+        ``(peer, parts)`` on a :class:`ServerPort`, the parts on a :class:`ClientPort`.
+
+        The envelope is checked and removed, so what comes back is the same in both
+        modes; the ZIO parts themselves are not validated (the fast path for loops that
+        decode on their own; call :meth:`report_bad_message` if that fails).
+
+        Returns
+        -------
+        The parts; a :class:`BadMessage` for a broken envelope (in "return" mode);
+        ``None`` if nothing arrived within ``timeout_ms``.
+
+        Raises
+        ------
+        RemoteProtocolError, TransportError
+            As :meth:`recv`, for a broken envelope.
+        """
+        return self._recv_one(self._split, timeout_ms)  # type: ignore[no-any-return]
+
+    def recv_many(
+        self, max_n: int, timeout_ms: float, max_bytes: int = _MANY_BYTES
+    ) -> list[_Got | BadMessage]:
+        """Receive up to ``max_n`` messages: the first within ``timeout_ms``, then those
+        already queued, without waiting. What :meth:`recv` gives, many at a time, for loops
+        that drain a busy port (one call per batch instead of per message).
+
+        A batch also ends once its messages reach ``max_bytes`` on the wire: a batch of
+        large DATs that outgrows the CPU caches costs more per byte than it saves. On a
+        server, :attr:`~ServerPort.last_peer` becomes the peer of the batch's last good
+        message: reply with an explicit routing id when a batch may mix peers. A loop
+        that waits with ``poll`` before receiving would see a held error (below) only
+        once another message arrives: give such loops a "return" mode port.
+
+        Returns
+        -------
+        What :meth:`recv` gives, in arrival order; in "return" mode a :class:`BadMessage`
+        takes a bad one's place. ``[]`` if nothing arrived in time.
+
+        Raises
+        ------
+        RemoteProtocolError
+            In "raise" mode, for a bad message: at once if it came first, else the batch
+            ends before it and the next ``recv``/``recv_many`` call raises it.
+        ConfigError
+            If ``max_n`` or ``max_bytes`` is not a positive integer.
+        TransportError
+            If the port is closed or the context terminated (messages already taken by
+            this call are returned first).
+        """
+        return self._recv_many(max_n, timeout_ms, max_bytes)
+
+    def _attach(self, verb: str, op: Callable[[str], _R], endpoint: str) -> _R:
+        """``op(endpoint)`` (the socket's bind or connect), its errors named."""
+        try:
+            return op(endpoint)
+        except zmq.ZMQError as e:
+            raise TransportError(
+                f"cannot {verb} {self._socket_name}: {e}", endpoint=endpoint
+            ) from e
+        except TypeError as e:
+            raise ConfigError("endpoint", endpoint, "an endpoint string") from e
+
+
+class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
     """The binding side of ZIO flows: a SERVER, or a ROUTER in the fallback mode.
 
     Parameters
@@ -586,43 +703,26 @@ class ServerPort(_Port):
     """
 
     kind = PortKind.SERVER
+    _peered = True
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
-        mode: SocketMode | str | None = None,
-        linger_ms: int = 1000,
-        sndhwm: int = 1000,
-        rcvhwm: int = 1000,
-        send_timeout_ms: float = 5000,
-        on_bad_message: OnBadMessage = "return",
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
         zap_domain: str | None = None,
+        **options: Unpack[PortOptions],
     ) -> None:
         keys: tuple[bytes, bytes] | None = None
         if curve_secret_key is not None:
             keys = key_pair(curve_secret_key, curve_public_key)
         elif curve_public_key is not None:
             raise ConfigError("curve_secret_key", None, "a key whenever curve_public_key is set")
+        self.curve_public_key = keys[1] if keys else None
         super().__init__(
-            ctx,
-            mode=mode,
-            linger_ms=linger_ms,
-            sndhwm=sndhwm,
-            rcvhwm=rcvhwm,
-            send_timeout_ms=send_timeout_ms,
-            on_bad_message=on_bad_message,
+            ctx, functools.partial(apply_server, keys=keys, zap_domain=zap_domain), **options
         )
-        self.curve_public_key: bytes | None = keys[1] if keys else None
-        """This server's Z85 public key when CURVE is on (clients need it)."""
-        try:
-            apply_server(self._sock, keys, zap_domain)
-        except BaseException:
-            self.close(linger_ms=0)
-            raise
-        self._last_peer: PeerId | None = None
 
     @property
     def last_peer(self) -> PeerId | None:
@@ -637,13 +737,8 @@ class ServerPort(_Port):
         TransportError
             If the endpoint is malformed or in use.
         """
-        try:
-            self._sock.bind(endpoint)
-            actual = self._sock.getsockopt(zmq.LAST_ENDPOINT)
-        except zmq.ZMQError as e:
-            raise TransportError(f"cannot bind {self._socket_name}: {e}", endpoint=endpoint) from e
-        except TypeError as e:
-            raise ConfigError("endpoint", endpoint, "an endpoint string") from e
+        self._attach("bind", self._sock.bind, endpoint)
+        actual = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         result = actual.decode() if isinstance(actual, bytes) else str(actual)
         self._endpoints.append(result)
         return result
@@ -714,89 +809,8 @@ class ServerPort(_Port):
         """
         self.send_frames(encode_frames(msg), routing_id, timeout_ms=timeout_ms)
 
-    def recv_frames(self, timeout_ms: float) -> tuple[PeerId, list[bytes]] | BadMessage | None:
-        """Receive one message as ``(peer, [prefix, coord, *payload])``, undecoded.
 
-        The envelope is checked and removed, so what comes back is the same in both
-        modes; the ZIO parts themselves are not validated (the fast path for loops that
-        decode on their own; call :meth:`report_bad_message` if that fails).
-
-        Returns
-        -------
-        ``(peer, parts)``; a :class:`BadMessage` for a broken envelope (in "return" mode);
-        ``None`` if nothing arrived within ``timeout_ms``.
-
-        Raises
-        ------
-        RemoteProtocolError
-            For a broken envelope, in "raise" mode (``.peer`` set).
-        TransportError
-            If the port is closed or the context terminated.
-        """
-        got = self._recv_one(self._split, timeout_ms)
-        if got is not None and type(got) is not BadMessage:
-            self._last_peer = got[0]
-        return got  # type: ignore[no-any-return]
-
-    def recv_many(
-        self, max_n: int, timeout_ms: float, max_bytes: int = _MANY_BYTES
-    ) -> list[tuple[PeerId, Message] | BadMessage]:
-        """Receive up to ``max_n`` messages: the first within ``timeout_ms``, then those
-        already queued, without waiting. What :meth:`recv` gives, many at a time, for loops
-        that drain a busy port (one call per batch instead of per message).
-
-        A batch also ends once its messages reach ``max_bytes`` on the wire: a batch of
-        large DATs that outgrows the CPU caches costs more per byte than it saves.
-        :attr:`last_peer` becomes the peer of the batch's last good message: reply with
-        an explicit routing id when a batch may mix peers. A loop that waits with
-        ``poll`` before receiving would see a held error (below) only once another
-        message arrives: give such loops a "return" mode port.
-
-        Returns
-        -------
-        ``(peer, message)`` items in arrival order; in "return" mode a
-        :class:`BadMessage` takes a bad one's place. ``[]`` if nothing arrived in time.
-
-        Raises
-        ------
-        RemoteProtocolError
-            In "raise" mode, for a bad message: at once if it came first, else the batch
-            ends before it and the next ``recv``/``recv_many`` call raises it.
-        ConfigError
-            If ``max_n`` or ``max_bytes`` is not a positive integer.
-        TransportError
-            If the port is closed or the context terminated (messages already taken by
-            this call are returned first).
-        """
-        out = self._recv_many(max_n, timeout_ms, max_bytes)
-        for item in reversed(out):
-            if type(item) is not BadMessage:
-                self._last_peer = item[0]
-                break
-        return out
-
-    def recv(self, timeout_ms: float) -> tuple[PeerId, Message] | BadMessage | None:
-        """Receive and decode one ZIO message as ``(peer, message)``.
-
-        Returns
-        -------
-        ``(peer, message)``; a :class:`BadMessage` if the envelope or the message is
-        broken (in "return" mode); ``None`` if nothing arrived within ``timeout_ms``.
-
-        Raises
-        ------
-        RemoteProtocolError
-            For a bad message, in "raise" mode (``.peer`` set).
-        TransportError
-            If the port is closed or the context terminated.
-        """
-        got = self._recv_one(self._decode, timeout_ms)
-        if got is not None and type(got) is not BadMessage:
-            self._last_peer = got[0]
-        return got  # type: ignore[no-any-return]
-
-
-class ClientPort(_Port):
+class ClientPort(_Port[Message, list[bytes]]):
     """The connecting side of ZIO flows: a CLIENT, or a DEALER in the fallback mode.
 
     Parameters
@@ -811,57 +825,38 @@ class ClientPort(_Port):
 
     Raises
     ------
-    ConfigError
-        For a bad option value.
-    TransportError
-        If the mode is unavailable or the socket cannot be created.
+    ConfigError, TransportError
+        As for :class:`ServerPort`.
     """
 
     kind = PortKind.CLIENT
+    _peered = False
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
-        mode: SocketMode | str | None = None,
-        linger_ms: int = 1000,
-        sndhwm: int = 1000,
-        rcvhwm: int = 1000,
-        send_timeout_ms: float = 5000,
-        on_bad_message: OnBadMessage = "return",
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
+        **options: Unpack[PortOptions],
     ) -> None:
-        curve: tuple[bytes, bytes, bytes] | None = None
+        secure: Callable[[zmq.Socket[bytes]], None] | None = None
+        self.curve_public_key = None
         if curve_server_key is not None:
             if curve_secret_key is None:
                 raise ConfigError(
                     "curve_secret_key", None, "the client's secret key with curve_server_key"
                 )
-            secret, public = key_pair(curve_secret_key, curve_public_key)
-            curve = (curve_key(curve_server_key, "curve_server_key"), secret, public)
+            keys = key_pair(curve_secret_key, curve_public_key)
+            server_key = curve_key(curve_server_key, "curve_server_key")
+            secure = functools.partial(apply_client, server_key=server_key, keys=keys)
+            self.curve_public_key = keys[1]
         elif curve_secret_key is not None or curve_public_key is not None:
             raise ConfigError(
                 "curve_server_key", None, "the server's public key whenever a client key is set"
             )
-        super().__init__(
-            ctx,
-            mode=mode,
-            linger_ms=linger_ms,
-            sndhwm=sndhwm,
-            rcvhwm=rcvhwm,
-            send_timeout_ms=send_timeout_ms,
-            on_bad_message=on_bad_message,
-        )
-        self.curve_public_key: bytes | None = curve[2] if curve else None
-        """This client's Z85 public key when CURVE is on (for the server's allow-list)."""
-        try:
-            if curve is not None:
-                apply_client(self._sock, curve[0], (curve[1], curve[2]))
-        except BaseException:
-            self.close(linger_ms=0)
-            raise
+        super().__init__(ctx, secure, **options)
 
     def connect(self, endpoint: str) -> str:
         """Connect to a server endpoint; returns it. Connection happens in the background.
@@ -873,14 +868,7 @@ class ClientPort(_Port):
         TransportError
             If the endpoint is malformed or its transport unsupported.
         """
-        try:
-            self._sock.connect(endpoint)
-        except zmq.ZMQError as e:
-            raise TransportError(
-                f"cannot connect {self._socket_name}: {e}", endpoint=endpoint
-            ) from e
-        except TypeError as e:
-            raise ConfigError("endpoint", endpoint, "an endpoint string") from e
+        self._attach("connect", self._sock.connect, endpoint)
         self._endpoints.append(endpoint)
         return endpoint
 
@@ -901,14 +889,12 @@ class ClientPort(_Port):
         self._endpoints.remove(endpoint)
 
     def send_frames(self, frames: Sequence[bytes], *, timeout_ms: float | None = None) -> None:
-        """Send already-encoded ZIO parts ``[prefix, coord, *payload]``.
+        """Send already-encoded ZIO parts ``[prefix, coord, *payload]`` to the server.
 
         Raises
         ------
         TransportError
-            If the message cannot be queued within ``timeout_ms`` (default: the port's
-            ``send_timeout_ms``), e.g. nothing connected and the queue full; or the port
-            is closed.
+            As :meth:`ServerPort.send_frames` (e.g. nothing connected and the queue full).
         """
         self._send(self._wire.pack(frames, None), timeout_ms, None)
 
@@ -920,9 +906,7 @@ class ClientPort(_Port):
         *,
         timeout_ms: float | None = None,
     ) -> None:
-        """Send a plain DAT encoded by ``codec`` (the fast lane of
-        :meth:`~zio_spark.protocol.flow.Flow.send_dats`); otherwise as :meth:`send_frames`.
-        """
+        """Send a plain DAT encoded by ``codec``; see :meth:`ServerPort.send_dat`."""
         self._send_dat(codec, seqno, payload, None, timeout_ms)
 
     def send_dats(
@@ -966,66 +950,6 @@ class ClientPort(_Port):
             raise
 
     def send(self, msg: Message, *, timeout_ms: float | None = None) -> None:
-        """Encode and send a ZIO message; see :meth:`send_frames`.
-
-        Raises
-        ------
-        LocalProtocolError
-            If the message does not encode.
-        TransportError
-            As in :meth:`send_frames`.
-        """
+        """Encode and send a ZIO message; see :meth:`send_frames` (LocalProtocolError if
+        the message does not encode)."""
         self.send_frames(encode_frames(msg), timeout_ms=timeout_ms)
-
-    def recv_frames(self, timeout_ms: float) -> list[bytes] | BadMessage | None:
-        """Receive one message as ZIO parts ``[prefix, coord, *payload]``, undecoded.
-
-        Returns
-        -------
-        The parts; a :class:`BadMessage` for a broken envelope (in "return" mode);
-        ``None`` if nothing arrived within ``timeout_ms``.
-
-        Raises
-        ------
-        RemoteProtocolError
-            For a broken envelope, in "raise" mode (``.peer`` set).
-        TransportError
-            If the port is closed or the context terminated.
-        """
-        return self._recv_one(self._split, timeout_ms)  # type: ignore[no-any-return]
-
-    def recv_many(
-        self, max_n: int, timeout_ms: float, max_bytes: int = _MANY_BYTES
-    ) -> list[Message | BadMessage]:
-        """Receive up to ``max_n`` messages (and about ``max_bytes``): the first within
-        ``timeout_ms``, then those already queued, without waiting (see
-        :meth:`ServerPort.recv_many`).
-
-        Returns
-        -------
-        The messages in arrival order (in "return" mode a :class:`BadMessage` takes a
-        bad one's place); ``[]`` if nothing arrived in time.
-
-        Raises
-        ------
-        RemoteProtocolError, ConfigError, TransportError
-            As for :meth:`ServerPort.recv_many`.
-        """
-        return self._recv_many(max_n, timeout_ms, max_bytes)
-
-    def recv(self, timeout_ms: float) -> Message | BadMessage | None:
-        """Receive and decode one ZIO message.
-
-        Returns
-        -------
-        The message; a :class:`BadMessage` if it is broken (in "return" mode); ``None`` if
-        nothing arrived within ``timeout_ms``.
-
-        Raises
-        ------
-        RemoteProtocolError
-            For a bad message, in "raise" mode (``.peer`` is the endpoint).
-        TransportError
-            If the port is closed or the context terminated.
-        """
-        return self._recv_one(self._decode, timeout_ms)  # type: ignore[no-any-return]
