@@ -1,5 +1,8 @@
 """The PZQ-style queue server: three sockets over a durable :class:`MessageStore`.
 
+(A little over 800 lines: the theory of operation below is the queue's user-facing
+contract and stays beside the loop it describes; the work is in ``receive``/``send``.)
+
 Theory of operation (spec: ``specs/pzq-sockets-and-formats.txt``; DESIGN.md "The
 PZQ-style queue"; frames: :mod:`zio_spark.protocol.pzq`)
 ---------------------------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """The source's receiver: takes records from ZIO producers into the spool, with credit.
 
+(About 800 lines: the loop, the client flows and the public API; the bind mode, the spool
+writing and the per-flow state are in ``receiver_bound``, ``receiver_spool`` and
+``receiver_peers``.)
+
 Runs in Spark's long-lived streaming runner process (never in a reader's ``__init__``:
 sockets do not pickle). One thread owns every socket. It takes records in two topologies,
 both at once if asked:

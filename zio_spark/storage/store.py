@@ -1,5 +1,9 @@
 """The PZQ-style queue's durable message store: segment log, small index, group commit.
 
+(About 800 lines: ``MessageStore``'s write path, segments and compaction, which share its
+state; the format, the index and the replay are in ``store_format``, ``store_index`` and
+``store_recovery``.)
+
 Theory of operation (DESIGN.md "The PZQ-style queue"; FACTS.md "Storage")
 ----------------------------------------------------------------------------
 Why a log. On this machine kind append + ``fdatasync`` runs ~800k 1 KiB records/s at
