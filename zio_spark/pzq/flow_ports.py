@@ -104,7 +104,7 @@ __all__ = [
     "record_from_body",
 ]
 
-log = logging.getLogger("zio_spark.queue")
+log = logging.getLogger("zio_spark.pzq")
 
 DEFAULT_FLOW_WINDOW: Final = 100_000
 """Most messages assigned to the flow producer port and not yet acknowledged."""

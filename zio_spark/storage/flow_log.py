@@ -21,7 +21,7 @@ from zio_spark.storage.files import atomic_write, frame, read_record, write_all
 
 __all__ = ["FlowLog"]
 
-log = logging.getLogger("zio_spark.queue")
+log = logging.getLogger("zio_spark.pzq")
 
 # Side log records are CRC-framed (:func:`~zio_spark.storage.files.frame`); the
 # payload's first byte is the type. A file starts with BASE.
