@@ -62,10 +62,10 @@ one thread at a time. Sockets are created only by the port constructors, never a
 
 Security. ``ServerPort(curve_secret_key=...)`` turns on CURVE (``ClientPort`` then needs
 ``curve_server_key`` and its own key pair). Which clients may connect is decided by a ZAP
-handler: :func:`start_authenticator` runs pyzmq's ``ThreadAuthenticator`` with an
-allow-list of client public keys. Without an authenticator any client that knows the
-server's public key is accepted. Keys and the authenticator live in
-:mod:`zio_spark.transport.curve`.
+handler: :func:`~zio_spark.transport.curve.start_authenticator` runs pyzmq's
+``ThreadAuthenticator`` with an allow-list of client public keys. Without an
+authenticator any client that knows the server's public key is accepted. Keys and the
+authenticator live in :mod:`zio_spark.transport.curve`.
 
 Structure. A port is a role (:class:`ServerPort`, :class:`ClientPort`) holding one wire
 strategy (:mod:`zio_spark.transport.wire`: the framing of SERVER, CLIENT, ROUTER or
@@ -94,12 +94,10 @@ import zmq
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.message import DatCodec, Message, encode_frames
 from zio_spark.transport.curve import (
-    CurveAuthenticator,
     apply_client,
     apply_server,
     curve_key,
     key_pair,
-    start_authenticator,
 )
 from zio_spark.transport.wire import (
     PeerId,
@@ -119,7 +117,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BadMessage",
     "ClientPort",
-    "CurveAuthenticator",  # from .curve (the README names it here)
     "PeerId",  # this and the mode vocabulary below: from .wire
     "PortKind",
     "PortOptions",
@@ -130,7 +127,6 @@ __all__ = [
     "drafts_available",
     "format_peer",
     "socket_type_name",
-    "start_authenticator",
 ]
 
 log = logging.getLogger("zio_spark.transport")
@@ -692,7 +688,7 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         Turn on CURVE as server. Z85 text or 32 raw bytes; the public key is derived from
         the secret key when omitted.
     zap_domain
-        ZAP domain of the socket (see :func:`start_authenticator`).
+        ZAP domain of the socket (see :func:`~zio_spark.transport.curve.start_authenticator`).
 
     Raises
     ------
