@@ -30,6 +30,7 @@ __all__ = [
     "RemoteProtocolError",
     "TransportError",
     "ZioSparkError",
+    "check_count",
 ]
 
 
@@ -55,6 +56,14 @@ class ConfigError(ZioSparkError, ValueError):
         self.value = value
         self.expected = expected
         super().__init__(f"option {option!r}: got {value!r}, expected {expected}")
+
+
+def check_count(option: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum`` (not a bool), else a :class:`ConfigError`
+    naming ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(option, value, f"an integer >= {minimum}")
+    return value
 
 
 class ProtocolError(ZioSparkError):

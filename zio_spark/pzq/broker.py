@@ -91,7 +91,7 @@ from typing import Any, Final
 
 import zmq
 
-from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError, check_count
 from zio_spark.protocol.pzq import (
     MONITOR_KEYS,
     REFERENCE_MONITOR_KEYS,
@@ -106,7 +106,7 @@ from zio_spark.pzq.flow_ports import (
 )
 from zio_spark.pzq.receive import DEFAULT_ACK_BACKLOG, ReceiveSide
 from zio_spark.pzq.send import SendSide
-from zio_spark.pzq.wire import POLLIN, POLLOUT, check_count, now_us
+from zio_spark.pzq.wire import POLLIN, POLLOUT, now_us
 from zio_spark.storage.store import (
     DEFAULT_DEDUP_WINDOW,
     DEFAULT_SEGMENT_BYTES,

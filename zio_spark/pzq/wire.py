@@ -16,9 +16,7 @@ from typing import Final
 
 import zmq
 
-from zio_spark.errors import ConfigError
-
-__all__ = ["POLLIN", "POLLOUT", "check_count", "now_us", "readable", "recv_frames", "send_frames"]
+__all__ = ["POLLIN", "POLLOUT", "now_us", "readable", "recv_frames", "send_frames"]
 
 _backend_send = zmq.backend.Socket.send
 _backend_recv = zmq.backend.Socket.recv
@@ -57,10 +55,3 @@ def send_frames(sock: zmq.Socket[bytes], frames: Sequence[bytes]) -> None:
 def now_us() -> int:
     """Wall-clock microseconds (deliveries carry their send time so)."""
     return time.time_ns() // 1000
-
-
-def check_count(option: str, value: object, minimum: int) -> int:
-    """``value`` if it is an int >= ``minimum`` (not a bool), else a ConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(option, value, f"an integer >= {minimum}")
-    return value

@@ -105,7 +105,7 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from zio_spark.errors import ConfigError
+from zio_spark.errors import ConfigError, check_count
 from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder
 from zio_spark.storage.store_format import (
     _A,
@@ -160,12 +160,6 @@ log = logging.getLogger(__name__)
 _RECLAIM_BYTES = 1 << 20  # maintain() retires a fully acked active segment this big
 
 
-def _check_int(option: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(option, value, f"an integer >= {minimum}")
-    return value
-
-
 class MessageStore(StoreIndex):
     """Durable message store of the PZQ-style queue (see the module docstring).
 
@@ -213,10 +207,10 @@ class MessageStore(StoreIndex):
         sync: bool = True,
         preallocate: bool = True,
     ) -> None:
-        self._segment_bytes = _check_int("segment_bytes", segment_bytes, 4096)
+        self._segment_bytes = check_count("segment_bytes", segment_bytes, 4096)
         if self._segment_bytes > _MAX_SEGMENT_BYTES:
             raise ConfigError("segment_bytes", segment_bytes, f"at most {_MAX_SEGMENT_BYTES}")
-        self._window_size = _check_int("dedup_window", dedup_window, 0)
+        self._window_size = check_count("dedup_window", dedup_window, 0)
         if (
             isinstance(compact_ratio, bool)
             or not isinstance(compact_ratio, (int, float))

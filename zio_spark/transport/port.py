@@ -91,7 +91,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypedDict, Ty
 
 import zmq
 
-from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
+from zio_spark.errors import (
+    ConfigError,
+    LocalProtocolError,
+    RemoteProtocolError,
+    TransportError,
+    check_count,
+)
 from zio_spark.protocol.message import DatCodec, Message, encode_frames
 from zio_spark.transport.curve import (
     apply_client,
@@ -197,12 +203,6 @@ def _check_timeout(timeout_ms: float, option: str = "timeout_ms") -> float:
     return float(timeout_ms)
 
 
-def _check_count(value: int, option: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(option, value, f"an integer >= {minimum}")
-    return value
-
-
 class PortOptions(TypedDict, total=False):
     """The options both port kinds take, as keywords (see :class:`ServerPort`)."""
 
@@ -237,9 +237,9 @@ class _Port(Generic[_Got, _Parts]):
         on_bad_message: OnBadMessage = "return",
     ) -> None:
         self.mode: SocketMode = choose_mode(mode, None)
-        self._linger = _check_count(linger_ms, "linger_ms", -1)
-        self._sndhwm = _check_count(sndhwm, "sndhwm", 0)
-        self._rcvhwm = _check_count(rcvhwm, "rcvhwm", 0)
+        self._linger = check_count("linger_ms", linger_ms, -1)
+        self._sndhwm = check_count("sndhwm", sndhwm, 0)
+        self._rcvhwm = check_count("rcvhwm", rcvhwm, 0)
         self._send_timeout = _check_timeout(send_timeout_ms, "send_timeout_ms")
         if on_bad_message not in ("return", "raise"):
             raise ConfigError("on_bad_message", on_bad_message, "'return' or 'raise'")
