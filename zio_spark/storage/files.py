@@ -64,13 +64,18 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    """Write every byte of ``data`` to ``fd`` (at its position, or its end with O_APPEND)."""
-    n = os.write(fd, data)
+def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> None:
+    """Write every byte of ``data`` to ``fd``: at its position (or its end with
+    O_APPEND), or with ``pwrite`` at ``offset`` when given."""
+    n = os.write(fd, data) if offset is None else os.pwrite(fd, data, offset)
     if n < len(data):  # rare: a signal or a full disk part way
         view = memoryview(data)[n:]
         while view:
-            view = view[os.write(fd, view) :]
+            if offset is None:
+                n = os.write(fd, view)
+            else:
+                n = os.pwrite(fd, view, offset + len(data) - len(view))
+            view = view[n:]
 
 
 def lock_folder(folder: str | os.PathLike[str], taken: Callable[[], Exception]) -> int:

@@ -106,7 +106,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zio_spark.errors import ConfigError, check_count
-from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder
+from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder, write_all
 from zio_spark.storage.store_format import (
     _A,
     _F,
@@ -135,7 +135,6 @@ from zio_spark.storage.store_format import (
     _ack_payload,
     _encode_snapshot,
     _message_payload,
-    _pwrite_all,
     _record,
 )
 from zio_spark.storage.store_index import StoreIndex
@@ -447,7 +446,7 @@ class MessageStore(StoreIndex):
                     moves.append((head, slot, state))
         if moves:
             data = b"".join(self._buf)
-            _pwrite_all(active.fd, data, active.size)
+            write_all(active.fd, data, active.size)
             if self._sync:
                 os.fdatasync(active.fd)
                 self._fsync_dir()

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Final, NamedTuple
 
 from zio_spark.errors import ZioSparkError
-from zio_spark.storage.files import RECORD_HEAD, frame, fsync_dir
+from zio_spark.storage.files import RECORD_HEAD, frame, fsync_dir, write_all
 
 __all__ = [
     "DEFAULT_DEDUP_WINDOW",
@@ -285,7 +285,7 @@ class LogFile:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             header = b"".join(_record(_header_payload(no)))
-            _pwrite_all(fd, header, 0)
+            write_all(fd, header, 0)
             allocated, supported = _preallocate(fd, preallocate) if preallocate else (0, True)
         except BaseException:
             os.close(fd)
@@ -382,7 +382,7 @@ class CommitTicket:
                 return
             self._started = True
         try:
-            _pwrite_all(self._fd, self._data, self._offset)
+            write_all(self._fd, self._data, self._offset)
             if self._sync:
                 os.fdatasync(self._fd)
                 if self._dir is not None:
@@ -407,16 +407,6 @@ def _preallocate(fd: int, nbytes: int) -> tuple[int, bool]:
         # (the space may have been given in part: the size says how much).
         return os.fstat(fd).st_size, True
     return nbytes, True
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write every byte of ``data`` to ``fd`` at ``offset`` (``pwrite`` until done)."""
-    n = os.pwrite(fd, data, offset)
-    if n < len(data):  # rare: a signal or a full disk part way
-        view = memoryview(data)[n:]
-        while view:
-            n = os.pwrite(fd, view, offset + len(data) - len(view))
-            view = view[n:]
 
 
 def _record(payload: bytes) -> tuple[bytes, bytes]:
