@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+import numpy as np
 import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, SPARK_SCHEMA, WAL_SCHEMA
@@ -308,23 +309,22 @@ class Spool:
         if seq.null_count:
             raise ValueError("append_batch: seq has nulls")
         _encode_id(producer)
-        return self._append(producer, batch, tuple(seq.to_pylist()))
+        return self._append(producer, batch, seq.to_numpy())
 
-    def _append(self, producer: str, batch: pa.RecordBatch, seqs: Sequence[int]) -> int:
+    def _append(
+        self, producer: str, batch: pa.RecordBatch, seqs: Sequence[int] | np.ndarray
+    ) -> int:
         n = batch.num_rows
         with self._lock:
             self._check_open()
             st = self._producer(producer)
             expect = st.next
             duplicates = gaps = 0
-            if (
-                seqs[0] == expect
-                and seqs[-1] == expect + n - 1
-                and seqs == tuple(range(expect, expect + n))
-            ):
+            if _runs_from(seqs, expect, n):
                 keep = batch
             else:
-                keep, duplicates, gaps = self._select(producer, batch, seqs, expect)
+                listed = seqs.tolist() if isinstance(seqs, np.ndarray) else seqs
+                keep, duplicates, gaps = self._select(producer, batch, listed, expect)
             self._counts["duplicates"] += duplicates
             if keep is None:
                 return 0
@@ -406,6 +406,13 @@ class Spool:
         """
         with self._lock:
             return {p: st.sealed_above + st.tail_rows for p, st in sorted(self._producers.items())}
+
+    def unsealed(self) -> tuple[int, int]:
+        """Records and WAL bytes appended since the last :meth:`seal` started (what the
+        next seal would write), all producers together."""
+        with self._lock:
+            rows = sum(st.tail_rows for st in self._producers.values())
+            return rows, self._wal.written
 
     def next_seq(self, producer: str) -> int:
         """The next sequence number ``producer`` should send (1 if unknown).
@@ -792,6 +799,15 @@ class _Producer:
             assert covers_from is not None
             return covers_from
         return self.end
+
+
+def _runs_from(seqs: Sequence[int] | np.ndarray, expect: int, n: int) -> bool:
+    """Are ``seqs`` exactly ``expect, expect + 1, ..., expect + n - 1``?"""
+    if seqs[0] != expect or seqs[-1] != expect + n - 1:
+        return False
+    if isinstance(seqs, np.ndarray):  # the Arrow path: vectorized
+        return n < 2 or bool((np.diff(seqs) == 1).all())
+    return tuple(seqs) == tuple(range(expect, expect + n))
 
 
 def _write_json(path: Path, obj: object, sync: bool) -> None:
