@@ -206,7 +206,9 @@ def _cpu(pid: int) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    # utime + stime, plus cutime + cstime: the time of children already reaped (Python
+    # workers that ended between two samples), counted once, in their parent's row.
+    return sum(int(f) for f in fields[11:15]) / _TICK
 
 
 def _cpu_groups(jvm: int | None, extra: list[int]) -> dict[str, float]:
