@@ -208,6 +208,9 @@ class SourceOptions:
     credit: int = 1000
     max_backlog: int = 1_000_000
     max_records_per_trigger: int | None = None
+    # A producer's range in one micro-batch is read as pieces of at most this many
+    # records, one Spark partition each, so one producer's batch uses several cores.
+    max_records_per_partition: int = 250_000
     spool_path: str = ""
     spool_path_given: bool = False
     spool_access: str = "auto"
@@ -275,6 +278,10 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         lambda n, v: parse_int(n, v, minimum=1),
         "most records per micro-batch",
     ),
+    "maxRecordsPerPartition": (
+        lambda n, v: parse_int(n, v, minimum=1),
+        "most records of one producer in one Spark partition (larger ranges are split)",
+    ),
     "spoolPath": (None, "folder of the spool (shared path on clusters)"),
     "spoolAccess": (
         lambda n, v: parse_choice(n, v, ("auto", "local", "remote")),
@@ -323,6 +330,7 @@ _SOURCE_FIELDS: dict[str, str] = {
     "groupPort": "group_port",
     "maxBacklog": "max_backlog",
     "maxRecordsPerTrigger": "max_records_per_trigger",
+    "maxRecordsPerPartition": "max_records_per_partition",
     "spoolAccess": "spool_access",
     "failOnDataLoss": "fail_on_data_loss",
     "maxRecords": "max_records",

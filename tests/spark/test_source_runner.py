@@ -1,0 +1,218 @@
+"""The stream reader's runner side without a Spark session: partitions split per
+producer, background sealing, the first ``latestOffset``, and SIGTERM in the runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pytest
+import zmq
+from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+from tests.support import wait_until
+from zio_spark.errors import ConfigError
+from zio_spark.options import parse_source_options
+from zio_spark.source.producer import Producer
+from zio_spark.source.sealer import Sealer
+from zio_spark.spark import source as source_mod
+from zio_spark.spark.source import ZioStreamReader, _pieces
+from zio_spark.storage.spool import Record, Spool
+
+
+@pytest.fixture
+def producer():
+    ctx = zmq.Context()
+    made: list[Producer] = []
+
+    def make(producer_id: str) -> Producer:
+        p = Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind="tcp://127.0.0.1:*")
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close(flush=False, timeout=5)
+    ctx.term()
+
+
+def _reader(endpoint: str, tmp_path, **options) -> ZioStreamReader:
+    opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
+    opts.update({k: str(v) for k, v in options.items()})
+    return ZioStreamReader(parse_source_options(opts), ("seq", "value"))
+
+
+# -- partitions ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "step", "want"),
+    [
+        (1, 1, 10, []),
+        (1, 11, 10, [(1, 11)]),
+        (1, 12, 10, [(1, 6), (6, 12)]),  # near equal, not 10 + 1
+        (5, 8, 1, [(5, 6), (6, 7), (7, 8)]),
+        (1, 1001, 300, [(1, 251), (251, 501), (501, 751), (751, 1001)]),
+    ],
+)
+def test_pieces_cover_the_range_once_in_near_equal_parts(start, end, step, want):
+    got = _pieces(start, end, step)
+    assert got == want
+    assert all(e - s <= step for s, e in got)
+
+
+def test_max_records_per_partition_option_is_checked():
+    with pytest.raises(ConfigError, match="maxRecordsPerPartition"):
+        parse_source_options({"endpoints": "tcp://127.0.0.1:5555", "maxRecordsPerPartition": "0"})
+    opts = parse_source_options({"endpoints": "tcp://127.0.0.1:5555"})
+    assert opts.max_records_per_partition == 250_000
+
+
+def test_a_producer_range_is_read_as_several_partitions_each_record_once(producer, tmp_path):
+    prod = producer("split")
+    n = 1000
+    prod.send_many([b"v%d" % i for i in range(n)])
+    reader = _reader(prod.endpoint, tmp_path, maxRecordsPerPartition=300)
+    try:
+        start = reader.initialOffset()
+        wait_until(
+            lambda: reader._rt.spool.backlog().get("split", 0) == n,
+            what="all records in the spool",
+        )
+        end = reader.latestOffset(start, ReadAllAvailable())
+        assert end == {"split": n + 1}
+        parts = reader.partitions(start, end)
+        assert [(p.start, p.end) for p in parts] == [(1, 251), (251, 501), (501, 751), (751, 1001)]
+        seqs: list[int] = []
+        values: list[bytes] = []
+        for p in parts:  # as executors do: a pickled copy of the reader reads each
+            for batch in reader.read(p):
+                assert isinstance(batch, pa.RecordBatch)
+                seqs += batch.column(0).to_pylist()
+                values += batch.column(1).to_pylist()
+        assert seqs == list(range(1, n + 1))
+        assert values == [b"v%d" % i for i in range(n)]
+    finally:
+        reader.stop()
+
+
+# -- background sealing -------------------------------------------------------------------
+
+
+def _records(first: int, n: int) -> list[Record]:
+    return [Record(first + i, b"x", None, 0, 0, 0, None) for i in range(n)]
+
+
+def test_the_sealer_seals_a_large_tail_without_latest_offset(tmp_path):
+    spool = Spool(tmp_path / "spool")
+    sealer = Sealer(spool, rows=100, every=0.01).start()
+    try:
+        spool.append("p", _records(1, 150))
+        spool.flush()
+        wait_until(lambda: spool.end_offsets() == {"p": 151}, what="the tail sealed")
+        assert sealer.seals >= 1 and sealer.error is None
+        assert spool.unsealed() == (0, 0)
+    finally:
+        sealer.stop()
+        spool.close()
+
+
+def test_a_failed_background_seal_fails_the_next_spark_call(producer, tmp_path, monkeypatch):
+    prod = producer("boom")
+    reader = _reader(prod.endpoint, tmp_path)
+    try:
+        start = reader.initialOffset()
+        rt = reader._rt
+
+        def broken() -> dict[str, int]:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(rt.sealer, "rows", 1)
+        monkeypatch.setattr(rt.spool, "seal", broken)
+        prod.send_many([b"b"] * 10)
+        wait_until(lambda: rt.sealer.error is not None, what="the seal failed")
+        with pytest.raises(OSError, match="No space left"):
+            reader.latestOffset(start, ReadAllAvailable())
+    finally:
+        monkeypatch.undo()
+        reader.stop()
+
+
+# -- the first latestOffset -----------------------------------------------------------------
+
+
+def test_the_first_latest_offset_waits_for_the_first_records(producer, tmp_path, monkeypatch):
+    """Spark runs a query's first batch whatever the offsets: it must not be empty when a
+    producer has records (the bound is raised here so a slow machine cannot flake)."""
+    monkeypatch.setattr(source_mod, "_FIRST_WAIT", 30.0)
+    prod = producer("first")
+    prod.send_many([b"f"] * 100)
+    reader = _reader(prod.endpoint, tmp_path)
+    try:
+        start = reader.initialOffset()
+        assert start == {}
+        end = reader.latestOffset(start, ReadAllAvailable())
+        assert end.get("first", 1) > 1, end
+    finally:
+        reader.stop()
+
+
+def test_the_first_latest_offset_without_records_returns_within_its_bound(producer, tmp_path):
+    prod = producer("empty")
+    reader = _reader(prod.endpoint, tmp_path)
+    try:
+        assert reader.latestOffset(reader.initialOffset(), ReadAllAvailable()) == {}
+        assert reader.latestOffset({}, ReadAllAvailable()) == {}  # no second wait
+    finally:
+        reader.stop()
+
+
+# -- SIGTERM --------------------------------------------------------------------------------
+
+_TERM_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    opts = parse_source_options(
+        {"endpoints": sys.argv[1], "spoolPath": sys.argv[2], "spoolAccess": "local"}
+    )
+    reader = ZioStreamReader(opts, ("seq", "value"))
+    try:  # what python_streaming_source_runner does around its command loop
+        reader.initialOffset()
+        rt = reader._rt
+        with rt.spool._lock, rt.spool._maint_lock:  # as inside a commit or a seal
+            signal.raise_signal(signal.SIGTERM)
+            print("handler returned", flush=True)
+    finally:
+        reader.stop()
+        print("stopped", rt.spool._closed, flush=True)
+    """
+)
+
+
+def test_sigterm_while_the_runner_holds_a_spool_lock_stops_cleanly(producer, tmp_path):
+    """SIGTERM lands between any two bytecodes of the runner's main thread: the handler
+    must not stop the reader itself (that deadlocked on the spool's lock, and the runner
+    outlived its JVM); it unwinds, and the runner's ``finally`` stops the reader."""
+    prod = producer("term")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TERM_CHILD, prod.endpoint, str(tmp_path / "spool")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the reader hung after SIGTERM (deadlock): {out!r} {err[-2000:]!r}")
+    assert proc.returncode == 0, err[-2000:]
+    assert "handler returned" not in out  # it unwound the main thread
+    assert "stopped True" in out  # and the reader was stopped: spool closed
