@@ -289,7 +289,14 @@ def _measure(
     }
 
 
-def _zio(spark: Any, work: Path, seconds: float, window: int, max_backlog: int) -> dict[str, Any]:
+def _zio(
+    spark: Any,
+    work: Path,
+    seconds: float,
+    window: int,
+    max_backlog: int,
+    options: dict[str, str],
+) -> dict[str, Any]:
     ep_file = str(work / f"producer-{time.time_ns()}.ep")
     proc = _spawn("--producer-child", ep_file, "--window", str(window))
     try:
@@ -307,6 +314,8 @@ def _zio(spark: Any, work: Path, seconds: float, window: int, max_backlog: int) 
         )
         if max_backlog:
             df = df.option("maxBacklog", str(max_backlog))
+        for k, v in options.items():
+            df = df.option(k, v)
         return _measure(spark, df.load(), work, seconds, [proc.pid])
     finally:
         _stop([proc])
@@ -343,6 +352,13 @@ def main() -> None:
     ap.add_argument("--synthetic-batch", type=int, default=2_000_000)
     ap.add_argument("--rate-batch", type=int, default=2_000_000)
     ap.add_argument("--max-backlog", type=int, default=0, help="zio maxBacklog (0: default)")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a zio source option for the zio case (repeatable), e.g. credit=250",
+    )
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--producer-child", help=argparse.SUPPRESS)
     ap.add_argument("--plain-child", help=argparse.SUPPRESS)
@@ -354,6 +370,12 @@ def main() -> None:
     if a.plain_child:
         _plain_client_child(a.plain_child, a.origin)
         return
+    options = {}
+    for kv in a.option:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            ap.error(f"--option {kv!r}: expected KEY=VALUE")
+        options[key] = value
     seconds = a.seconds or (30.0 if a.quick else 60.0)
     runs = a.runs or (1 if a.quick else 3)
     if a.quick:  # small batches: a loaded machine still completes several per case
@@ -382,7 +404,7 @@ def main() -> None:
                 .load()
             )
             res["rate"].append(_measure(spark, rate, work, seconds, []))
-            res["zio"].append(_zio(spark, work, seconds, a.window, a.max_backlog))
+            res["zio"].append(_zio(spark, work, seconds, a.window, a.max_backlog, options))
             if a.bind_clients:
                 res["bind8"].append(_bind(spark, work, seconds, a.bind_clients))
             print(
@@ -434,6 +456,7 @@ def main() -> None:
             "seconds": seconds,
             "runs": runs,
             "window": a.window or "default",
+            "zio_options": options,
             "figures": figures,
             "ratios": ratios,
             "first_row_gap_s": first_gap,

@@ -19,7 +19,7 @@ from zio_spark.options import parse_source_options
 from zio_spark.source.producer import Producer
 from zio_spark.source.sealer import Sealer
 from zio_spark.spark import source as source_mod
-from zio_spark.spark.source import ZioStreamReader, _pieces
+from zio_spark.spark.source import ZioStreamReader, _pack, _pieces
 from zio_spark.storage.spool import Record, Spool
 
 
@@ -64,6 +64,22 @@ def test_pieces_cover_the_range_once_in_near_equal_parts(start, end, step, want)
     assert all(e - s <= step for s, e in got)
 
 
+def test_small_ranges_of_several_producers_share_a_partition_up_to_the_step():
+    ranges = {f"c{i}": (1, 1001) for i in range(8)}  # 8 clients, 1000 records each
+    assert _pack(ranges, 250_000) == [tuple((f"c{i}", 1, 1001) for i in range(8))]
+    # A big producer is cut; small ones fill partitions up to the step, in id order.
+    packed = _pack({"big": (1, 501), "s1": (1, 101), "s2": (11, 111)}, 250)
+    assert packed == [(("big", 1, 251),), (("big", 251, 501),), (("s1", 1, 101), ("s2", 11, 111))]
+    assert _pack({"a": (5, 5)}, 10) == []  # nothing to read: no partition
+    # Every record of every producer, once.
+    for step in (1, 7, 100, 10_000):
+        got = sorted(
+            (p, s) for group in _pack(ranges, step) for p, a, b in group for s in range(a, b)
+        )
+        assert got == sorted((p, s) for p, (a, b) in ranges.items() for s in range(a, b))
+        assert all(sum(b - a for _, a, b in g) <= step for g in _pack(ranges, step))
+
+
 def test_max_records_per_partition_option_is_checked():
     with pytest.raises(ConfigError, match="maxRecordsPerPartition"):
         parse_source_options({"endpoints": "tcp://127.0.0.1:5555", "maxRecordsPerPartition": "0"})
@@ -85,7 +101,12 @@ def test_a_producer_range_is_read_as_several_partitions_each_record_once(produce
         end = reader.latestOffset(start, ReadAllAvailable())
         assert end == {"split": n + 1}
         parts = reader.partitions(start, end)
-        assert [(p.start, p.end) for p in parts] == [(1, 251), (251, 501), (501, 751), (751, 1001)]
+        assert [p.ranges for p in parts] == [
+            (("split", 1, 251),),
+            (("split", 251, 501),),
+            (("split", 501, 751),),
+            (("split", 751, 1001),),
+        ]
         seqs: list[int] = []
         values: list[bytes] = []
         for p in parts:  # as executors do: a pickled copy of the reader reads each

@@ -798,3 +798,18 @@ def test_a_giver_client_of_a_bound_receiver_says_idle_too(ctx, spool, closing):
     prod.send_many([b"c%d" % i for i in range(5000)])
     wait_until(lambda: any(s.idle for s in r.status()), what="the client flow idle", timeout=20.0)
     assert _held(spool, "c1") == 5000
+
+
+def test_default_dats_carry_4096_records_and_large_records_fewer(ctx, spool, closing):
+    """Our producer and the source's defaults: 4096 records per Arrow DAT (per-DAT costs
+    dominate below that), and about 4 MiB at most, so 1 MiB records make small DATs."""
+    prod = _producer(ctx, closing, "big-dats")
+    prod.send_many([b"s"] * 10_000)
+    _receiver(closing, spool, [prod.endpoint], ctx)
+    wait_until(lambda: _held(spool, "big-dats") == 10_000, what="the records", timeout=20.0)
+    assert prod.stats["dats_sent"] == 3  # 4096 + 4096 + 1808
+    large = _producer(ctx, closing, "large")
+    large.send_many([b"L" * (1 << 20)] * 12)
+    _receiver(closing, spool, [large.endpoint], ctx)
+    wait_until(lambda: _held(spool, "large") == 12, what="the large records", timeout=20.0)
+    assert large.stats["dats_sent"] == 3  # 4 records of 1 MiB each

@@ -90,3 +90,16 @@ def test_many_small_appends_stay_few_chunks_and_cheap_to_take() -> None:
     assert len(held._chunks) <= 20_000 // 4096 + 1
     got = held.take(15_000, 1000)
     assert got is not None and got.values[0] == b"14999" and len(got.values) == 1000
+
+
+def test_take_with_a_byte_cap_takes_fewer_large_records_and_at_least_one():
+    held = HeldRecords()
+    held.append([b"x" * 100] * 5000)
+    assert len(held.take(1, 4096, 4 << 20).values) == 4096  # small records: the count rules
+    big = HeldRecords()
+    big.append([b"y" * (1 << 20)] * 10)
+    got = big.take(1, 4096, 4 << 20)
+    assert (got.first, len(got.values)) == (1, 4)  # ~4 MiB of 1 MiB values
+    huge = HeldRecords()
+    huge.append([b"z" * (8 << 20)])
+    assert len(huge.take(1, 4096, 4 << 20).values) == 1  # never zero

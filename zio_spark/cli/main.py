@@ -27,6 +27,7 @@ from zio_spark.cli.common import (
     positive_int,
 )
 from zio_spark.cli.produce import DEFAULT_BIND
+from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError, ZioSparkError
 
 __all__ = ["build_parser", "main"]
@@ -114,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--size", type=positive_int, default=100, help="bytes per record")
     sp.add_argument("--random", action="store_true", help="random payload bytes")
     sp.add_argument("--rate", type=non_negative_float, default=0, help="records/s (0: max)")
-    sp.add_argument("--batch", type=positive_int, default=1000, help="most records per DAT")
+    sp.add_argument("--batch", type=positive_int, default=DAT_RECORDS, help="most records per DAT")
     sp.add_argument(
         "--window",
         type=positive_int,

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zio_spark.codec.records import DAT_BYTES
 from zio_spark.errors import TransportError
 from zio_spark.source.held import HeldRecords
 from zio_spark.transport.giver import Giving, Taken
@@ -293,7 +294,7 @@ class ProducerBacklog:
 
     def take(self, first: int, n: int, room: int) -> Taken | None:
         with self._cond:
-            return self._records.take(first, n)
+            return self._records.take(first, n, DAT_BYTES)
 
     def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:
         with self._cond:

@@ -122,10 +122,16 @@ class HeldRecords:
         self._len += n
         return self._next - 1
 
-    def take(self, first: int, n: int) -> Taken | None:
-        """Up to ``n`` held records from seq ``max(first, self.first)``; None if none."""
+    def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
+        """Up to ``n`` held records from seq ``max(first, self.first)``; None if none.
+
+        ``max_bytes``: fewer records if the held records' average value size says ``n``
+        of them would pass it (at least one).
+        """
         if self._len == 0 or n <= 0:
             return None
+        if max_bytes is not None and self._nbytes:
+            n = max(1, min(n, max_bytes * self._len // self._nbytes))
         first = max(first, self.first)
         if first >= self._next:
             return None

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import Delivery, ProducerBacklog
@@ -94,7 +95,8 @@ class Producer:
         Stream name; a taker asking for another stream is rejected (server mode), a
         server stating another one is left (client mode).
     batch
-        Most records per DAT (Arrow-encoded flows).
+        Most records per DAT (Arrow-encoded flows; default 4096, and about 4 MiB of
+        values at most, so large records make smaller DATs). The taker's BOT may lower it.
     max_unacked, max_unacked_bytes
         The retention window: :meth:`send` blocks while this many records, or this many
         value bytes, are held unacknowledged (whichever comes first; one call may go past
@@ -145,7 +147,7 @@ class Producer:
         connect: str | None = None,
         producer_id: str | None = None,
         stream: str = "zio",
-        batch: int = 1000,
+        batch: int = DAT_RECORDS,
         max_unacked: int = DEFAULT_WINDOW,
         max_unacked_bytes: int = DEFAULT_WINDOW_BYTES,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
