@@ -6,7 +6,7 @@ Cases, run back to back in every round (so a ratio compares neighbours in time):
 - ``synthetic Arrow`` (anchor): a Python ``DataSourceStreamReader`` yielding Arrow batches
   of 100 B values, 10k rows each: the ceiling of any Python source (target >= 0.9x).
 - ``zio, Arrow DATs``: an in-process Producer pre-loaded with N records of 100 B (Arrow,
-  1000 records per DAT: the producer's default), read with ``readStream.format("zio")``.
+  4096 records per DAT: the producer's default), read with ``readStream.format("zio")``.
 - ``zio, 1 record/DAT (plain)``: a plain ZIO giver with the reference implementation's
   wire shape (``common.PlainGiver``: one record per DAT, label ``{"flow": "DAT"}``, no
   acknowledgements), P records (target >= 250k records/s).
@@ -234,7 +234,8 @@ def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
         "max_unacked": n + 1,
         "max_unacked_bytes": (n + 1) * len(VALUE),  # the whole preload is held until acked
     }
-    prod = Producer(batch=1000 if kind == "arrow" else 1, **common)
+    # "arrow": the default DAT size (4096 records); "arrow1": one record per DAT.
+    prod = Producer(**common) if kind == "arrow" else Producer(batch=1, **common)
     try:
         for lo in range(0, n, 100_000):
             prod.send_many([VALUE] * min(100_000, n - lo))
@@ -248,7 +249,7 @@ def _zio(spark: Any, work: Path, n: int, kind: str) -> dict[str, float]:
 CASES = {
     "rate": "rate (built-in, anchor)",
     "synthetic": "synthetic Python Arrow source (anchor)",
-    "arrow": "zio, Arrow DATs (1000 records/DAT)",
+    "arrow": "zio, Arrow DATs (4096 records/DAT, the default)",
     "plain": "zio, 1 record/DAT (plain)",
     "arrow1": "zio, 1 record/DAT (Arrow, batch=1)",
     "bind-plain": "zio bind, 2 plain giver clients (1 record/DAT)",
