@@ -19,6 +19,7 @@ Markdown table.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,18 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import fmt_spread, machine, md_table, ratio_spread, spark_run, spread, write_json
+from common import (
+    classify,
+    descendants,
+    fmt_spread,
+    jvm_pid,
+    machine,
+    md_table,
+    ratio_spread,
+    spark_run,
+    spread,
+    write_json,
+)
 
 from zio_spark.sink.consumer import Consumer
 
@@ -61,7 +73,31 @@ class NoopArrowSink(DataSource):  # type: ignore[misc]
         return _NoopWriter()
 
 
-def run(spark, fmt: str, opts: dict[str, str], args: argparse.Namespace, ckpt: Path) -> float:
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far per role: this process (the driver and, for zio, the consumer's
+    threads), the JVM and the Python workers (children already reaped counted in their
+    parent, through cutime/cstime)."""
+    t = os.times()
+    groups = {"driver + consumer": t.user + t.system}
+    jvm = jvm_pid(None)
+    for pid in descendants(os.getpid()):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = classify(pid, jvm)
+        groups[role] = groups.get(role, 0.0) + sum(int(f) for f in stat[11:15]) / _TICK
+    return groups
+
+
+def run(
+    spark, fmt: str, opts: dict[str, str], args: argparse.Namespace, ckpt: Path
+) -> tuple[float, dict[str, float]]:
+    """Rows/s over the measured batches, and CPU seconds per million rows by role over
+    the whole query (start and warm-up included, for both paths alike)."""
     df = (
         spark.readStream.format("rate-micro-batch")
         .option("rowsPerBatch", args.rows)
@@ -76,6 +112,7 @@ def run(spark, fmt: str, opts: dict[str, str], args: argparse.Namespace, ckpt: P
     )
     for k, v in opts.items():
         w = w.option(k, v)
+    cpu0 = _cpu_seconds()
     q = w.start()
     need = args.warmup + args.batches
     deadline = time.monotonic() + 600
@@ -91,10 +128,17 @@ def run(spark, fmt: str, opts: dict[str, str], args: argparse.Namespace, ckpt: P
             raise RuntimeError(f"{fmt}: {need} batches did not finish in time")
     finally:
         q.stop()
+    cpu1 = _cpu_seconds()
+    every = sum(p["numInputRows"] for p in q.recentProgress) or 1
+    cpu = {
+        role: (cpu1.get(role, 0.0) - cpu0.get(role, 0.0)) / (every / 1e6)
+        for role in sorted(set(cpu0) | set(cpu1))
+        if role not in ("python driver", "other")
+    }
     measured = done[args.warmup : need]
     rows = sum(p["numInputRows"] for p in measured)
     seconds = sum(p["durationMs"]["triggerExecution"] for p in measured) / 1000
-    return rows / seconds
+    return rows / seconds, cpu
 
 
 def main() -> None:
@@ -110,16 +154,18 @@ def main() -> None:
     args = ap.parse_args()
 
     results: dict[str, list[float]] = {"noop": [], "zio": []}
+    cpu: dict[str, list[dict[str, float]]] = {"noop": [], "zio": []}
     with spark_run("bench-sink") as (spark, work):
         spark.dataSource.register(NoopArrowSink)
         for r in range(args.rounds):
-            noop = run(spark, "noop_arrow", {}, args, work / f"ckpt-noop-{r}")
+            noop, cpu_noop = run(spark, "noop_arrow", {}, args, work / f"ckpt-noop-{r}")
             results["noop"].append(noop)
+            cpu["noop"].append(cpu_noop)
             consumer = Consumer(
                 "tcp://127.0.0.1:*", work / f"consumer-{r}", fsync=not args.no_fsync
             )
             try:
-                zio = run(
+                zio, cpu_zio = run(
                     spark,
                     "zio",
                     {"endpoint": consumer.endpoint, "stream": "bench"},
@@ -132,6 +178,7 @@ def main() -> None:
             finally:
                 consumer.close()
             results["zio"].append(zio)
+            cpu["zio"].append(cpu_zio)
             print(
                 f"round {r}: noop {noop / 1e6:.2f}M rows/s, zio {zio / 1e6:.2f}M rows/s "
                 f"({zio / noop:.2f}x), {published} batches published",
@@ -147,6 +194,11 @@ def main() -> None:
             "rows_per_s": spread(results["zio"]),
         },
     }
+    for case, runs in cpu.items():
+        roles = sorted({role for r in runs for role in r})
+        figures[case]["cpu_s_per_million"] = {
+            role: spread([r.get(role, 0.0) for r in runs]) for role in roles
+        }
     write_json(
         args.out,
         "sink.json",
@@ -167,14 +219,18 @@ def main() -> None:
     print()
     print(
         md_table(
-            ["path", "rows/s (median, min-max)", "vs anchor"],
+            ["path", "rows/s (median, min-max)", "vs anchor", "CPU s per 1M rows (whole query)"],
             [
-                [figures["noop"]["label"], fmt_spread(figures["noop"]["rows_per_s"]), "anchor"],
                 [
-                    figures["zio"]["label"],
-                    fmt_spread(figures["zio"]["rows_per_s"]),
-                    fmt_spread(ratio, "x", digits=2),
-                ],
+                    figures[case]["label"],
+                    fmt_spread(figures[case]["rows_per_s"]),
+                    "anchor" if case == "noop" else fmt_spread(ratio, "x", digits=2),
+                    ", ".join(
+                        f"{role} {s['median']:.2f}"
+                        for role, s in figures[case]["cpu_s_per_million"].items()
+                    ),
+                ]
+                for case in ("noop", "zio")
             ],
         )
     )
