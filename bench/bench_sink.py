@@ -33,8 +33,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, Writ
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (
-    classify,
-    descendants,
+    cpu_by_role,
     fmt_spread,
     jvm_pid,
     machine,
@@ -73,24 +72,11 @@ class NoopArrowSink(DataSource):  # type: ignore[misc]
         return _NoopWriter()
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
 def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far per role: this process (the driver and, for zio, the consumer's
-    threads), the JVM and the Python workers (children already reaped counted in their
-    parent, through cutime/cstime)."""
+    """CPU seconds so far per role: the JVM, the Python workers, and this process (the
+    driver and, for zio, the consumer's threads)."""
     t = os.times()
-    groups = {"driver + consumer": t.user + t.system}
-    jvm = jvm_pid(None)
-    for pid in descendants(os.getpid()):
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        role = classify(pid, jvm)
-        groups[role] = groups.get(role, 0.0) + sum(int(f) for f in stat[11:15]) / _TICK
-    return groups
+    return {**cpu_by_role(jvm_pid(None)), "driver + consumer": t.user + t.system}
 
 
 def run(

@@ -43,8 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from common import (
     ROOT,
-    classify,
-    descendants,
+    cpu_by_role,
     fmt_spread,
     jvm_pid,
     machine,
@@ -58,7 +57,6 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 
 VALUE = b"x" * 100
 ROWS_PER_ARROW_BATCH = 10_000
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------- anchor
@@ -201,24 +199,6 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _cpu(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    # utime + stime, plus cutime + cstime: the time of children already reaped (Python
-    # workers that ended between two samples), counted once, in their parent's row.
-    return sum(int(f) for f in fields[11:15]) / _TICK
-
-
-def _cpu_groups(jvm: int | None, extra: list[int]) -> dict[str, float]:
-    groups: dict[str, float] = {}
-    for pid in descendants(os.getpid()):
-        role = "producers" if pid in extra else classify(pid, jvm)
-        groups[role] = groups.get(role, 0.0) + _cpu(pid)
-    return groups
-
-
 def _rows(q: Any) -> int:
     return sum(p["numInputRows"] for p in q.recentProgress)
 
@@ -264,11 +244,11 @@ def _measure(
             if first is None and _rows(q) > 0:
                 first = now - t0
             if mid is None and now >= half_at:
-                mid = (now, _rows(q), _cpu_groups(jvm, children))
+                mid = (now, _rows(q), cpu_by_role(jvm, children))
             if now >= end_at:
                 break
             time.sleep(0.02)
-        t_end, rows_end, cpu_end = time.perf_counter(), _rows(q), _cpu_groups(jvm, children)
+        t_end, rows_end, cpu_end = time.perf_counter(), _rows(q), cpu_by_role(jvm, children)
     finally:
         q.stop()
     assert mid is not None

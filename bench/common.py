@@ -330,6 +330,27 @@ def classify(pid: int, jvm: int | None) -> str:
     return "other"
 
 
+def cpu_with_reaped(pid: int) -> float:
+    """CPU seconds of ``pid`` (0 once it has gone): utime + stime, plus cutime + cstime,
+    the time of its children already reaped (Python workers that ended between two
+    samples), so each is counted once, in its parent's row."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(jvm: int | None, extra: Sequence[int] = ()) -> dict[str, float]:
+    """CPU seconds so far of this process's descendants, summed per :func:`classify`
+    role (``extra`` pids: ``"producers"``)."""
+    groups: dict[str, float] = {}
+    for pid in descendants(os.getpid()):
+        role = "producers" if pid in extra else classify(pid, jvm)
+        groups[role] = groups.get(role, 0.0) + cpu_with_reaped(pid)
+    return groups
+
+
 class RssSampler:
     """Samples RSS of the run's processes every ``interval`` s in a background thread.
 

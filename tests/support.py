@@ -140,3 +140,15 @@ def spark_session(app: str = "zio-spark-tests", **conf: str) -> Any:
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
+
+
+def runner_reader(endpoint: str, tmp_path: Any, **options: object) -> Any:
+    """A zio stream reader used the way Spark's runner uses it, without a session:
+    ``endpoints``, a local spool in ``tmp_path / "spool"``, columns ``seq`` and ``value``;
+    ``options`` are further source options (their values as strings)."""
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
+    opts.update({k: str(v) for k, v in options.items()})
+    return ZioStreamReader(parse_source_options(opts), ("seq", "value"))

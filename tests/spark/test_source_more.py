@@ -8,33 +8,9 @@ import threading
 import time
 
 import pytest
-import zmq
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from tests.support import wait_until
-from zio_spark.source.producer import Producer
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
-def producers(ctx):
-    """``make(producer_id)``: a loopback producer, closed at teardown."""
-    made: list[Producer] = []
-
-    def make(producer_id: str) -> Producer:
-        p = Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind="tcp://127.0.0.1:*")
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close(flush=False, timeout=5)
+from tests.support import runner_reader, wait_until
 
 
 def _stream(spark, endpoint, tmp_path, **options):
@@ -322,22 +298,13 @@ def test_a_full_backlog_already_read_by_spark_does_not_stall_the_query(spark, pr
 # -- availableNow's end and the holdups report (runner methods, no Spark session) -----------
 
 
-def _runner(endpoint, tmp_path, **options):
-    from zio_spark.options import parse_source_options
-    from zio_spark.spark.source import ZioStreamReader
-
-    opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
-    opts.update({k: str(v) for k, v in options.items()})
-    return ZioStreamReader(parse_source_options(opts), ("seq", "value"))
-
-
 def test_available_now_ends_when_every_producer_said_it_has_nothing_more(producers, tmp_path):
     """No quiet wait for a zio-spark producer: it says ``more: false``; the quiet rule
     alone could not end before 0.5 s without a new record."""
     prod = producers("said")
     n = 2000
     prod.send_many([b"a%d" % i for i in range(n)])
-    reader = _runner(prod.endpoint, tmp_path, connectTimeout="30s")
+    reader = runner_reader(prod.endpoint, tmp_path, connectTimeout="30s")
     try:
         start = reader.initialOffset()
         reader.prepareForTriggerAvailableNow()
@@ -357,7 +324,7 @@ def test_available_now_ends_when_every_producer_said_it_has_nothing_more(produce
 
 def test_available_now_with_an_idle_producer_that_has_nothing_ends_at_once(producers, tmp_path):
     prod = producers("nothing")
-    reader = _runner(prod.endpoint, tmp_path, connectTimeout="30s")
+    reader = runner_reader(prod.endpoint, tmp_path, connectTimeout="30s")
     try:
         t0 = time.monotonic()
         reader.prepareForTriggerAvailableNow()
@@ -374,7 +341,7 @@ def test_available_now_takes_more_than_max_backlog_in_steps(producers, tmp_path)
     prod = producers("steps")
     n = 500
     prod.send_many([b"s%d" % i for i in range(n)])
-    reader = _runner(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
+    reader = runner_reader(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
     try:
         start = reader.initialOffset()
         reader.prepareForTriggerAvailableNow()
@@ -395,7 +362,7 @@ def test_available_now_takes_more_than_max_backlog_in_steps(producers, tmp_path)
 def test_the_report_shows_the_source_holding_a_producer_back(producers, tmp_path):
     prod = producers("held")
     prod.send_many([b"h"] * 500)
-    reader = _runner(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
+    reader = runner_reader(prod.endpoint, tmp_path, maxBacklog=100, credit=10)
     try:
         reader.initialOffset()
         wait_until(

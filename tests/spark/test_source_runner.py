@@ -10,40 +10,15 @@ import textwrap
 
 import pyarrow as pa
 import pytest
-import zmq
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from tests.support import wait_until
+from tests.support import runner_reader, wait_until
 from zio_spark.errors import ConfigError
 from zio_spark.options import parse_source_options
-from zio_spark.source.producer import Producer
 from zio_spark.source.sealer import Sealer
 from zio_spark.spark import source as source_mod
-from zio_spark.spark.source import ZioStreamReader, _pack, _pieces
+from zio_spark.spark.source import _pack, _pieces
 from zio_spark.storage.spool import Record, Spool
-
-
-@pytest.fixture
-def producer():
-    ctx = zmq.Context()
-    made: list[Producer] = []
-
-    def make(producer_id: str) -> Producer:
-        p = Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind="tcp://127.0.0.1:*")
-        made.append(p)
-        return p
-
-    yield make
-    for p in made:
-        p.close(flush=False, timeout=5)
-    ctx.term()
-
-
-def _reader(endpoint: str, tmp_path, **options) -> ZioStreamReader:
-    opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
-    opts.update({k: str(v) for k, v in options.items()})
-    return ZioStreamReader(parse_source_options(opts), ("seq", "value"))
-
 
 # -- partitions ---------------------------------------------------------------------------
 
@@ -87,11 +62,11 @@ def test_max_records_per_partition_option_is_checked():
     assert opts.max_records_per_partition == 250_000
 
 
-def test_a_producer_range_is_read_as_several_partitions_each_record_once(producer, tmp_path):
-    prod = producer("split")
+def test_a_producer_range_is_read_as_several_partitions_each_record_once(producers, tmp_path):
+    prod = producers("split")
     n = 1000
     prod.send_many([b"v%d" % i for i in range(n)])
-    reader = _reader(prod.endpoint, tmp_path, maxRecordsPerPartition=300)
+    reader = runner_reader(prod.endpoint, tmp_path, maxRecordsPerPartition=300)
     try:
         start = reader.initialOffset()
         wait_until(
@@ -141,9 +116,9 @@ def test_the_sealer_seals_a_large_tail_without_latest_offset(tmp_path):
         spool.close()
 
 
-def test_a_failed_background_seal_fails_the_next_spark_call(producer, tmp_path, monkeypatch):
-    prod = producer("boom")
-    reader = _reader(prod.endpoint, tmp_path)
+def test_a_failed_background_seal_fails_the_next_spark_call(producers, tmp_path, monkeypatch):
+    prod = producers("boom")
+    reader = runner_reader(prod.endpoint, tmp_path)
     try:
         start = reader.initialOffset()
         rt = reader._rt
@@ -165,13 +140,13 @@ def test_a_failed_background_seal_fails_the_next_spark_call(producer, tmp_path, 
 # -- the first latestOffset -----------------------------------------------------------------
 
 
-def test_the_first_latest_offset_waits_for_the_first_records(producer, tmp_path, monkeypatch):
+def test_the_first_latest_offset_waits_for_the_first_records(producers, tmp_path, monkeypatch):
     """Spark runs a query's first batch whatever the offsets: it must not be empty when a
     producer has records (the bound is raised here so a slow machine cannot flake)."""
     monkeypatch.setattr(source_mod, "_FIRST_WAIT", 30.0)
-    prod = producer("first")
+    prod = producers("first")
     prod.send_many([b"f"] * 100)
-    reader = _reader(prod.endpoint, tmp_path)
+    reader = runner_reader(prod.endpoint, tmp_path)
     try:
         start = reader.initialOffset()
         assert start == {}
@@ -181,9 +156,9 @@ def test_the_first_latest_offset_waits_for_the_first_records(producer, tmp_path,
         reader.stop()
 
 
-def test_the_first_latest_offset_without_records_returns_within_its_bound(producer, tmp_path):
-    prod = producer("empty")
-    reader = _reader(prod.endpoint, tmp_path)
+def test_the_first_latest_offset_without_records_returns_within_its_bound(producers, tmp_path):
+    prod = producers("empty")
+    reader = runner_reader(prod.endpoint, tmp_path)
     try:
         assert reader.latestOffset(reader.initialOffset(), ReadAllAvailable()) == {}
         assert reader.latestOffset({}, ReadAllAvailable()) == {}  # no second wait
@@ -216,11 +191,11 @@ _TERM_CHILD = textwrap.dedent(
 )
 
 
-def test_sigterm_while_the_runner_holds_a_spool_lock_stops_cleanly(producer, tmp_path):
+def test_sigterm_while_the_runner_holds_a_spool_lock_stops_cleanly(producers, tmp_path):
     """SIGTERM lands between any two bytecodes of the runner's main thread: the handler
     must not stop the reader itself (that deadlocked on the spool's lock, and the runner
     outlived its JVM); it unwinds, and the runner's ``finally`` stops the reader."""
-    prod = producer("term")
+    prod = producers("term")
     proc = subprocess.Popen(
         [sys.executable, "-c", _TERM_CHILD, prod.endpoint, str(tmp_path / "spool")],
         stdout=subprocess.PIPE,
