@@ -74,6 +74,11 @@ _NB = zmq.NOBLOCK
 # copied once (as recv(copy=True) would); shorter ones are cheaper to take as bytes.
 _VIEW_MIN = 4096
 _NB_MORE = zmq.NOBLOCK | zmq.SNDMORE
+# Frames this long are handed to libzmq without a copy (it holds a reference to the
+# bytes until sent): pyzmq's default copies each frame into a freshly allocated message,
+# which for a 1 MiB Arrow payload cost more than the send itself (page faults and the
+# copy, measured in the sink's tasks). Shorter frames are cheaper copied.
+_ZERO_COPY_MIN = 1 << 16
 
 
 def _send_parts(sock: zmq.Socket[bytes], parts: Sequence[bytes]) -> None:
@@ -91,8 +96,16 @@ def _send_parts(sock: zmq.Socket[bytes], parts: Sequence[bytes]) -> None:
     send = sock.send
     last = len(parts) - 1
     for i in range(last):
-        send(parts[i], _NB_MORE)
-    send(parts[last], _NB)
+        p = parts[i]
+        if len(p) < _ZERO_COPY_MIN:
+            send(p, _NB_MORE)
+        else:
+            send(p, _NB_MORE, copy=False)
+    p = parts[last]
+    if len(p) < _ZERO_COPY_MIN:
+        send(p, _NB)
+    else:
+        send(p, _NB, copy=False)
 
 
 def _recv_parts(sock: zmq.Socket[bytes], flags: int) -> list[bytes]:
@@ -367,10 +380,11 @@ class ServerWire(_SingleFrameWire):
         return peer
 
     def put(self, packed: bytes, peer: int) -> None:
-        self.sock.send(packed, _NB, routing_id=peer)
+        self.sock.send(packed, _NB, copy=len(packed) < _ZERO_COPY_MIN, routing_id=peer)
 
     def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...], peer: int) -> None:
-        self.sock.send(codec.single(seqno, payload), _NB, routing_id=peer)
+        packed = codec.single(seqno, payload)
+        self.sock.send(packed, _NB, copy=len(packed) < _ZERO_COPY_MIN, routing_id=peer)
 
     def split(self, frame: zmq.Frame) -> tuple[PeerId, list[bytes]]:
         peer: PeerId = frame.get("routing_id")  # not .routing_id: its draft check costs ~0.4 µs
@@ -395,10 +409,11 @@ class ClientWire(_SingleFrameWire):
     kind = PortKind.CLIENT
 
     def put(self, packed: bytes, peer: None) -> None:
-        self.sock.send(packed, _NB)
+        self.sock.send(packed, _NB, copy=len(packed) < _ZERO_COPY_MIN)
 
     def send_dat(self, codec: DatCodec, seqno: int, payload: tuple[bytes, ...], peer: None) -> None:
-        self.sock.send(codec.single(seqno, payload), _NB)
+        packed = codec.single(seqno, payload)
+        self.sock.send(packed, _NB, copy=len(packed) < _ZERO_COPY_MIN)
 
     def split(self, frame: zmq.Frame) -> list[bytes]:
         try:
