@@ -767,6 +767,32 @@ def test_client_send_dats_queues_in_order_and_stops_when_the_queue_stays_full(
     assert server.recv_many(10, QUIET_MS) == []
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_frames_either_side_of_the_zero_copy_size_arrive_intact(
+    make_server, make_client, tcp_any, mode
+):
+    # Frames of 64 KiB or more are handed to libzmq without a copy (wire._ZERO_COPY_MIN),
+    # shorter ones are copied: both, in one message and through the DAT fast lane, arrive
+    # byte for byte, and the zero-copy bytes are not reused or freed early.
+    server = make_server(mode=mode)
+    client = make_client(mode=mode)
+    client.connect(server.bind(tcp_any))
+    sizes = [0, 65535, 65536, 65537, 3 << 20]
+    payload = tuple(bytes([i + 1]) * n for i, n in enumerate(sizes))
+    sent = flow({"flow": "DAT"}, seqno=1, payload=list(payload))
+    client.send(sent)
+    peer, got = server_recv(server)
+    assert got == sent
+    codec = DatCodec(9)
+    client.send_dats(codec, 2, [(p,) for p in payload])
+    for i, p in enumerate(payload):
+        _, m = server_recv(server)
+        assert (m.seqno, m.payload) == (2 + i, (p,))
+    big = bytes(range(256)) * 1024  # 256 KiB, from the server side too
+    server.send(flow({"flow": "DAT"}, seqno=3, payload=[big, b"tail"]), peer)
+    assert client_recv(client).payload == (big, b"tail")
+
+
 # ------------------------------------------------------------------------------------ CURVE
 
 
