@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.support import wait_until
 from zio_spark.protocol import pzq
 from zio_spark.pzq import receive as receive_mod
 from zio_spark.pzq.broker import EXTRA_MONITOR_KEYS, QueueBroker
@@ -53,11 +54,7 @@ def recv_delivery(sock: Sock, timeout: float = WAIT_S) -> tuple[bytes, pzq.Deliv
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = WAIT_S, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what or predicate}")
-        time.sleep(0.01)
+    wait_until(predicate, timeout, what or repr(predicate), interval=0.01)
 
 
 def monitor(sock: Sock) -> dict[str, str]:
