@@ -23,6 +23,7 @@ __all__ = [
     "SinkOptions",
     "SourceOptions",
     "ZreOptions",
+    "check_endpoint",
     "parse_bool",
     "parse_duration",
     "parse_endpoints",
@@ -34,7 +35,6 @@ T = TypeVar("T")
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-_ENDPOINT = re.compile(r"^(tcp|ipc|inproc)://\S+$")
 _Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
 
@@ -144,16 +144,189 @@ def parse_duration(
     )
 
 
-def parse_endpoints(name: str, value: str) -> tuple[str, ...]:
-    """Parse a comma-separated list of ZeroMQ endpoints (tcp://, ipc://, inproc://)."""
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", re.DOTALL)
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_\-]*[A-Za-z0-9_])?$")
+_IPC_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, the last one NUL
+_CONNECT_EXAMPLE = "tcp://127.0.0.1:5555"
+_BIND_EXAMPLE = "tcp://*:5555"
+
+
+def _endpoint_error(name: str, value: str, problem: str, *, bind: bool) -> ConfigError:
+    """A :class:`ConfigError` for one endpoint: what is wrong, the accepted forms and an
+    example the user can copy."""
+    host = "a name, an IPv4 or [IPv6] address" + (", or * for every interface" if bind else "")
+    example = _BIND_EXAMPLE if bind else _CONNECT_EXAMPLE
+    return ConfigError(
+        name,
+        value,
+        f"a ZeroMQ endpoint, tcp://HOST:PORT (HOST {host}; PORT 1-65535) or ipc:///path, "
+        f"e.g. {example} ({problem})",
+    )
+
+
+def _check_host(name: str, value: str, host: str, *, bind: bool) -> None:
+    """A TCP host: ``*`` (bind only), ``[IPv6]``, an IPv4 address or a DNS name (for a
+    bind also an interface name, which has the same shape)."""
+    import ipaddress
+
+    if not host:
+        raise _endpoint_error(name, value, "the host before the port is missing", bind=bind)
+    if host == "*":
+        if bind:
+            return
+        raise _endpoint_error(
+            name,
+            value,
+            "* (every interface) is for binding; name the host to connect to",
+            bind=bind,
+        )
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise _endpoint_error(name, value, f"{host!r} lacks its closing ]", bind=bind)
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise _endpoint_error(
+                name, value, f"{host[1:-1]!r} is not an IPv6 address", bind=bind
+            ) from None
+        return
+    if ":" in host:
+        raise _endpoint_error(
+            name, value, f"write an IPv6 address in brackets: tcp://[{host}]:PORT", bind=bind
+        )
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if all(label.isdigit() for label in labels):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise _endpoint_error(
+                name, value, f"{host!r} is not an IPv4 address", bind=bind
+            ) from None
+        return
+    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in labels):
+        raise _endpoint_error(name, value, f"{host!r} is not a host name", bind=bind)
+
+
+def _check_port(name: str, value: str, port: str, *, bind: bool) -> None:
+    if port.isdigit() and 1 <= int(port) <= 65535:
+        return
+    if not port:
+        problem = "the port after the host is missing"
+    elif bind and port in ("*", "!", "0"):
+        # libzmq would pick a port, but giver clients must know it, and a restarted query
+        # must bind the one they keep reconnecting to.
+        problem = (
+            f"a fixed port, not {port!r} (an ephemeral port): giver clients connect to it, "
+            "and a restarted query binds it again"
+        )
+    else:
+        problem = f"the port {port!r} is not a number 1-65535"
+    raise _endpoint_error(name, value, problem, bind=bind)
+
+
+def check_endpoint(name: str, value: str, *, bind: bool = False) -> str:
+    """Check one ZeroMQ endpoint as libzmq would read it, before any socket sees it.
+
+    ``tcp://HOST:PORT`` (HOST a DNS name, an IPv4 address or ``[IPv6]``; for a bind also
+    ``*``, every interface; a connect may name a source address first, libzmq's
+    ``tcp://SOURCE;HOST:PORT``) or ``ipc:///path`` (at most 107 bytes; ``ipc://@name``:
+    Linux's abstract namespace). ``inproc://`` is refused: Spark runs the source and the
+    sink in Python worker processes of their own, which another process's ``inproc``
+    socket never reaches.
+
+    Parameters
+    ----------
+    name
+        The option's name (for the error).
+    value
+        One endpoint, without surrounding blanks.
+    bind
+        Whether it is bound (``*`` host allowed) rather than connected to.
+
+    Returns
+    -------
+    str
+        ``value``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the option, the value, what is wrong and an example.
+    """
+    m = _SCHEME.match(value)
+    if m is None:
+        raise _endpoint_error(name, value, "the scheme (tcp:// or ipc://) is missing", bind=bind)
+    scheme, rest = m.group(1), m.group(2)
+    if any(c.isspace() for c in value):
+        raise _endpoint_error(name, value, "an endpoint holds no blanks", bind=bind)
+    if scheme == "inproc":
+        raise _endpoint_error(
+            name,
+            value,
+            "inproc:// reaches only sockets of the same process, and Spark runs the source "
+            "and the sink in Python worker processes of their own",
+            bind=bind,
+        )
+    if scheme == "ipc":
+        if not rest:
+            raise _endpoint_error(name, value, "the ipc path is missing", bind=bind)
+        if len(rest.encode()) > _IPC_PATH_MAX:
+            raise _endpoint_error(
+                name,
+                value,
+                f"the ipc path is {len(rest.encode())} bytes, more than the {_IPC_PATH_MAX} "
+                "a Unix socket address holds",
+                bind=bind,
+            )
+        return value
+    if scheme != "tcp":
+        raise _endpoint_error(
+            name, value, f"{scheme}:// is not a transport of ZIO flows", bind=bind
+        )
+    if ";" in rest:
+        if bind:
+            raise _endpoint_error(
+                name, value, "a source address (SOURCE;HOST:PORT) is for connecting", bind=bind
+            )
+        source, rest = rest.split(";", 1)
+        if not source:
+            raise _endpoint_error(name, value, "the source address before ; is empty", bind=bind)
+    if rest.startswith("["):
+        close = rest.find("]")
+        host, after = (rest, "") if close < 0 else (rest[: close + 1], rest[close + 1 :])
+        if after and not after.startswith(":"):
+            raise _endpoint_error(name, value, f"{after!r} after the address", bind=bind)
+        port = after[1:]
+    else:
+        host, sep, port = rest.rpartition(":")
+        if not sep:
+            host, port = rest, ""
+        elif ":" in host:
+            raise _endpoint_error(
+                name, value, "write an IPv6 address in brackets: tcp://[ADDRESS]:PORT", bind=bind
+            )
+    _check_host(name, value, host, bind=bind)
+    _check_port(name, value, port, bind=bind)
+    return value
+
+
+def parse_endpoints(name: str, value: str, *, bind: bool = False) -> tuple[str, ...]:
+    """Parse a comma-separated list of ZeroMQ endpoints, each checked by
+    :func:`check_endpoint`.
+
+    Raises
+    ------
+    ConfigError
+        For an empty entry, a bad endpoint or one listed twice (naming the option).
+    """
     parts = tuple(p.strip() for p in value.split(","))
     if not parts or any(not p for p in parts):
-        raise ConfigError(name, value, "a comma-separated list of endpoints, e.g. tcp://host:5555")
+        example = _BIND_EXAMPLE if bind else _CONNECT_EXAMPLE
+        raise ConfigError(
+            name, value, f"a comma-separated list of endpoints, e.g. {example},{example[:-1]}6"
+        )
     for p in parts:
-        if not _ENDPOINT.match(p):
-            raise ConfigError(
-                name, p, "a ZeroMQ endpoint such as tcp://host:5555, ipc:///path or inproc://name"
-            )
+        check_endpoint(name, p, bind=bind)
     if len(set(parts)) != len(parts):
         raise ConfigError(name, value, "each endpoint listed once")
     return parts
@@ -358,13 +531,7 @@ def _exactly_one(opts: Mapping[str, Any], choices: Mapping[str, str]) -> None:
 
 
 def _bind_endpoints(name: str, value: str) -> tuple[str, ...]:
-    parts = parse_endpoints(name, value)
-    for p in parts:
-        if p.startswith("inproc://"):
-            raise ConfigError(
-                name, p, "an endpoint other processes can connect to: tcp:// or ipc://"
-            )
-    return parts
+    return parse_endpoints(name, value, bind=True)
 
 
 _HOST_NAME = re.compile(r"^(\*|[A-Za-z0-9_\-.]+|\[?[0-9A-Fa-f:.]+\]?)$")

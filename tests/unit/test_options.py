@@ -119,3 +119,105 @@ def test_sink_needs_exactly_one_place(raw: dict[str, str], part: str) -> None:
 def test_unknown_option_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"a known sink option: .*endpoint"):
         parse_sink_options({"endpoint": "tcp://h:1", "endpiont": "x"})
+
+
+# ---------------------------------------------------------------------- endpoints
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "tcp://127.0.0.1:5555",
+        "tcp://localhost:1",
+        "tcp://daq1.example.org:65535",
+        "tcp://[::1]:5555",
+        "tcp://[fe80::1%eth0]:5555",
+        "tcp://eth0;10.0.0.5:5555",  # libzmq's source address, for connecting
+        "ipc:///tmp/zio.sock",
+        "ipc://@zio-abstract",
+        "ipc://relative.sock",
+    ],
+)
+def test_endpoints_libzmq_connects_to_are_accepted(endpoint: str) -> None:
+    assert parse_source_options({"endpoints": endpoint}).endpoints == (endpoint,)
+    assert parse_sink_options({"endpoint": endpoint}).endpoint == endpoint
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["tcp://*:5555", "tcp://127.0.0.1:5555", "tcp://[::1]:5555", "tcp://eth0:5555", "ipc:///x"],
+)
+def test_endpoints_to_bind_are_accepted(endpoint: str) -> None:
+    assert parse_source_options({"bind": endpoint}).bind == (endpoint,)
+
+
+_REJECTED = [
+    ("tcp://127.0.0.1", "the port after the host is missing"),  # the case
+    ("tcp://localhost", "the port after the host is missing"),
+    ("tcp://[::1]", "the port after the host is missing"),
+    ("tcp://127.0.0.1:", "the port after the host is missing"),
+    ("tcp://127.0.0.1:0", "not a number 1-65535"),
+    ("tcp://127.0.0.1:65536", "not a number 1-65535"),
+    ("tcp://127.0.0.1:http", "not a number 1-65535"),
+    ("tcp://127.0.0.1:*", "not a number 1-65535"),
+    ("tcp://*:5555", "* (every interface) is for binding"),
+    ("tcp://:5555", "the host before the port is missing"),
+    ("tcp://::1:5555", "write an IPv6 address in brackets"),
+    ("tcp://[::1:5555", "lacks its closing ]"),
+    ("tcp://[nope]:5555", "'nope' is not an IPv6 address"),
+    ("tcp://[::1]5555", "'5555' after the address"),
+    ("tcp://300.0.0.1:5555", "'300.0.0.1' is not an IPv4 address"),
+    ("tcp://daq_1!:5555", "'daq_1!' is not a host name"),
+    ("tcp://daq 1:5555", "holds no blanks"),
+    ("tcp://;10.0.0.5:5555", "the source address before ; is empty"),
+    ("127.0.0.1:5555", "the scheme (tcp:// or ipc://) is missing"),
+    ("udp://127.0.0.1:5555", "udp:// is not a transport of ZIO flows"),
+    ("ipc://", "the ipc path is missing"),
+    ("ipc:///" + "p" * 107, "more than the 107 a Unix socket address holds"),
+    ("inproc://zio", "inproc:// reaches only sockets of the same process"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "problem"), _REJECTED)
+@pytest.mark.parametrize("option", ["endpoints", "endpoint"])
+def test_bad_connect_endpoints_fail_at_parse_naming_option_value_and_example(
+    option: str, endpoint: str, problem: str
+) -> None:
+    parse = parse_source_options if option == "endpoints" else parse_sink_options
+    with pytest.raises(ConfigError) as e:
+        parse({option: endpoint})
+    assert (e.value.option, e.value.value) == (option, endpoint)
+    text = str(e.value)
+    assert text.startswith(
+        f"option {option!r}: got {endpoint!r}, expected a ZeroMQ endpoint, tcp://HOST:PORT"
+    )
+    assert "e.g. tcp://127.0.0.1:5555" in text and problem in text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "problem"),
+    [
+        ("tcp://*", "the port after the host is missing"),
+        ("tcp://*:*", "a fixed port, not '*' (an ephemeral port): giver clients connect"),
+        ("tcp://127.0.0.1:0", "a fixed port, not '0'"),
+        ("tcp://127.0.0.1:!", "a fixed port, not '!'"),
+        ("tcp://eth0;127.0.0.1:5555", "a source address (SOURCE;HOST:PORT) is for connecting"),
+        ("inproc://zio", "inproc:// reaches only sockets of the same process"),
+    ],
+)
+def test_bad_bind_endpoints_fail_at_parse(endpoint: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_source_options({"bind": endpoint})
+    assert (e.value.option, e.value.value) == ("bind", endpoint)
+    assert "or * for every interface" in str(e.value) and "e.g. tcp://*:5555" in str(e.value)
+    assert problem in str(e.value)
+
+
+def test_every_endpoint_of_a_list_is_checked_and_the_bad_one_named() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_source_options({"endpoints": "tcp://127.0.0.1:5555, tcp://127.0.0.1"})
+    assert e.value.value == "tcp://127.0.0.1"
+    with pytest.raises(ConfigError, match="each endpoint listed once"):
+        parse_source_options({"endpoints": "tcp://h:1,tcp://h:1"})
+    with pytest.raises(ConfigError, match="comma-separated list of endpoints"):
+        parse_source_options({"endpoints": "tcp://h:1,"})

@@ -655,6 +655,9 @@ class _Port(Generic[_Got, _Parts]):
 
     def _attach(self, verb: str, op: Callable[[str], _R], endpoint: str) -> _R:
         """``op(endpoint)`` (the socket's bind or connect), its errors named."""
+        if isinstance(endpoint, str) and "://[" in endpoint:
+            # An IPv6 address: without ZMQ_IPV6 libzmq never connects to it, silently.
+            self._sock.ipv6 = True
         try:
             return op(endpoint)
         except zmq.ZMQError as e:
