@@ -1,33 +1,65 @@
 #!/usr/bin/env bash
 # Set up everything on a fresh clone and run the whole test suite:
-#   1. .venv with zio-spark and test extras (scripts/setup.sh)
+#   1. .venv with zio-spark and test extras (scripts/setup.sh; precompiles pyspark.zip)
 #   2. .venv-draft with a draft-API pyzmq (scripts/build-draft-pyzmq.sh), so the
 #      CLIENT/SERVER socket path is tested on every run, not only the stock wheel's
-#   3. ruff (check + format), mypy strict, pytest (stock pyzmq), the standalone-cluster
-#      test (-m cluster: a master and two workers as separate processes), then on the draft build
-#      with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never skip): tests/transport and
-#      tests/peers whole, and every Spark test marked requires_draft (source and sink
-#      over real CLIENT/SERVER sockets)
-# Extra arguments go to the main pytest run.
-set -euo pipefail
+#   3. the passes: ruff (check + format), mypy strict, pytest (stock pyzmq), the
+#      standalone-cluster test (-m cluster: a master and two workers as separate
+#      processes), then on the draft build with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never
+#      skip): tests/transport and tests/peers whole, and every Spark test marked
+#      requires_draft (source and sink over real CLIENT/SERVER sockets), then the Spark
+#      version matrix (scripts/matrix.sh: contract tests on pyspark 4.0, 4.1, 4.2)
+# Every pass runs even when an earlier one failed; a summary line per pass (name, result,
+# seconds) ends the output, and the exit status is non-zero if any pass failed.
+# Extra arguments go to the main pytest run. Not run here (by hand): -m bench (the full
+# `zio-spark bench --quick`), -m fuzz, -m chaos.
+set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-bash scripts/setup.sh
-bash scripts/build-draft-pyzmq.sh
+# Without these two nothing below can run: stop here, loudly.
+bash scripts/setup.sh || { echo "test.sh: scripts/setup.sh failed" >&2; exit 1; }
+bash scripts/build-draft-pyzmq.sh || { echo "test.sh: scripts/build-draft-pyzmq.sh failed" >&2; exit 1; }
 
-echo "== ruff"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-echo "== mypy"
-.venv/bin/mypy
-echo "== pytest (stock pyzmq $(.venv/bin/python -c 'import zmq; print(zmq.__version__)'))"
-ZIO_REQUIRE_PYRE=1 .venv/bin/python -m pytest --cov=zio_spark.protocol --cov-branch --cov-report=term \
-  --cov-fail-under=95 "$@"
-echo "== pytest -m cluster (standalone master + 2 workers, separate processes; needs root)"
-.venv/bin/python -m pytest -p no:cacheprovider -m cluster tests/cluster
-echo "== pytest tests/transport tests/peers + Spark requires_draft (draft pyzmq)"
-ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest -p no:cacheprovider \
-  tests/transport $( [ -d tests/peers ] && echo tests/peers )
-ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest -p no:cacheprovider \
-  -m "requires_draft and not fuzz and not chaos" tests/spark
+SUMMARY=()
+FAILED=0
+# pass NAME CMD...: run one pass, record its result and duration; never stops the script.
+pass() {
+  local name=$1 t0=$SECONDS rc
+  shift
+  echo
+  echo "== $name"
+  "$@"
+  rc=$?
+  if ((rc == 0)); then
+    SUMMARY+=("$(printf '%-28s ok      %5ss' "$name" $((SECONDS - t0)))")
+  else
+    FAILED=$((FAILED + 1))
+    SUMMARY+=("$(printf '%-28s FAILED  %5ss  (exit %s)' "$name" $((SECONDS - t0)) "$rc")")
+  fi
+}
+
+start=$SECONDS
+zmq_version=$(.venv/bin/python -c 'import zmq; print(zmq.__version__)')
+pass "ruff check" .venv/bin/ruff check .
+pass "ruff format --check" .venv/bin/ruff format --check .
+pass "mypy" .venv/bin/mypy
+pass "pytest (pyzmq $zmq_version)" env ZIO_REQUIRE_PYRE=1 .venv/bin/python -m pytest \
+  --cov=zio_spark.protocol --cov-branch --cov-report=term --cov-fail-under=95 "$@"
+pass "pytest -m cluster" .venv/bin/python -m pytest -p no:cacheprovider -m cluster tests/cluster
+draft_dirs=(tests/transport)
+[ -d tests/peers ] && draft_dirs+=(tests/peers)
+pass "draft: transport+peers" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
+  -p no:cacheprovider "${draft_dirs[@]}"
+pass "draft: Spark requires_draft" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
+  -p no:cacheprovider -m "requires_draft and not fuzz and not chaos" tests/spark
+pass "matrix (older Spark lines)" bash scripts/matrix.sh
+
+echo
+echo "== summary ($((SECONDS - start)) s, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))"
+printf '%s\n' "${SUMMARY[@]}"
+if ((FAILED)); then
+  echo "test.sh: $FAILED of ${#SUMMARY[@]} passes FAILED"
+  exit 1
+fi
+echo "test.sh: all ${#SUMMARY[@]} passes ok"
