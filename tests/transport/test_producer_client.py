@@ -30,7 +30,9 @@ from zio_spark.source.producer import Producer, silent_peer_hint
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
 
-WAIT = 10.0  # deadline for what must happen (returns as soon as it does)
+# Deadline for what must happen (every wait returns as soon as it does): generous, so a
+# busy machine (a shared CI runner, load 10+) slows these tests down but never fails them.
+WAIT = 60.0
 
 
 def poll_until(cond: Callable[[], Any], timeout: float = WAIT, what: str = "") -> None:
@@ -84,15 +86,26 @@ class SparkLikeTaker(FlowHandler):
     """A server taker in the zio-spark profile: states resume/ack/encoding/batch, decodes
     Arrow DATs (checking there is no gap) and acknowledges in its PAYs."""
 
-    def __init__(self, store: Store, credit: int, batch: int, reject_first: bool) -> None:
+    def __init__(
+        self,
+        store: Store,
+        credit: int,
+        batch: int,
+        reject_first: bool,
+        hold_bot: threading.Event | None = None,
+    ) -> None:
         self.store = store
         self.credit = credit
         self.batch = batch
         self.reject_first = reject_first
+        self.hold_bot = hold_bot
 
     def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
         s = self.store
         s.bots.append({"direction": bot.direction.value, "credit": bot.credit, **bot.attrs})
+        # The test holds the reply until it has done what must happen before the flow.
+        if self.hold_bot is not None and not self.hold_bot.wait(WAIT):
+            return  # the test failed before releasing it; no reply, the flow never starts
         if self.reject_first and len(s.bots) == 1:
             conn.reject({"reason": "not yet"})
             return
@@ -126,11 +139,12 @@ class TakerServer:
         credit: int = 4,
         batch: int = 5,
         reject_first: bool = False,
+        hold_bot: threading.Event | None = None,
     ) -> None:
         port = ServerPort(ctx, mode=mode, linger_ms=0)
         self.endpoint = port.bind(endpoint)
         self.server = FlowServer(
-            port, lambda: SparkLikeTaker(store, credit, batch, reject_first), ctx=ctx
+            port, lambda: SparkLikeTaker(store, credit, batch, reject_first, hold_bot), ctx=ctx
         ).start()
 
     def stop(self) -> None:
@@ -248,10 +262,20 @@ def test_a_restarted_producer_continues_after_the_servers_resume(make_producer, 
 def test_queued_before_the_flow_then_renumbered_after_resume(make_producer, servers):
     store = Store()
     store.durable = 40  # the server already holds 1..40 of this producer
-    srv = servers("routerdealer", store)
-    producer = make_producer(srv.endpoint, producer_id="p-ahead")
-    assert producer.send_many(values(1, 3)) == 3  # queued before any flow
+    # No flow until the records are queued: the server holds its BOT reply (with
+    # resume=40) until then, whatever the machine's speed. A BOT retry would start a second
+    # handshake, so the producer waits for the reply as long as the test may take.
+    reply = threading.Event()
+    srv = servers("routerdealer", store, hold_bot=reply)
+    producer = make_producer(srv.endpoint, producer_id="p-ahead", connect_timeout=2 * WAIT)
+    try:
+        poll_until(lambda: len(store.bots) == 1, what="the producer's BOT at the server")
+        assert producer.stats["flows"] == 0
+        assert producer.send_many(values(1, 3)) == 3  # queued before any flow: 1..3
+    finally:
+        reply.set()
     poll_until(lambda: store.seqs() == [41, 42, 43], what="41..43")
+    assert len(store.bots) == 1
     assert producer.stats["renumbered"] == 3
     assert producer.send(b"next") == 44
 
