@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import signal
 import subprocess
 import sys
 import threading
 
 import zmq
 
-from zio_spark.cli.main import main
+from tests.cli_support import free_endpoint
+from zio_spark.cli.main import build_parser, main
 from zio_spark.codec.records import decode_batch
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.transport.flow_endpoint import FlowEndpoint
@@ -25,11 +29,116 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
+COMMANDS = ("produce", "consume", "queue", "peers", "keys", "doctor", "demo", "bench")
+
+
+def parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's own parser (the queue has its own; the others are subparsers)."""
+    from zio_spark.cli.queue import _parser as queue_parser
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    found = {name: p for name, p in sub.choices.items() if name != "queue"}
+    found["queue"] = queue_parser()
+    assert set(found) == set(COMMANDS)
+    return found
+
+
 def test_help_everywhere():
-    for cmd in ([], ["produce"], ["consume"], ["queue"], ["peers"], ["keys"], ["demo"], ["bench"]):
+    for cmd in ([], *([c] for c in COMMANDS)):
         r = run_cli(*cmd, "--help")
         assert r.returncode == 0, r.stderr
         assert "usage: zio-spark" in r.stdout
+        if cmd:
+            assert f"usage: zio-spark {cmd[0]}" in r.stdout
+
+
+def test_every_help_shows_the_defaults():
+    """Each option that has a default says it in its --help line (as the text it takes:
+    durations as `60s`)."""
+    for name, parser in parsers().items():
+        text = parser.format_help()
+        # argparse wraps help text: compare on whitespace-collapsed blocks per option
+        blocks = re.split(r"\n  (?=-)", text)
+        for action in parser._actions:
+            if not action.option_strings or action.default in (None, False, argparse.SUPPRESS):
+                continue
+            block = next(b for b in blocks if b.startswith(action.option_strings[0]))
+            assert "default" in " ".join(block.split()), (name, action.option_strings, block)
+    produce = " ".join(parsers()["produce"].format_help().split())
+    for shown in ("(default: 100000)", "(default: 60s)", "(default: auto)", "(default: zio)"):
+        assert shown in produce
+    assert "(default: 10000)" in " ".join(parsers()["queue"].format_help().split())  # --hwm
+    assert "(default: 5s)" in " ".join(parsers()["peers"].format_help().split())
+
+
+def test_every_command_takes_json_and_every_time_option_units():
+    for name, parser in parsers().items():
+        options = {o: a for a in parser._actions for o in a.option_strings}
+        assert "--json" in options, name
+        for option, action in options.items():
+            if "timeout" in option or "grace" in option:
+                assert getattr(action.type, "__name__", "") == "duration", (name, option)
+
+
+def test_peers_timeout_takes_units(capsys):
+    """`peers --timeout 1s` was refused; the ZRE beacons stay on loopback (conftest)."""
+    assert main(["peers", "--group", "doctor-test", "--timeout", "300ms", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["command"] == "peers" and summary["group"] == "doctor-test"
+    r = run_cli("peers", "--group", "g", "--timeout", "soon")
+    assert r.returncode == 2 and "option '--timeout': got 'soon'" in r.stderr
+    assert r.stderr.startswith("usage: zio-spark peers")
+
+
+def test_an_unknown_option_gets_the_command_s_own_usage(tmp_path):
+    r = run_cli("produce", "--cout", "5")
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: zio-spark produce"), r.stderr
+    assert "unrecognized arguments: --cout 5 (did you mean: --cout -> --count?)" in r.stderr
+    r = run_cli("consume", "--bind", "tcp://127.0.0.1:1", "--out", "x", "--jsn")
+    assert r.returncode == 2 and r.stderr.startswith("usage: zio-spark consume")
+    assert "--jsn -> --json?" in r.stderr
+    r = run_cli("queue", "--store", str(tmp_path / "q"), "--hwn", "5")
+    assert r.returncode == 2 and r.stderr.startswith("usage: zio-spark queue")
+    assert "unrecognized arguments: --hwn 5 (did you mean: --hwn -> --hwm?)" in r.stderr
+    assert not (tmp_path / "q").exists()
+
+
+def test_queue_json_prints_ready_then_stopped_with_its_counters(tmp_path):
+    receive, send, monitor = free_endpoint(), free_endpoint(), free_endpoint()
+    cmd = [sys.executable, "-m", "zio_spark.cli.main", "queue", "--store", str(tmp_path / "q")]
+    cmd += ["--receive", receive, "--send", send, "--monitor", monitor, "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())  # blocks until ready (or EOF on a failure)
+        assert ready["command"] == "queue" and ready["event"] == "ready"
+        assert (ready["receive"], ready["send"], ready["monitor"]) == (receive, send, monitor)
+        assert ready["queue_id"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, err
+    stopped = json.loads(out.strip().splitlines()[-1])
+    assert stopped["event"] == "stopped" and stopped["queue_id"] == ready["queue_id"]
+    assert stopped["stats"]["received"] == 0 and stopped["stats"]["stored"] == 0
+
+
+def test_consume_with_no_flow_before_the_timeout_exits_1_naming_endpoint_and_timeout(
+    tmp_path, capsys
+):
+    endpoint = free_endpoint()
+    out = tmp_path / "out.jsonl"
+    rc = main(["consume", "--bind", endpoint, "--out", str(out), "--timeout", "300ms", "--json"])
+    assert rc == 1
+    stdout, err = capsys.readouterr()
+    assert f"no giver opened a flow at {endpoint} within --timeout 0.3 s" in err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert (summary["records"], summary["flows"]) == (0, 0)
 
 
 def test_keys_json():

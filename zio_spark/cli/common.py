@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_TRANSPORT",
     "EXIT_USAGE",
+    "HelpFormatter",
     "Stop",
     "add_socket_option",
     "duration",
@@ -29,6 +30,7 @@ __all__ = [
     "non_negative_float",
     "positive_int",
     "socket_mode",
+    "unknown_arguments",
 ]
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_TRANSPORT = 0, 1, 2, 3
@@ -56,19 +58,64 @@ def non_negative_float(text: str) -> float:
     return x
 
 
-def duration(option: str) -> Callable[[str], float]:
+def duration(
+    option: str,
+    *,
+    bare: str = "s",
+    minimum: float = 0.0,
+    maximum: float = 7 * 86400.0,
+    zero: bool = False,
+) -> Callable[[str], float]:
     """An argparse type: a duration with a unit (``500ms``, ``5s``, ``5000000us``) or a
-    bare number of seconds, read by :func:`zio_spark.options.parse_duration`."""
+    bare number (seconds unless ``bare`` says otherwise), read by
+    :func:`zio_spark.options.parse_duration`: the one duration syntax of every command's
+    time options. ``zero`` also accepts ``0`` (and ``0s``, ``0ms``...) as "off"."""
     from zio_spark.options import parse_duration
 
     def parse(text: str) -> float:
+        if zero and text.strip().rstrip("smuµ") in ("0", "0.0"):
+            return 0.0
         try:
-            return parse_duration(option, text)
+            return parse_duration(option, text, bare=bare, minimum=minimum, maximum=maximum)
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
     parse.__name__ = "duration"
     return parse
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already gives it (or
+    there is none: no default, or a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "default" in text.lower()
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, extras: list[str]) -> None:
+    """Refuse ``extras`` with ``parser``'s own usage (exit 2), suggesting the option a
+    typo was probably meant to be (``--cout`` -> ``--count``)."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extras:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+            if close:
+                hints.append(f"{word.split('=', 1)[0]} -> {close[0]}?")
+    hint = f" (did you mean: {', '.join(hints)})" if hints else ""
+    parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 def socket_mode(value: str) -> str:

@@ -1,9 +1,12 @@
 """``zio-spark consume --bind EP --out FILE``: run a sink consumer, publish as JSON lines.
 
 ``--socket clientserver`` serves CLIENT givers (the reference's, with a draft libzmq);
-the default serves DEALER ones. With ``--count`` and ``--timeout``, a shortfall exits 1
-with the numbers; when no giver opened any flow, the message names the endpoint, both
-socket kinds and the fix (a mismatched pair connects and delivers nothing).
+the default serves DEALER ones. ``--timeout`` never ends in a silent success: it exits 1
+when no giver opened a flow by then (naming the endpoint, the timeout, both socket kinds
+and the fix: a mismatched pair connects and delivers nothing), when flows came but nothing
+was published, and, with ``--count``, on a shortfall (with the numbers). Ended by
+SIGINT/SIGTERM it exits 0. The counts (stderr, ``--json``) are records published, written
+to ``--out`` and acknowledged to the giver, not records merely staged.
 
 Each published record becomes one line ``{"stream", "batch", "partition"?, "value",
 "key"?, "headers"?}``: ``value``/``key`` as UTF-8 text when they decode, else base64 with
@@ -106,8 +109,21 @@ def run_consume(args: argparse.Namespace) -> int:
         return EXIT_CHECK_FAILED
     if timed_out and flows == 0:
         print(
-            f"no giver opened a flow within --timeout {args.timeout:g} s; "
-            + silent_peer_hint(consumer.endpoint, PortKind.SERVER, mode),
+            f"no giver opened a flow at {consumer.endpoint} within --timeout "
+            f"{args.timeout:g} s; " + silent_peer_hint(consumer.endpoint, PortKind.SERVER, mode),
             file=sys.stderr,
         )
+        return EXIT_CHECK_FAILED
+    if timed_out and written == 0:
+        print(
+            f"{flows} flows opened at {consumer.endpoint} but nothing was published within "
+            f"--timeout {args.timeout:g} s: no batch was committed (a writer that stages and "
+            "never commits, or a query still starting); wait longer with a larger --timeout",
+            file=sys.stderr,
+        )
+        return EXIT_CHECK_FAILED
+    print(
+        f"published {written} records in {batches} batches to {args.out} ({flows} flows)",
+        file=sys.stderr,
+    )
     return EXIT_OK

@@ -7,7 +7,15 @@ Exit codes a script can rely on:
 - 2: bad usage or a bad option (argparse, :class:`~zio_spark.errors.ConfigError`);
 - 3: a transport failure (unreachable peer, timeout).
 
-``--json`` makes a subcommand print one JSON summary object on stdout as its last line.
+``--json`` (every command) makes it print JSON on stdout, one object per line: the
+command's summary as its last line. For the long-running ones that is the line printed
+when they end (``produce``: what was queued, sent, acknowledged, delivered; ``consume``:
+records published; ``peers``: the peers seen; ``queue``: a ``ready`` line with its
+endpoints once serving, then a ``stopped`` line with its counters). ``doctor --json`` is one
+document with every check.
+
+``--help`` shows every option's default; an unknown option is answered with the usage of
+the command it was given to.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from zio_spark.cli.common import (
     EXIT_CHECK_FAILED,
     EXIT_TRANSPORT,
     EXIT_USAGE,
+    HelpFormatter,
     add_socket_option,
     duration,
     non_negative_float,
     positive_int,
+    unknown_arguments,
 )
 from zio_spark.cli.produce import DEFAULT_BIND
 from zio_spark.codec.records import DAT_RECORDS
@@ -71,6 +81,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from zio_spark.cli.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from zio_spark.cli.bench import run_bench
 
@@ -83,15 +99,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zio-spark",
-        description="ZeroMQ ZIO flows for Spark: producer, consumer, queue, discovery, demo.",
+        description="ZeroMQ ZIO flows for Spark: producer, consumer, queue, discovery, demo, "
+        "checks of the Spark setup (doctor).",
+        formatter_class=HelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(
         name: str, fn: Callable[[argparse.Namespace], int], help: str
     ) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
-        sp.set_defaults(fn=fn)
+        sp = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        sp.set_defaults(fn=fn, parser=sp)
         sp.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
         return sp
 
@@ -144,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--timeout",
         type=duration("--timeout"),
-        default=60.0,
+        default="60s",
         help="longest wait for delivery once every record is queued (and for buffer room "
         "while queueing), e.g. 500ms, 30s, 5000000us; a bare number is seconds. A shortfall "
         "exits 1 with the numbers",
@@ -159,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--timeout",
         type=duration("--timeout"),
-        help="exit after this long (500ms, 30s, 2m; a bare number is seconds)",
+        help="exit after this long (500ms, 30s, 2m; a bare number is seconds); if no giver "
+        "opened a flow by then, or nothing was published, it exits 1 naming the endpoint "
+        "(default: run until SIGINT/SIGTERM)",
     )
 
     # Listed for `zio-spark --help` only: main() hands `queue ...` to the queue's own parser.
@@ -167,10 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("peers", cmd_peers, "Show ZRE peers of a group and their ZIO ports, live.")
     sp.add_argument("--group", required=True, help="ZRE group")
-    sp.add_argument("--beacon-port", type=positive_int, default=5670)
+    sp.add_argument("--beacon-port", type=positive_int, default=5670, help="ZRE UDP port")
     sp.add_argument("--broadcast", help="beacon address (default: $ZIO_ZRE_BROADCAST or all)")
     sp.add_argument("--interface-addr", help="address to bind the mailbox on")
-    sp.add_argument("--timeout", type=non_negative_float, default=5.0, help="seconds to watch")
+    sp.add_argument(
+        "--timeout",
+        type=duration("--timeout"),
+        default="5s",
+        help="how long to watch (500ms, 5s, 2m; a bare number is seconds)",
+    )
 
     add("keys", cmd_keys, "Print a new CURVE key pair (Z85).")
 
@@ -179,6 +204,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--rate", type=non_negative_float, default=50_000, help="frames/s (0: max)")
     sp.add_argument("--out", default="demo-output", help="folder for the plot and summary")
     sp.add_argument("--no-progress", action="store_true", help="no live view")
+
+    sp = add(
+        "doctor",
+        cmd_doctor,
+        "Check the Python Spark's workers run (zio-spark, the same pyspark, Spark's data "
+        "source hooks, draft pyzmq, start-up time), Java and ZRE broadcast; each finding "
+        "with its fix. Exits 1 if a check fails.",
+    )
+    sp.add_argument(
+        "--python",
+        metavar="PATH",
+        help="check this Python instead of the ones Spark would pick "
+        "($PYSPARK_DRIVER_PYTHON, $PYSPARK_PYTHON, python3)",
+    )
+    sp.add_argument(
+        "--fix",
+        action="store_true",
+        help="precompile the pyspark.zip (and py4j zip) Spark puts on that Python's "
+        "workers' path, if they hold no bytecode for it (runs <python> -m "
+        "zio_spark.cli.precompile, which rewrites them)",
+    )
 
     sp = add("bench", cmd_bench, "Run the benchmarks (numbers as ratios against anchors).")
     sp.add_argument("--quick", action="store_true", help="about two minutes; checks the harness")
@@ -201,7 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return int(run_queue(args_list[1:]) or 0)
     parser = build_parser()
-    args = parser.parse_args(args_list)
+    args, extras = parser.parse_known_args(args_list)
+    if extras:  # answered with the subcommand's own usage, not the top-level one
+        unknown_arguments(args.parser, extras)
     try:
         return int(args.fn(args))
     except ConfigError as e:

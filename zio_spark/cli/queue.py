@@ -9,6 +9,7 @@ and ``--ack-timeout`` reads a bare number as microseconds, as PZQ does. Also run
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -16,8 +17,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from zio_spark.cli.common import HelpFormatter, duration, unknown_arguments
 from zio_spark.errors import ConfigError, TransportError
-from zio_spark.options import parse_duration
 from zio_spark.pzq.broker import (
     DEDUP_RULES,
     DEFAULT_ACK_BACKLOG,
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zio-spark queue",
         description="Run the PZQ-style durable queue (receive/send/monitor sockets).",
+        formatter_class=HelpFormatter,
     )
     # PZQ's own option names are accepted as aliases (--receive-dsn, ...).
     p.add_argument(
@@ -55,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", "--database", required=True, metavar="PATH", help="store folder")
     p.add_argument(
         "--ack-timeout", default="5s", metavar="DURATION",
+        type=duration("--ack-timeout", bare="us", minimum=1e-3, maximum=MAX_ACK_TIMEOUT_S),
         help="consumer ack timeout: 5s, 500ms, 5000000us; a bare number is microseconds, "
         "as PZQ reads it (default 5s)",
     )  # fmt: skip
@@ -71,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--dedup-grace", default=f"{DEFAULT_DEDUP_GRACE:g}s", metavar="DURATION",
+        type=duration("--dedup-grace", maximum=7 * 86400, zero=True),
         help="under --dedup resend: how long after start ids found on disk count as "
         "resends (default 60s; a bare number is seconds)",
     )  # fmt: skip
@@ -103,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
         help="most messages given to the flow producer port and not yet acked",
     )  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON lines instead of 'name: value' lines: one with the endpoints once "
+        'serving ("event": "ready"), one with the monitor counters after a clean stop '
+        '("event": "stopped": received, stored, duplicates, delivered, acked, ...)',
+    )
     return p
 
 
@@ -125,7 +136,10 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `zio-spark queue -- --store ...` passes the separator on
         argv = argv[1:]
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        unknown_arguments(parser, extras)
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -139,18 +153,10 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             receive=args.receive,
             send=args.send,
             monitor=None if args.monitor.lower() == "none" else args.monitor,
-            ack_timeout=parse_duration(
-                "--ack-timeout",
-                args.ack_timeout,
-                bare="us",
-                minimum=1e-3,
-                maximum=MAX_ACK_TIMEOUT_S,
-            ),
+            ack_timeout=args.ack_timeout,
             send_mode=args.send_mode,
             dedup=args.dedup,
-            dedup_grace=0.0
-            if args.dedup_grace.strip() in ("0", "0s")
-            else parse_duration("--dedup-grace", args.dedup_grace, maximum=7 * 86400),
+            dedup_grace=args.dedup_grace,
             hwm=args.hwm,
             ack_backlog=args.ack_backlog,
             inflight=args.inflight,
@@ -176,17 +182,29 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
         except (StoreError, TransportError, OSError) as e:
             print(f"zio-spark queue: cannot start: {e}", file=sys.stderr)
             return 1
-        for name, endpoint in broker.endpoints.items():
-            print(f"{name}: {endpoint}")
-        print(f"queue_id: {broker.queue_id.decode('utf-8', 'replace')}")
-        if broker.curve_public_key is not None:
-            print(f"curve_public_key: {broker.curve_public_key.decode('ascii')}")
-        print("ready", flush=True)
+        queue_id = broker.queue_id.decode("utf-8", "replace")
+        public = broker.curve_public_key
+        if args.json:
+            ready = {"command": "queue", "event": "ready", "queue_id": queue_id}
+            ready.update(broker.endpoints)
+            if public is not None:
+                ready["curve_public_key"] = public.decode("ascii")
+            print(json.dumps(ready, sort_keys=True), flush=True)
+        else:
+            for name, endpoint in broker.endpoints.items():
+                print(f"{name}: {endpoint}")
+            print(f"queue_id: {queue_id}")
+            if public is not None:
+                print(f"curve_public_key: {public.decode('ascii')}")
+            print("ready", flush=True)
         while not stop.wait(0.5):
             if not broker.running:
                 print("zio-spark queue: the broker thread died", file=sys.stderr)
                 return 1
         broker.stop()
+        if args.json:  # the counters as the monitor socket reports them (exact after stop)
+            stopped = {"command": "queue", "event": "stopped", "queue_id": queue_id}
+            print(json.dumps({**stopped, "stats": broker.stats()}, sort_keys=True), flush=True)
         return 0
     finally:
         for sig, handler in previous.items():
