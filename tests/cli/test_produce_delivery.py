@@ -156,3 +156,38 @@ def test_clientserver_on_a_stock_pyzmq_is_refused_with_the_fix(capsys, tmp_path,
     assert f"zio-spark {command}: option '--socket': got 'clientserver'" in err
     assert "draft-enabled pyzmq" in err and "scripts/build-draft-pyzmq.sh" in err
     assert not (tmp_path / "out.jsonl.store").exists()  # refused before anything opened
+
+
+def test_the_progress_bar_counts_what_reached_the_taker_not_what_was_queued():
+    """On a terminal the live bar fills with delivered records: with nobody taking, all
+    10 are queued and the bar stays at 0/10 (it used to read 10/10 queued)."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    argv = ["produce", "--bind", free_endpoint(), "--count", "10", "--timeout", "700ms"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zio_spark.cli.main", *argv],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=slave,
+        env={**os.environ, "COLUMNS": "200", "TERM": "xterm"},
+    )
+    os.close(slave)
+    chunks = []
+    while True:  # until the child closes the terminal (EOF raises EIO on Linux)
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(WAIT) == 1
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode("utf-8", "replace"))
+    assert "0/10 delivered, 0 sent, 10 queued" in text, text[-2000:]
+    assert "10/10" not in text

@@ -24,6 +24,7 @@ DEFAULT_BIND = "tcp://127.0.0.1:5555"
 
 
 def run_produce(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from zio_spark.source.producer import Producer, silent_peer_hint
@@ -78,15 +79,18 @@ def run_produce(args: argparse.Namespace) -> int:
     with Progress(
         TextColumn("[bold]produce"),
         BarColumn(),
+        # The bar fills with what reached the taker (acked, or confirmed by the EOT echo),
+        # not with what was queued here: a bar at 100 % means delivered.
         TextColumn(
-            "{task.completed}/{task.total} queued, {task.fields[sent]} sent, "
-            "{task.fields[delivered]} delivered{task.fields[blocked]}"
+            "{task.completed}/{task.total} delivered, {task.fields[sent]} sent, "
+            "{task.fields[queued]} queued{task.fields[blocked]}"
         ),
         TimeRemainingColumn(),
+        console=Console(stderr=True),  # stdout is for --json; the live view is stderr's
         disable=quiet,
         transient=True,
     ) as progress:
-        task = progress.add_task("produce", total=args.count, sent=0, delivered=0, blocked="")
+        task = progress.add_task("produce", total=args.count, sent=0, queued=0, blocked="")
 
         def show() -> None:
             d = prod.delivery()
@@ -96,7 +100,7 @@ def run_produce(args: argparse.Namespace) -> int:
                 now = " (window full now)" if prod.window_full else ""
                 blocked = f", {waited:.1f} s waiting for acks{now}"
             progress.update(
-                task, completed=d.queued, sent=d.sent, delivered=d.delivered, blocked=blocked
+                task, completed=d.delivered, sent=d.sent, queued=d.queued, blocked=blocked
             )
 
         deadline = time.monotonic() + args.timeout
