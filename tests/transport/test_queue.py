@@ -227,18 +227,41 @@ def test_duplicate_producer_ids_are_acked_and_stored_once(
 ) -> None:
     b = make_broker(ack_timeout=60)
     producer, consumer, mon = clients(b)
-    for body in (b"first", b"second", b"third"):
-        producer.send_multipart([b"same-id", b"", body])
+    for _ in range(3):  # resends on one connection: the same id with the same body
+        producer.send_multipart([b"same-id", b"", b"first"])
     assert [recv(producer)[:2] for _ in range(3)] == [[b"same-id", b"1"]] * 3
     queue_id, d = recv_delivery(consumer)
     assert (d.message_id, d.body) == (b"same-id", (b"first",))
     assert nothing_within(consumer, 0.3)
     consumer.send_multipart([queue_id, b"same-id", b"1"])
-    producer.send_multipart([b"same-id", b"", b"fourth"])  # also after it was consumed
+    producer.send_multipart([b"same-id", b"", b"first"])  # also after it was consumed
     assert recv(producer)[:2] == [b"same-id", b"1"]
     assert nothing_within(consumer, 0.3)
     stats = monitor(mon)
     assert stats["duplicates"] == "3" and stats["stored"] == "1"
+
+
+def test_a_reused_id_with_a_new_body_is_stored_and_delivered(
+    make_broker: Callable[..., QueueBroker], clients: Callable[..., tuple[Sock, Sock, Sock]]
+) -> None:
+    """An ack means "stored": the same id on the same connection with another body is a
+    new message (a resend would carry the same body), acked and delivered."""
+    b = make_broker(ack_timeout=60)
+    producer, consumer, mon = clients(b)
+    for body in (b"first", b"second", b"first", b"third"):
+        producer.send_multipart([b"same-id", b"", body])
+    assert [recv(producer)[:2] for _ in range(4)] == [[b"same-id", b"1"]] * 4
+    got = []
+    for _ in range(4):  # one id in flight at a time: ack each before the next comes
+        queue_id, d = recv_delivery(consumer)
+        got.append(d.body[0])
+        consumer.send_multipart([queue_id, d.message_id, b"1"])
+    assert got == [b"first", b"second", b"first", b"third"]
+    wait_for(lambda: monitor(mon)["messages"] == "0", what="four acks")
+    assert nothing_within(consumer, 0.3)
+    stats = monitor(mon)
+    # "first" again after "second": the newest body under the id differs, so it is new.
+    assert (stats["received"], stats["stored"], stats["duplicates"]) == ("4", "4", "0")
 
 
 def test_acks_wait_for_the_commit(

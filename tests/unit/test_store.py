@@ -16,6 +16,7 @@ import pytest
 
 from zio_spark.errors import ConfigError
 from zio_spark.storage import store as store_mod
+from zio_spark.storage import store_format
 from zio_spark.storage.files import RECORD_HEAD, read_record
 from zio_spark.storage.store import (
     MAX_ID_BYTES,
@@ -488,21 +489,51 @@ def test_requeued_messages_are_delivered_after_a_move(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- duplicates
 
 
+X100 = b"x" * 100  # put_many's body
+
+
 def test_duplicate_ids_are_refused_and_survive_restart(tmp_path: Path) -> None:
     st = MessageStore(tmp_path, segment_bytes=SMALL)
     put_many(st, ids(100))
-    assert st.put(b"m000005", [b"again"]) is None, "refused even before its commit"
+    assert st.put(b"m000005", [X100]) is None, "refused even before its commit"
     st.commit()
-    assert st.put(b"m000005", [b"again"]) is None
+    assert st.put(b"m000005", [X100]) is None
     drain(st)  # acked: still remembered
     st.commit()
-    assert st.put(b"m000005", [b"again"]) is None
+    assert st.put(b"m000005", [X100]) is None
     assert st.stats().duplicates == 3
     crash(st)
     with MessageStore(tmp_path, segment_bytes=SMALL) as again:
-        assert again.put(b"m000005", [b"again"]) is None
-        assert again.put(b"m000099", [b"again"]) is None
+        assert again.put(b"m000005", [X100]) is None
+        assert again.put(b"m000099", [X100]) is None
         assert again.put(b"fresh", [b"new"]) is not None
+
+
+def test_a_reused_id_with_a_new_body_is_stored_whatever_the_window_or_a_restart(
+    tmp_path: Path,
+) -> None:
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(100))
+    assert st.put(b"m000005", [b"a new body"]) is not None, "same id, new body: stored"
+    assert st.put(b"m000005", [b"a new body"]) is None, "and that body is now the one"
+    assert st.put(b"m000006", [b"x" * 50, b"x" * 50]) is not None, "other parts, other body"
+    st.commit()
+    crash(st)
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.put(b"m000005", [b"a new body"]) is None, "its digest was derived on replay"
+        assert again.put(b"m000007", [X100]) is None
+        assert again.put(b"m000007", [b"run 2"]) is not None
+        assert again.put(b"m000006", [b"x" * 50, b"x" * 50]) is None
+        again.commit()
+        bodies = [m.body for m in iter(again.take, None)]
+    assert bodies.count((b"a new body",)) == 1 and bodies.count((b"run 2",)) == 1
+    assert len(bodies) == 103
+
+
+def test_body_digests_tell_parts_apart() -> None:
+    digest = store_mod.body_digest
+    assert digest([b"ab"]) == digest([b"ab"]) and len(digest([b"ab"])) == 16
+    assert len({digest([b"ab"]), digest([b"a", b"b"]), digest([b"ab", b""]), digest([b""])}) == 4
 
 
 def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
@@ -516,7 +547,39 @@ def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
     crash(st)
     with MessageStore(tmp_path, segment_bytes=SMALL) as again:
         assert again.messages == 0
-        assert all(again.put(mid, [b"dup"]) is None for mid in ids(500))
+        assert all(again.put(mid, [b"d" * 400]) is None for mid in ids(500)), "from ids.snap"
+        assert again.put(b"m000001", [b"new"]) is not None, "its digest is in ids.snap too"
+
+
+def test_an_ids_snap_of_version_1_still_opens_and_its_ids_count_as_new_bodies(
+    tmp_path: Path,
+) -> None:
+    """A store written before digests: its ``ids.snap`` (version 1) has none. It opens;
+    ids known only from it have no known body, so a repeat is stored (at least once),
+    while ids of live segments get their digests from the records."""
+    st = MessageStore(tmp_path, segment_bytes=SMALL)
+    put_many(st, ids(500), b"d" * 400)
+    st.commit()
+    drain(st)
+    st.commit()
+    st.maintain()
+    put_many(st, [b"live"], b"kept")
+    st.commit()
+    crash(st)
+    snap = tmp_path / "ids.snap"
+    _, last_seq, first, old_ids, digests = store_format._decode_snapshot(snap.read_bytes())
+    assert len(old_ids) == len(digests) and all(len(d) == 16 for d in digests)
+    next_no = store_format._decode_snapshot(snap.read_bytes())[0]
+    snap.write_bytes(store_format._encode_snapshot(next_no, last_seq, first, old_ids, version=1))
+    assert snap.read_bytes()[4:6] == (1).to_bytes(2, "little"), "a version 1 file"
+    with MessageStore(tmp_path, segment_bytes=SMALL) as again:
+        assert again.stats().dedup_ids >= 500
+        assert again.put(b"m000001", [b"d" * 400]) is not None, "body unknown: stored"
+        assert again.put(b"live", [b"kept"]) is None, "digest derived from its record"
+        again.commit()
+    _, _, _, _, after = store_format._decode_snapshot(snap.read_bytes())
+    assert snap.read_bytes()[4:6] == (1).to_bytes(2, "little"), "not rewritten yet"
+    assert after == [b""] * len(after)
 
 
 def test_put_without_dedup_stores_a_repeated_id_and_knows_what_was_on_disk(
@@ -525,10 +588,12 @@ def test_put_without_dedup_stores_a_repeated_id_and_knows_what_was_on_disk(
     with MessageStore(tmp_path) as st:
         assert st.put(b"a", [b"1"]) is not None
         assert st.put(b"a", [b"2"], dedup=False) is not None, "stored again"
-        assert st.put(b"a", [b"3"]) is None, "the window still has it"
+        assert st.put(b"a", [b"2"]) is None, "the window has it, with that body"
         st.commit()
         assert not st.accepted_before_open(b"a"), "accepted by this store"
         assert [m.body for m in iter(st.take, None)] == [(b"1",), (b"2",)]
+        assert st.same_body(b"a", store_mod.body_digest([b"2"]))
+        assert not st.same_body(b"a", store_mod.body_digest([b"1"])), "the newest copy's"
     with MessageStore(tmp_path) as again:
         assert again.accepted_before_open(b"a") and not again.accepted_before_open(b"b")
         assert again.put(b"a", [b"4"], dedup=False) is not None
@@ -545,11 +610,11 @@ def test_duplicate_window_is_bounded(tmp_path: Path) -> None:
         put_many(st, ids(250))
         st.commit()
         assert st.stats().dedup_ids == 100
-        assert st.put(b"m000249", [b"x"]) is None, "recent: refused"
+        assert st.put(b"m000249", [X100]) is None, "recent: refused"
         assert st.put(b"m000000", [b"x"]) is not None, "out of the window: stored again"
     with MessageStore(tmp_path, dedup_window=100) as again:
         assert again.stats().dedup_ids == 100
-        assert again.put(b"m000249", [b"x"]) is None
+        assert again.put(b"m000249", [X100]) is None
 
 
 def test_snapshot_never_holds_ids_that_are_not_durable(tmp_path: Path) -> None:
@@ -566,8 +631,8 @@ def test_snapshot_never_holds_ids_that_are_not_durable(tmp_path: Path) -> None:
     assert st.stats().deleted_segments >= 1 and (tmp_path / "ids.snap").exists()
     crash(st)  # the ticket never ran
     with MessageStore(tmp_path, segment_bytes=SMALL) as again:
-        assert again.put(b"late000042", [b"resent"]) is not None
-        assert again.put(b"m000042", [b"resent"]) is None
+        assert again.put(b"late000042", [b"s" * 1000]) is not None
+        assert again.put(b"m000042", [b"s" * 1000]) is None
 
 
 # ---------------------------------------------------------------------- failures
@@ -600,10 +665,10 @@ def test_commit_failure_fails_the_store(
         # The acks could not be made durable any more, so those five come back.
         if call == "pwrite":  # nothing reached the file: a resend is stored
             assert again.messages == 5
-            assert again.put(b"doomed000000", [b"resent"]) is not None
+            assert again.put(b"doomed000000", [X100]) is not None
         else:  # written, sync failed: the data may well be there; a resend is a duplicate
             assert again.messages == 8
-            assert again.put(b"doomed000000", [b"resent"]) is None
+            assert again.put(b"doomed000000", [X100]) is None
 
 
 # ---------------------------------------------------------------------- memory

@@ -44,14 +44,16 @@ backend socket methods with int flags (:mod:`zio_spark.pzq.wire`); anything not
 canonical goes through the :mod:`zio_spark.protocol.pzq` codecs, and a test checks that
 both agree.
 
-Duplicates (``dedup``). ``"resend"`` (default): a repeated id is acked and not stored
-only when it can be a resend of a message whose ack the producer missed: same producer
-connection within the window, or the queue has not acked the first copy (commit running,
-ack dropped or undeliverable), or the copy was found on disk less than ``dedup_grace``
-after start. A new message reusing an id the queue acked to another connection is
-stored. ``"global"``: ids are global over the store's window, across restarts. Should two
-stored messages share an id, the second waits until the first is no longer in flight, so
-acks stay unambiguous.
+Duplicates (``dedup``). A repeated id is a duplicate (acked, not stored) only with the
+body stored under that id: the store keeps a digest of the newest body per id in its
+window, across restarts, so a reused id with a new body is always stored and an ack
+always means "stored". ``"resend"`` (default) asks moreover that it can be a resend of a
+message whose ack the producer missed: same producer connection within the window, or
+the queue has not acked the first copy (commit running, ack dropped or undeliverable),
+or the copy was found on disk less than ``dedup_grace`` after start. A new message
+reusing an id the queue acked to another connection is stored. ``"global"``: any id (with
+its body) in the store's window, across restarts. Should two stored messages share an id,
+the second waits until the first is no longer in flight, so acks stay unambiguous.
 
 *monitor* (REP): ``MONITOR`` → one part of ``key: value`` lines: the spec's
 ``messages`` (durable, unacked), ``messages_in_flight``, ``db_size`` (segment bytes on
@@ -214,18 +216,20 @@ class QueueBroker:
         (``ZMQ_ROUTER_NOTIFY``). See the module docstring.
     dedup
         Which repeated producer ids are duplicates (acked, not stored again; counted as
-        ``duplicates``). ``"resend"`` (default): only a message that can be a resend of
-        one whose ack the producer may have missed: the first copy came on the same
-        producer connection (among the last ``dedup_window`` messages), or the queue
-        has not acked it (its commit is running, or its ack was dropped or could not be
-        delivered), or it was found on disk at start less than ``dedup_grace`` ago. A
-        new message reusing an id the queue did ack to another connection (the
-        reference producer's second run) is stored. ``"global"``: any id among the last
-        ``dedup_window`` messages, across restarts (for producers with globally unique
-        ids). ``"off"``: every message is stored.
+        ``duplicates``); under every rule only one whose body is the one stored under
+        that id (the store compares digests). ``"resend"`` (default): only a message
+        that can be a resend of one whose ack the producer may have missed: the first
+        copy came on the same producer connection (among the last ``dedup_window``
+        messages), or the queue has not acked it (its commit is running, or its ack was
+        dropped or could not be delivered), or it was found on disk at start less than
+        ``dedup_grace`` ago. A new message reusing an id the queue did ack to another
+        connection (the reference producer's second run) is stored. ``"global"``: any
+        id among the last ``dedup_window`` messages, across restarts (for producers with
+        globally unique ids). ``"off"``: every message is stored.
     dedup_grace
         Seconds after start during which, under ``"resend"``, ids found on disk are
-        duplicates (a producer whose ack was lost in a crash resends them).
+        duplicates when they come with the same body (a producer whose ack was lost in a
+        crash resends them).
     curve_secret_key
         Make all sockets CURVE servers with this secret key (Z85 or 32 raw bytes).
     queue_id

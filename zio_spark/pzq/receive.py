@@ -4,8 +4,10 @@
 message is put into the store's buffer; when no commit is outstanding, everything
 buffered becomes one commit (group commit: one ``fdatasync`` for all producers' messages
 since the last one). Only when that commit has ended does each producer get its ack
-``[id, "1", "", ""]``. A duplicate id is not stored again and is acked ``1`` once its
-original is durable. Failures get ``[id, "0", "", reason]``: bad frames whose id is
+``[id, "1", "", ""]``. A duplicate (a repeated id that can be a resend, with the body
+stored under that id: the store compares body digests) is not stored again and is acked
+``1`` once its original is durable; a reused id with a new body is stored, so an ack
+always means "this body is stored". Failures get ``[id, "0", "", reason]``: bad frames whose id is
 readable, ids over :data:`~zio_spark.storage.store.MAX_ID_BYTES`, oversized messages, a
 failed store. Frames without a readable id are dropped and counted (``bad_frames``).
 
@@ -42,7 +44,13 @@ from zio_spark.protocol.pzq import (
     encode_producer_ack,
 )
 from zio_spark.pzq.wire import readable, recv_frames, send_frames
-from zio_spark.storage.store import CommitTicket, MessageRejected, MessageStore, StoreError
+from zio_spark.storage.store import (
+    CommitTicket,
+    MessageRejected,
+    MessageStore,
+    StoreError,
+    body_digest,
+)
 
 __all__ = ["DEFAULT_ACK_BACKLOG", "MAX_BACKLOG_PRODUCERS", "MAX_BACKLOG_TOTAL", "ReceiveSide"]
 
@@ -198,20 +206,25 @@ class ReceiveSide:
             if store.failed:
                 self.send_producer_ack(ident, message_id, False, f"store failed: {store.failed}")
                 continue
+            digest = None
             if scoped and (
                 (ident, message_id) in recent
                 or message_id in unacked
                 or message_id in lost
                 or (in_grace and store.accepted_before_open(message_id))
             ):
-                # Can be a resend of a message whose ack the producer missed: acked, once
-                # the original is durable (with the next commit's acks), not stored.
-                counters["duplicates"] += 1
-                unacked[message_id] = unacked.get(message_id, 0) + 1
-                acks.append((ident, message_id))
-                continue
+                # Can be a resend of a message whose ack the producer missed, if its body
+                # is the one stored under that id: then acked, once the original is
+                # durable (with the next commit's acks), not stored. A new body reusing
+                # the id (PZQ's producer numbers id-0.. afresh every run) is stored.
+                digest = body_digest(body)
+                if store.same_body(message_id, digest):
+                    counters["duplicates"] += 1
+                    unacked[message_id] = unacked.get(message_id, 0) + 1
+                    acks.append((ident, message_id))
+                    continue
             try:
-                key = put(message_id, body, dedup=rule == "global")
+                key = put(message_id, body, dedup=rule == "global", digest=digest)
             except MessageRejected as e:
                 counters["rejected"] += 1
                 self.send_producer_ack(ident, message_id, False, str(e))

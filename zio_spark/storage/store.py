@@ -27,9 +27,9 @@ holds the index and delivery (take, claim, ack, release);
 Memory. Per message the index holds a record offset (4 B), a payload length (4 B) and a
 state byte, in per-segment ``array``/``bytearray`` columns: ~9 B per stored message
 however large the bodies, which stay on disk and are read back (``pread``) one at a time
-when delivered. Add the duplicate window (``dedup_window`` ids, ~150 B each with their
-dict entry) and the requeue/forwarding tables (bounded by what is in flight). Recovery
-keeps at most ~2 windows of ids while it scans.
+when delivered. Add the duplicate window (``dedup_window`` ids, ~250 B each with their
+dict entries and body digests) and the requeue/forwarding tables (bounded by what is in
+flight). Recovery keeps at most ~2 windows of ids while it scans.
 
 Group commit. :meth:`MessageStore.put` and :meth:`MessageStore.ack` only buffer. A
 commit writes the buffer with one ``pwrite`` (at the segment's end; segments are
@@ -69,13 +69,17 @@ segment, so nothing is ever written after a torn spot. Everything not acked by a
 replayed tombstone comes back as pending: in-flight state is not persisted, so a restart
 redelivers it.
 
-Duplicates. A producer id already in the window is not stored again
+Duplicates. A message whose id is in the window *with the same body* is not stored again
 (:meth:`MessageStore.put` returns ``None``; the broker acks it once the original is
-durable). The window is the ids of the last ``dedup_window`` accepted messages (default
-100,000), whatever their state; ids older than that are forgotten, so a resend that late
-is stored twice. Ids are global, not per producer. The window survives restarts: ids of
-live segments are read back, and before segments are deleted the durable part of the
-window is written to ``ids.snap``.
+durable): the window keeps, per id, the digest of the newest body stored under it
+(:func:`~zio_spark.storage.store_format.body_digest`), so a reused id with a new body is
+stored, whatever the window or a restart, and a put refused as a duplicate is one whose
+body is on disk. The window is the ids of the last ``dedup_window`` accepted messages
+(default 100,000), whatever their state; ids older than that are forgotten, so a resend
+that late is stored twice. Ids are global, not per producer. The window survives
+restarts: ids of live segments are read back (their digests computed from the records),
+and before segments are deleted the durable part of the window, digests included, is
+written to ``ids.snap`` (format in :mod:`~zio_spark.storage.store_format`).
 
 Failures. An ``OSError`` while committing leaves the on-disk state unknown (after a failed
 ``fsync`` Linux may drop the dirty pages), so the store turns *failed*: the puts not yet
@@ -136,6 +140,7 @@ from zio_spark.storage.store_format import (
     _encode_snapshot,
     _message_payload,
     _record,
+    body_digest,
 )
 from zio_spark.storage.store_index import StoreIndex
 from zio_spark.storage.store_recovery import Replay
@@ -152,6 +157,7 @@ __all__ = [
     "StoreLockedError",
     "StoreStats",
     "StoredMessage",
+    "body_digest",
 ]
 
 log = logging.getLogger(__name__)
@@ -236,6 +242,7 @@ class MessageStore(StoreIndex):
         self._window: deque[bytes] = deque()
         self._window_first = 1
         self._window_ids: dict[bytes, int] = {}
+        self._window_digests: dict[bytes, bytes] = {}  # id -> its newest body's digest
         self._open_seq = 0  # the last accept seq found on disk when opened
         # Counters (the index keeps messages and in-flight counts).
         self._syncs = 0
@@ -351,6 +358,7 @@ class MessageStore(StoreIndex):
         self._window = found.window
         self._window_first = found.window_first
         self._window_ids = found.window_ids
+        self._window_digests = found.window_digests
         if self._segments:
             self._cursor_no = next(iter(self._segments))
 
@@ -394,7 +402,13 @@ class MessageStore(StoreIndex):
         """Write the durable part of the duplicate window to ids.snap (atomically)."""
         durable = max(0, min(len(self._window), self._durable_seq - self._window_first + 1))
         ids = list(itertools.islice(self._window, durable))
-        data = _encode_snapshot(self._next_no, self._durable_seq, self._window_first, ids)
+        # A digest is kept for each id's newest copy only; older copies' are unknown.
+        seqs, digests = self._window_ids, self._window_digests
+        known = [
+            digests.get(mid, b"") if seqs.get(mid) == seq else b""
+            for seq, mid in zip(itertools.count(self._window_first), ids)
+        ]
+        data = _encode_snapshot(self._next_no, self._durable_seq, self._window_first, ids, known)
         # The caller syncs the directory after unlinking the segments.
         atomic_write(self._root / _SNAP_NAME, data, sync=self._sync, sync_dir=False)
 
@@ -509,7 +523,14 @@ class MessageStore(StoreIndex):
         seg.end += _REC.size + length
         return slot
 
-    def put(self, message_id: bytes, body: Sequence[bytes], *, dedup: bool = True) -> int | None:
+    def put(
+        self,
+        message_id: bytes,
+        body: Sequence[bytes],
+        *,
+        dedup: bool = True,
+        digest: bytes | None = None,
+    ) -> int | None:
         """Buffer a message; it is durable once a commit that covers it has ended.
 
         Parameters
@@ -519,17 +540,20 @@ class MessageStore(StoreIndex):
         body
             At least one part (parts may be empty).
         dedup
-            Refuse an id in the duplicate window (default). False stores it whatever
+            Refuse an id in the duplicate window whose newest copy has this body
+            (default); a new body under a known id is stored. False stores it whatever
             the window holds (the id still enters the window): for a caller with a
             duplicate rule of its own (the broker scopes PZQ ids by producer
             connection).
+        digest
+            ``body_digest(body)``, if the caller has it already (else computed here).
 
         Returns
         -------
         int or None
             The new store key, or None if ``dedup`` and ``message_id`` is in the
-            duplicate window: nothing is stored, and the original is durable once the
-            commits begun so far and the next one have ended.
+            duplicate window with the same body: nothing is stored, and the original
+            is durable once the commits begun so far and the next one have ended.
 
         Raises
         ------
@@ -547,7 +571,10 @@ class MessageStore(StoreIndex):
                 f"message id of {id_len} bytes; expected 1 to {MAX_ID_BYTES} bytes"
             )
         ids = self._window_ids
-        if dedup and message_id in ids:
+        windowed = self._window_size > 0
+        if windowed and digest is None:
+            digest = body_digest(body)
+        if dedup and message_id in ids and self._window_digests.get(message_id) == digest:
             self._duplicates += 1
             return None
         seq = self._last_seq + 1
@@ -585,18 +612,27 @@ class MessageStore(StoreIndex):
         self._last_seq = seq
         self._buf_puts += 1
         self._buf_seq = seq
-        if self._window_size:
+        if windowed:
+            assert digest is not None
             window = self._window
             window.append(message_id)
             ids[message_id] = seq
+            self._window_digests[message_id] = digest
             if len(window) > self._window_size:
                 old = window.popleft()
                 if ids.get(old) == self._window_first:
                     del ids[old]
+                    self._window_digests.pop(old, None)
                 self._window_first += 1
         else:
             self._window_first = seq + 1
         return active.no << 32 | slot
+
+    def same_body(self, message_id: bytes, digest: bytes) -> bool:
+        """Whether the newest message with this id in the duplicate window has the body
+        whose :func:`body_digest` is ``digest`` (False for ids not in the window or whose
+        body is unknown: ids read from a version 1 ``ids.snap``)."""
+        return self._window_digests.get(message_id) == digest
 
     def accepted_before_open(self, message_id: bytes) -> bool:
         """Whether the newest message with this id in the duplicate window was accepted

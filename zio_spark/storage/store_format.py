@@ -45,7 +45,16 @@ a commit whose later pages reached the disk before its first) the record is torn
 counted once (``StoreStats.torn_records``). Either way the file is truncated there.
 
 ``ids.snap``: magic ``ZPQI``, version u16, next segment no u64, last accept seq u64, seq
-of the first id u64, id count u32, one length byte per id, the ids, crc32 of all before.
+of the first id u64, id count u32, one length byte per id, the ids, then (version 2) a
+16-byte body digest per id (all zero: unknown), crc32 of all before. Version 1 files (no
+digests) are still read; their ids' bodies are unknown.
+
+Body digests. The duplicate window keeps, per id, the BLAKE2b-128 digest of the newest
+body stored under it (:func:`body_digest`: of the body as a record holds it, part count
+and lengths then the parts), so a repeated id is a duplicate only with the same body. PUT
+and MOVE records carry no digest: replay derives it from the record's bytes (the segment
+format is unchanged, version 1); only ``ids.snap``, which outlives the segments, stores
+digests.
 
 Keys. A message's *store key* is ``segment no << 32 | slot``, the slot being its index
 among the segment's PUT/MOVE records.
@@ -62,6 +71,7 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import struct
@@ -78,6 +88,7 @@ from zio_spark.storage.files import RECORD_HEAD, frame, fsync_dir, write_all
 __all__ = [
     "DEFAULT_DEDUP_WINDOW",
     "DEFAULT_SEGMENT_BYTES",
+    "DIGEST_BYTES",
     "FORMAT_VERSION",
     "MAX_BODY_BYTES",
     "MAX_ID_BYTES",
@@ -88,6 +99,7 @@ __all__ = [
     "StoreLockedError",
     "StoreStats",
     "StoredMessage",
+    "body_digest",
 ]
 
 
@@ -104,6 +116,15 @@ MAX_BODY_BYTES: Final = 1 << 30
 """Largest accepted message (id plus body parts); record offsets are 32-bit."""
 
 FORMAT_VERSION: Final = 1
+"""Segment format version (the HEADER record's)."""
+
+SNAP_VERSION: Final = 2
+"""``ids.snap`` format version written (2: with body digests; 1 is still read)."""
+
+DIGEST_BYTES: Final = 16
+"""Size of a body digest (BLAKE2b-128)."""
+
+_NO_DIGEST: Final = bytes(DIGEST_BYTES)
 
 _MAGIC: Final = b"ZPQS"
 _T_HEADER: Final = 0
@@ -462,6 +483,31 @@ def _message_payload(
     return b"".join((head, message_id, lengths, *body))
 
 
+def body_digest(body: Sequence[bytes]) -> bytes:
+    """BLAKE2b-128 of a message body as a PUT record holds it (part count, part lengths,
+    parts): two bodies have one digest only if they have the same parts.
+
+    The duplicate rule compares it, so a reused id with a new body is stored.
+    """
+    if len(body) == 1:
+        part = body[0]
+        h = hashlib.blake2b(_PART1.pack(1, len(part)), digest_size=DIGEST_BYTES)
+        h.update(part)
+        return h.digest()
+    h = hashlib.blake2b(
+        struct.pack(f"<I{len(body)}I", len(body), *map(len, body)), digest_size=DIGEST_BYTES
+    )
+    for part in body:
+        h.update(part)
+    return h.digest()
+
+
+def _record_digest(payload: bytes, kind: int, id_len: int) -> bytes:
+    """:func:`body_digest` of a PUT/MOVE payload's body, from the record's own bytes."""
+    pos = (_PUT.size if kind == _T_PUT else _MOVE.size) + id_len
+    return hashlib.blake2b(memoryview(payload)[pos:], digest_size=DIGEST_BYTES).digest()
+
+
 def _header_payload(no: int) -> bytes:
     """The HEADER record's payload of segment ``no``."""
     return _HEADER.pack(_T_HEADER, _MAGIC, FORMAT_VERSION, no)
@@ -472,20 +518,36 @@ def _ack_payload(keys: Sequence[int]) -> bytes:
     return _ACK.pack(_T_ACK, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
 
 
-def _encode_snapshot(next_no: int, last_seq: int, first: int, ids: Sequence[bytes]) -> bytes:
-    """The bytes of ``ids.snap`` (see the module docstring)."""
-    head = _SNAP.pack(_SNAP_MAGIC, FORMAT_VERSION, next_no, last_seq, first, len(ids))
-    data = b"".join([head, bytes(map(len, ids)), *ids])
+def _encode_snapshot(
+    next_no: int,
+    last_seq: int,
+    first: int,
+    ids: Sequence[bytes],
+    digests: Sequence[bytes] | None = None,
+    *,
+    version: int = SNAP_VERSION,
+) -> bytes:
+    """The bytes of ``ids.snap`` (see the module docstring). ``digests``: one per id
+    (``b""``: unknown); ``version`` 1 (no digests) is for tests of old stores."""
+    head = _SNAP.pack(_SNAP_MAGIC, version, next_no, last_seq, first, len(ids))
+    parts = [head, bytes(map(len, ids)), *ids]
+    if version >= 2:
+        given = digests if digests is not None else [b""] * len(ids)
+        if len(given) != len(ids):
+            raise ValueError(f"{len(given)} digests for {len(ids)} ids")
+        parts += [d if len(d) == DIGEST_BYTES else _NO_DIGEST for d in given]
+    data = b"".join(parts)
     return data + _U32.pack(zlib.crc32(data))
 
 
-def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes]]:
-    """(next segment no, last seq, first seq, ids) of ``ids.snap``'s bytes.
+def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes], list[bytes]]:
+    """(next segment no, last seq, first seq, ids, digests) of ``ids.snap``'s bytes; a
+    digest is ``b""`` where unknown (all of a version 1 file's).
 
     Raises ValueError (struct.error) for damaged bytes.
     """
     magic, version, next_no, last_seq, first, count = _SNAP.unpack_from(data, 0)
-    if magic != _SNAP_MAGIC or version != FORMAT_VERSION:
+    if magic != _SNAP_MAGIC or version not in (1, SNAP_VERSION):
         raise ValueError("bad magic or version")
     (crc,) = _U32.unpack_from(data, len(data) - 4)
     if zlib.crc32(data[:-4]) != crc:
@@ -496,6 +558,12 @@ def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes]]:
     for n in body[:count]:
         ids.append(body[pos : pos + n])
         pos += n
+    digests = [b""] * count
+    if version >= 2:
+        for i in range(count):
+            d = body[pos : pos + DIGEST_BYTES]
+            digests[i] = b"" if d == _NO_DIGEST else d
+            pos += DIGEST_BYTES
     if pos != len(body):
         raise ValueError("length mismatch")
-    return next_no, last_seq, first, ids
+    return next_no, last_seq, first, ids, digests

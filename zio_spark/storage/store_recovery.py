@@ -2,12 +2,14 @@
 
 :class:`Replay` reads ``ids.snap`` and every ``seg-*.log`` oldest first, indexes each
 PUT/MOVE record as a pending slot, applies MOVE originals and ACK tombstones, and
-rebuilds the duplicate window. A segment stops at its first short, CRC-failing or
-malformed record: the rest is truncated away and counted (only a commit that never
-finished can leave one, unless the disk corrupted data), unless the rest is all zero
-bytes: the preallocated tail of a segment that was not closed, truncated and not
-counted (see "Crash safety" in :mod:`zio_spark.storage.store_format`). A segment without even its
-header (created just before a crash) is deleted. See :mod:`zio_spark.storage.store`.
+rebuilds the duplicate window, with each id's body digest derived from its record (or
+read from ``ids.snap`` for ids whose segments are gone). A segment stops at its first
+short, CRC-failing or malformed record: the rest is truncated away and counted (only a
+commit that never finished can leave one, unless the disk corrupted data), unless the
+rest is all zero bytes: the preallocated tail of a segment that was not closed,
+truncated and not counted (see "Crash safety" in :mod:`zio_spark.storage.store_format`).
+A segment without even its header (created just before a crash) is deleted. See
+:mod:`zio_spark.storage.store`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from zio_spark.storage.store_format import (
     StoreError,
     _decode_snapshot,
     _parse_head,
+    _record_digest,
 )
 
 __all__ = ["Replay"]
@@ -70,9 +73,9 @@ class Replay:
         The number for the next new segment.
     last_seq
         The highest accept sequence found (in segments or ``ids.snap``).
-    window, window_first, window_ids
-        The duplicate window: ids in accept order, the seq of ``window[0]``, and
-        ``{id: seq}``.
+    window, window_first, window_ids, window_digests
+        The duplicate window: ids in accept order, the seq of ``window[0]``,
+        ``{id: seq}`` and ``{id: body digest}`` (of the newest copy; missing if unknown).
 
     Raises
     ------
@@ -94,6 +97,7 @@ class Replay:
         self.window: deque[bytes] = deque()
         self.window_first = 1
         self.window_ids: dict[bytes, int] = {}
+        self.window_digests: dict[bytes, bytes] = {}
         try:
             self._run()
         except BaseException:
@@ -113,7 +117,7 @@ class Replay:
             if (m := _SEG_RE.match(name)) is not None
         )
         snap = self._read_snapshot()
-        seen: list[tuple[int, bytes]] = []  # (accept seq, id), pruned to ~2 windows
+        seen: list[tuple[int, bytes, bytes]] = []  # (accept seq, id, digest), ~2 windows
         max_seq = snap[1] if snap else 0
         for no, name in names:
             max_seq = max(max_seq, self._replay_segment(no, self.root / name, seen))
@@ -122,7 +126,7 @@ class Replay:
                 del seen[: len(seen) - self.window_size]
         if snap is not None:
             self.next_no = max(self.next_no, snap[0])
-            seen.extend(zip(itertools.count(snap[2]), snap[3]))
+            seen.extend(zip(itertools.count(snap[2]), snap[3], snap[4]))
         self.last_seq = max_seq
         self._rebuild_window(seen)
         log.info(
@@ -133,7 +137,7 @@ class Replay:
             self.torn,
         )
 
-    def _replay_segment(self, no: int, path: Path, seen: list[tuple[int, bytes]]) -> int:
+    def _replay_segment(self, no: int, path: Path, seen: list[tuple[int, bytes, bytes]]) -> int:
         """Index one segment file; returns the highest accept seq in it."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         size = os.fstat(fd).st_size
@@ -184,7 +188,8 @@ class Replay:
                         if seq > max_seq:
                             max_seq = seq
                         if windowed:
-                            seen.append((seq, message_id))
+                            digest = _record_digest(payload, kind, len(message_id))
+                            seen.append((seq, message_id, digest))
                     elif kind == _T_ACK:
                         _, count = _ACK.unpack_from(payload, 0)
                         if _ACK.size + 8 * count != length:
@@ -239,8 +244,8 @@ class Replay:
         seg.live -= 1
         self.messages -= 1
 
-    def _read_snapshot(self) -> tuple[int, int, int, list[bytes]] | None:
-        """(next segment no, last seq, first seq, ids) from ids.snap, or None."""
+    def _read_snapshot(self) -> tuple[int, int, int, list[bytes], list[bytes]] | None:
+        """(next segment no, last seq, first seq, ids, digests) from ids.snap, or None."""
         path = self.root / _SNAP_NAME
         try:
             data = path.read_bytes()
@@ -253,27 +258,37 @@ class Replay:
             log.error("store %s: ignoring damaged %s (%s)", self.root, _SNAP_NAME, e)
             return None
 
-    def _rebuild_window(self, seen: list[tuple[int, bytes]]) -> None:
+    def _rebuild_window(self, seen: list[tuple[int, bytes, bytes]]) -> None:
         self.window_first = self.last_seq + 1
         if not self.window_size or not seen:
             return
         seen.sort()
         floor = self.last_seq - self.window_size
         window: list[bytes] = []
+        digests: list[bytes] = []
         first = expected = 0
-        for seq, mid in seen:
-            if seq <= floor or seq < expected:
-                continue  # out of the window, or a second copy (MOVE) of the same seq
+        for seq, mid, digest in seen:
+            if seq <= floor:
+                continue  # out of the window
+            if seq < expected:  # a second copy: a MOVE, or ids.snap beside a segment
+                if digest and not digests[-1] and seq == expected - 1:
+                    digests[-1] = digest  # ids.snap version 1 has none
+                continue
             if not window:
                 first = expected = seq
             while expected < seq:  # a hole (should not happen): keep positions right
                 window.append(b"")
+                digests.append(b"")
                 expected += 1
             window.append(mid)
+            digests.append(digest)
             expected += 1
         self.window = deque(window)
         self.window_first = first
         self.window_ids = {mid: seq for seq, mid in zip(itertools.count(first), window) if mid}
+        # The newest copy's digest per id (later positions overwrite earlier ones).
+        newest = {mid: d for mid, d in zip(window, digests, strict=True) if mid}
+        self.window_digests = {mid: d for mid, d in newest.items() if d}
 
 
 def _all_zero(mm: mmap.mmap, pos: int, size: int) -> bool:
