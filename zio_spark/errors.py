@@ -10,6 +10,8 @@ other exception escaping the package is a bug. The split follows h11/h2:
 - :class:`FlowControlError`: a credit violation, local or remote (it is a
   :class:`RemoteProtocolError` because it is almost always raised on input).
 - :class:`ConfigError`: a bad option value; also a :class:`ValueError`.
+- :class:`InputColumnsError`: the DataFrame given to the sink has columns it cannot
+  write; also a :class:`ValueError`.
 - :class:`TransportError`: socket-level trouble; keeps the endpoint.
 - :class:`DataLossError`: records are known to be missing; raised only when
   ``failOnDataLoss`` is true.
@@ -21,10 +23,13 @@ what was expected.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "ConfigError",
     "DataLossError",
     "FlowControlError",
+    "InputColumnsError",
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
@@ -56,6 +61,33 @@ class ConfigError(ZioSparkError, ValueError):
         self.value = value
         self.expected = expected
         super().__init__(f"option {option!r}: got {value!r}, expected {expected}")
+
+
+class InputColumnsError(ZioSparkError, ValueError):
+    """The DataFrame given to the sink has input columns it cannot write.
+
+    Not an option problem: the message lists the DataFrame's columns as found, what is
+    wrong and what the sink takes.
+
+    Parameters
+    ----------
+    columns
+        The DataFrame's input columns, each as ``"name type"``.
+    problem
+        What is wrong, naming the column(s) at fault.
+    expected
+        What would be accepted, and how to get there.
+    """
+
+    def __init__(self, columns: Sequence[str], problem: str, expected: str) -> None:
+        self.columns = tuple(columns)
+        self.problem = problem
+        self.expected = expected
+        listed = ", ".join(self.columns) if self.columns else "none"
+        super().__init__(
+            f"the DataFrame written to the zio sink has the input columns [{listed}]: "
+            f"{problem}; expected {expected}"
+        )
 
 
 def check_count(option: str, value: object, minimum: int) -> int:

@@ -8,6 +8,7 @@ append/flush/seal/commit/read/reopen sequences against a list-per-producer model
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import select
@@ -37,6 +38,7 @@ from zio_spark.storage.spool import (
     SequenceGapError,
     Spool,
     SpoolLockedError,
+    SpoolPathError,
     project,
     read_sealed,
 )
@@ -688,13 +690,76 @@ def test_odd_producer_ids(tmp_path: Path, producer: str) -> None:
 def test_second_open_of_a_folder_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s"
     sp = Spool(path)
-    with pytest.raises(SpoolLockedError):
-        Spool(path)
+    with pytest.raises(SpoolLockedError) as e:
+        Spool(path)  # two queries given one spoolPath
+    assert isinstance(e.value, ConfigError)
+    assert (e.value.option, e.value.value) == ("spoolPath", str(path))
+    text = str(e.value)
+    assert text.startswith(f"option 'spoolPath': got {str(path)!r}, expected ")
+    assert "give each query its own spoolPath, or stop the query that uses it" in text
     sp.close()
     sp.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):
         sp.append("p", recs(1, 2))
     Spool(path).close()
+
+
+def _deny_writes_under(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Make ``folder`` read-only for this process. Root ignores permission bits, so for
+    root the kernel's answer is given instead: EACCES for creating anything under it."""
+    folder.chmod(0o555)
+    if os.geteuid() != 0:
+        return
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def denied(path: object) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    def fake_open(path: Any, flags: int, *args: Any, **kw: Any) -> int:
+        if str(path).startswith(str(folder)) and flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            denied(path)
+        return real_open(path, flags, *args, **kw)
+
+    def fake_mkdir(path: Any, *args: Any, **kw: Any) -> None:
+        if str(path).startswith(str(folder)):
+            denied(path)
+        real_mkdir(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+
+
+@pytest.mark.parametrize("where", ["the folder", "its parent"])
+def test_a_read_only_spool_path_names_spoolpath_the_path_and_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    path = folder if where == "the folder" else folder / "spool"
+    _deny_writes_under(monkeypatch, folder)
+    try:
+        with pytest.raises(SpoolPathError) as e:
+            Spool(path)
+    finally:
+        monkeypatch.undo()
+        folder.chmod(0o755)
+    assert isinstance(e.value, ConfigError) and isinstance(e.value.__cause__, PermissionError)
+    assert (e.value.option, e.value.value) == ("spoolPath", str(path))
+    text = str(e.value)
+    assert text.startswith(f"option 'spoolPath': got {str(path)!r}, expected ")
+    assert "Permission denied" in text
+    assert "set spoolPath to a folder this process may create and write" in text
+
+
+def test_a_spool_path_through_a_file_names_spoolpath_and_the_fix(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(SpoolPathError) as e:
+        Spool(blocker / "spool")
+    assert (e.value.option, e.value.value) == ("spoolPath", str(blocker / "spool"))
+    assert "Not a directory" in str(e.value) and "part of this path is a file" in str(e.value)
+    with pytest.raises(SpoolPathError, match="part of this path is a file"):
+        Spool(blocker)  # the path itself is a file
 
 
 def test_receiver_and_runner_threads(tmp_path: Path) -> None:

@@ -80,9 +80,9 @@ such as ``zio-spark consume``). The query never reports success with rows missin
 the rows the killed flow did deliver are there, and a retried task sends them again.
 
 Input columns are normalised: ``value`` (required) binary or string (UTF-8), ``key``
-binary or string, ``headers`` map<string,string>; anything else is a
-:class:`~zio_spark.errors.ConfigError` raised on the driver when the writer is created,
-naming the column, its type and what is accepted.
+binary or string, ``headers`` map<string,string>; anything else is an
+:class:`~zio_spark.errors.InputColumnsError` raised on the driver when the writer is
+created, listing the DataFrame's columns, what is wrong and what is accepted.
 
 A new writer object is created for every micro-batch and another runs commit/abort
 (FACTS.md): the writers hold only the parsed options, the column layout and (with a
@@ -110,7 +110,7 @@ from pyspark.sql.types import StructType
 
 from zio_spark.codec.records import encode_payload
 from zio_spark.codec.schema import SINK_SCHEMA
-from zio_spark.errors import ConfigError, TransportError, ZioSparkError
+from zio_spark.errors import ConfigError, InputColumnsError, TransportError, ZioSparkError
 from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
 from zio_spark.protocol.sink import BatchId
 from zio_spark.sink.client import StagingWriter, send_command
@@ -151,14 +151,16 @@ class SinkColumns:
 
 
 def sink_columns(schema: StructType) -> SinkColumns:
-    """Check the input schema of the sink and map its columns.
+    """Check the input columns of the sink (the DataFrame's schema) and map them.
 
     Raises
     ------
-    ConfigError
-        ``option="schema"``: a column other than value/key/headers, a column of a
-        wrong type, a column given twice, or no ``value`` column.
+    InputColumnsError
+        Listing the DataFrame's columns as found: a column other than value/key/headers,
+        a column of a wrong type, one of them given twice (names are case-insensitive),
+        or no ``value`` column; with what is accepted and how to get there.
     """
+    columns = [f"{f.name} {f.dataType.simpleString()}" for f in schema.fields]
     found: dict[str, str] = {}
     for f in schema.fields:
         name = f.name.lower()
@@ -170,23 +172,35 @@ def sink_columns(schema: StructType) -> SinkColumns:
             ok = got == "map<string,string>"
             want = "map<string,string>"
         else:
-            raise ConfigError(
-                "schema",
-                f"{f.name} {got}",
-                f"only the columns {_ACCEPTED}; drop or rename column {f.name!r}",
+            raise InputColumnsError(
+                columns,
+                f"column {f.name!r} ({got}) is not one the sink writes",
+                f"only {_ACCEPTED}: drop column {f.name!r}, or rename it to value, key or "
+                f"headers (e.g. df.withColumnRenamed({f.name!r}, 'value'))",
             )
         if not ok:
-            raise ConfigError(
-                "schema",
-                f"{f.name} {got}",
-                f"column {f.name!r} of type {want} (accepted columns: {_ACCEPTED})",
+            how = (
+                f"cast it, e.g. df.withColumn({f.name!r}, df[{f.name!r}].cast('string'))"
+                if name != "headers"
+                else "build it as a map of strings, e.g. with pyspark.sql.functions.create_map"
+            )
+            raise InputColumnsError(
+                columns, f"column {f.name!r} is {got}", f"{name} of type {want}: {how}"
             )
         if name in found:
-            raise ConfigError("schema", f.name, "each of value, key, headers at most once")
+            raise InputColumnsError(
+                columns,
+                f"columns {found[name]!r} and {f.name!r} both name {name} "
+                "(column names are case-insensitive here)",
+                "each of value, key, headers at most once: drop or rename one of them",
+            )
         found[name] = f.name
     if "value" not in found:
-        raise ConfigError(
-            "schema", schema.simpleString(), f"a 'value' column (accepted columns: {_ACCEPTED})"
+        raise InputColumnsError(
+            columns,
+            "there is no 'value' column",
+            f"{_ACCEPTED}: name the column that holds each record's payload value "
+            "(e.g. df.withColumnRenamed('payload', 'value'))",
         )
     return SinkColumns(found["value"], found.get("key"), found.get("headers"))
 
@@ -350,7 +364,9 @@ def _as_binary(col: pa.Array | pa.ChunkedArray, name: str) -> pa.Array:
     try:
         return pc.cast(col, pa.binary())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:  # pragma: no cover
-        raise ConfigError("schema", f"{name} {t}", "binary or string") from e
+        raise InputColumnsError(
+            [f"{name} {t}"], f"column {name!r} is {t}", "binary or string"
+        ) from e
 
 
 def _normalise(batch: pa.RecordBatch, cols: SinkColumns) -> pa.RecordBatch:

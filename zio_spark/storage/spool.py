@@ -72,6 +72,7 @@ kernel drops it when the process dies).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -84,7 +85,7 @@ import numpy as np
 import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, SPARK_SCHEMA, WAL_SCHEMA
-from zio_spark.errors import ConfigError, DataLossError, ZioSparkError
+from zio_spark.errors import ConfigError, DataLossError
 from zio_spark.storage.files import atomic_write, fsync_dir, fsync_file, lock_folder
 from zio_spark.storage.spool_sealed import (
     _SEGMENT_RE,
@@ -130,6 +131,7 @@ __all__ = [
     "SequenceGapError",
     "Spool",
     "SpoolLockedError",
+    "SpoolPathError",
     "SpoolStats",
     "project",
     "read_sealed",
@@ -154,8 +156,56 @@ class SequenceGapError(DataLossError, ValueError):
         )
 
 
-class SpoolLockedError(ZioSparkError):
-    """Another :class:`Spool` (in this or another process) has the folder open."""
+SPOOL_OPTION: Final = "spoolPath"
+"""The source option that names a spool folder (the errors below name it)."""
+
+
+class SpoolLockedError(ConfigError):
+    """Another :class:`Spool` (in this or another process) has the folder open: two
+    queries, or a query and a batch read, were given one ``spoolPath``.
+
+    ``option`` is ``"spoolPath"``, ``value`` the folder.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(
+            SPOOL_OPTION,
+            str(path),
+            "a spool folder no other query or process has open, but another Spool (a "
+            "running query, batch read or process) holds this one; give each query its "
+            "own spoolPath, or stop the query that uses it first",
+        )
+
+
+class SpoolPathError(ConfigError):
+    """The spool folder cannot be created, read or written (``OSError`` on open).
+
+    ``option`` is ``"spoolPath"``, ``value`` the folder; the ``OSError`` is the cause.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], error: OSError) -> None:
+        self.errno = error.errno
+        what = error.strerror or str(error)
+        where = (
+            f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+        )
+        if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = (
+                "set spoolPath to a folder this process may create and write (the Spark "
+                "driver's user; on a cluster, a folder shared by the driver and the "
+                "executors), or give that user write access to it"
+            )
+        elif error.errno in (errno.ENOTDIR, errno.EEXIST):
+            fix = "set spoolPath to a folder: part of this path is a file"
+        elif error.errno == errno.ENOSPC:
+            fix = "free space on its filesystem, or set spoolPath to a folder on another"
+        else:
+            fix = "set spoolPath to a folder this process can create, read and write"
+        super().__init__(
+            SPOOL_OPTION,
+            str(path),
+            f"a spool folder this process can use, but opening it failed: {what}{where}; {fix}",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +253,11 @@ class Spool:
     ConfigError
         A bad ``on_gap`` or ``segment_batch_rows``.
     SpoolLockedError
-        The folder is open in another :class:`Spool`.
+        The folder is open in another :class:`Spool` (a :class:`ConfigError` naming
+        ``spoolPath``).
+    SpoolPathError
+        The folder cannot be created, read or written (a :class:`ConfigError` naming
+        ``spoolPath``, the folder, the ``OSError`` and what to do).
     DataLossError
         A sealed segment is unreadable or inconsistent (the disk lost fsync'd data).
     """
@@ -245,12 +299,18 @@ class Spool:
             ),
             0,
         )
-        self._root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = self._take_folder_lock()
+        try:
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = self._take_folder_lock()
+        except OSError as e:  # read-only, a file in the way, ...: name the option
+            raise SpoolPathError(self._root, e) from e
         try:
             self._prepare_layout()
             self._recover()
             self._wal = self._new_wal()
+        except OSError as e:
+            os.close(self._lock_fd)
+            raise SpoolPathError(self._root, e) from e
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -652,7 +712,7 @@ class Spool:
 
     def _take_folder_lock(self) -> int:
         root = self._root
-        return lock_folder(root, lambda: SpoolLockedError(f"spool {root} is open in another Spool"))
+        return lock_folder(root, lambda: SpoolLockedError(root))
 
     def _prepare_layout(self) -> None:
         meta = self._root / "spool.json"
