@@ -1,8 +1,14 @@
-"""`zio-spark bench --quick` keeps the harness working (it checks the harness, not targets).
+"""The benchmark harness keeps working (these check the harness, never a target).
 
-One run of every benchmark at its quick size (about two minutes on the project's 2-core
-machine): each exits 0, writes JSON that parses, prints a Markdown table that lands in
-summary.md, and the plots come out as valid PNGs. No figure is compared with a target.
+Default run (fast, fine on a busy machine): every bench script starts and lists its
+options; the benches without Spark (spool, queue, flow, and flow over CLIENT/SERVER on the
+draft build) run at a small size and write JSON, a Markdown table with its anchor and,
+through ``bench/plots.py``, their PNGs.
+
+``-m bench`` (by hand; not in the default run or scripts/test.sh): one run of every
+benchmark through ``zio-spark bench --quick`` (about two minutes on the project's quiet
+2-core machine, 15 and more under load): each exits 0, writes JSON that parses, prints a
+Markdown table that lands in summary.md, and the plots come out as valid PNGs.
 """
 
 from __future__ import annotations
@@ -11,10 +17,15 @@ import json
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from zio_spark.cli.bench import BENCHES
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+DRAFT_PYTHON = ROOT / ".venv-draft" / "bin" / "python"
 
 # bench -> the JSON files it writes (flow: one per socket mode; CLIENT/SERVER runs on the
 # draft build, which the test command makes before the suite)
@@ -48,7 +59,85 @@ def _png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
+SCRIPTS = sorted({script for script, _quick, _full in BENCHES.values()} | {"plots.py", "soak.py"})
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_starts_and_lists_its_options(script):
+    r = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=240,  # hang guard
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--out" in r.stdout, r.stdout
+
+
+def _run_small(python: Path | str, args: list[str], out: Path) -> str:
+    r = subprocess.run(
+        [str(python), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,  # hang guard; each bench has its own no-progress limits (30 s)
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, (args, r.stderr[-3000:])
+    assert "|---" in r.stdout and "anchor" in r.stdout, (args, r.stdout[-3000:])
+    return r.stdout
+
+
+@pytest.mark.timeout(1200)
+def test_the_benches_without_spark_run_small_and_plot(tmp_path):
+    out = tmp_path / "results"
+    _run_small(
+        sys.executable, [str(BENCH / "bench_spool.py"), "--records", "5000", "--repeat", "1"], out
+    )
+    _run_small(
+        sys.executable,
+        [
+            str(BENCH / "bench_queue.py"),
+            "--messages",
+            "500",
+            "--repeat",
+            "1",
+            "--window1-messages",
+            "100",
+        ],
+        out,
+    )
+    _run_small(sys.executable, [str(BENCH / "bench_flow.py"), "--quick"], out)
+    for name in ("spool.json", "queue.json", "flow-routerdealer.json"):
+        json.loads((out / name).read_text())  # parses
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "plots.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    made = {line.strip() for line in r.stdout.splitlines() if line.strip().endswith(".png")}
+    assert {"throughput_vs_window.png", "queue.png", "spool.png"} <= made, r.stdout
+    for name in made:
+        w, h = _png_size((out / name).read_bytes())
+        assert w > 100 and h > 100, (name, w, h)
+
+
 @pytest.mark.timeout(900)
+def test_the_clientserver_flow_bench_runs_on_the_draft_build(tmp_path):
+    if not DRAFT_PYTHON.exists():
+        pytest.skip(f"needs {DRAFT_PYTHON}: run scripts/build-draft-pyzmq.sh (test.sh does)")
+    out = tmp_path / "results"
+    _run_small(
+        DRAFT_PYTHON, [str(BENCH / "bench_flow.py"), "--quick", "--mode", "clientserver"], out
+    )
+    json.loads((out / "flow-clientserver.json").read_text())
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(3600)
 def test_bench_quick_runs_every_bench_and_reports(tmp_path):
     out = tmp_path / "results"
     r = subprocess.run(
@@ -64,7 +153,7 @@ def test_bench_quick_runs_every_bench_and_reports(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=880,
+        timeout=3500,  # hang guard: under load the quick run takes 15 min and more
     )
     summary_path = out / "summary.json"
     assert summary_path.exists(), r.stderr[-3000:]
