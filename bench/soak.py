@@ -248,6 +248,7 @@ def run_driver(args: argparse.Namespace) -> int:
     samples: list[dict[str, Any]] = []
     batches: list[tuple[int, int]] = []
     error: str | None = None
+    startup_s: float | None = None
     prod_stats: dict[str, Any] = {}
     t_start = time.monotonic()
     producer, endpoint = _start_producer(args, work / "producer-stats.json")
@@ -288,6 +289,18 @@ def run_driver(args: argparse.Namespace) -> int:
             .option("checkpointLocation", str(work / "checkpoint"))
             .start()
         )
+        # The measured window starts with the first rows, not with start(): on a busy
+        # machine the query's start-up alone can outlast a short run.
+        started = time.monotonic()
+        while not any(n for _, n in batches):
+            if query.exception() is not None:
+                raise RuntimeError(f"query failed before its first rows: {query.exception()}")
+            if producer.poll() is not None:
+                raise RuntimeError(f"producer exited with {producer.returncode}")
+            if time.monotonic() - started > args.startup_timeout:
+                raise RuntimeError(f"no rows {args.startup_timeout:g} s after the query started")
+            time.sleep(0.2)
+        startup_s = round(time.monotonic() - started, 1)
         t0 = time.monotonic()
         deadline = t0 + duration
         next_sample = t0
@@ -333,6 +346,7 @@ def run_driver(args: argparse.Namespace) -> int:
         },
         "elapsed_s": elapsed,
         "wall_s": round(time.monotonic() - t_start, 1),
+        "startup_s": startup_s,
         "batches": len(batches),
         "rows": rows,
         "rows_per_s": rows / elapsed if elapsed else 0.0,
@@ -411,6 +425,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="start the JVM with its whole heap committed and touched (-Xms = driver "
         "memory, AlwaysPreTouch), so heap sizing does not show as RSS growth",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds from the query's start to its first rows before it is an error",
     )
     p.add_argument("--out", default="bench/results/soak")
     p.add_argument("--verbose", action="store_true", help="print every sample")
