@@ -1,10 +1,8 @@
-"""The Spark data source (``format("zio")``): source, sink, receiver, segment server.
+"""The Spark data source (``format("zio")``): source, sink, and the Spark probes.
 
-Importing it checks the Spark version first (:mod:`zio_spark.spark.compat`): an older
-Spark fails here, naming the version found and the one needed, not later with an
-obscure ImportError or, worse, a query that silently runs without our hooks.
+Importing this package imports nothing from pyspark: :mod:`zio_spark.spark.datasource`
+is the light data source class Spark's lookup registers, :mod:`~zio_spark.spark.source`
+and :mod:`~zio_spark.spark.sink` the readers and writers it loads when a query needs
+them, and :mod:`~zio_spark.spark.compat` what the running Spark offers (probed by class
+and signature, never by version number).
 """
-
-from zio_spark.spark.compat import require_spark
-
-require_spark()

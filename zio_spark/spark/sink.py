@@ -103,7 +103,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
-    DataSourceStreamArrowWriter,
+    DataSourceStreamWriter,
     WriterCommitMessage,
 )
 from pyspark.sql.types import StructType
@@ -114,6 +114,7 @@ from zio_spark.errors import ConfigError, InputColumnsError, TransportError, Zio
 from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
 from zio_spark.protocol.sink import BatchId
 from zio_spark.sink.client import StagingWriter, send_command
+from zio_spark.spark import compat
 from zio_spark.transport.discovery import FLOW_PORT
 from zio_spark.transport.port import choose_mode
 from zio_spark.transport.zre_node import ZreNode
@@ -652,7 +653,17 @@ def abort_batch(
 # --------------------------------------------------------------------------- writers
 
 
-class ZioStreamWriter(DataSourceStreamArrowWriter):  # type: ignore[misc]
+# Spark 4.1+ has DataSourceStreamArrowWriter. Spark 4.0 has not, but its write path checks
+# isinstance(writer, DataSourceArrowWriter) first for streams too: deriving from both
+# stream writer and Arrow writer gets Arrow batches there, and the same commit/abort.
+_STREAM_WRITER_BASES: tuple[type, ...] = (
+    (compat.find("DataSourceStreamArrowWriter"),)
+    if compat.HAS_STREAM_ARROW_WRITER
+    else (DataSourceStreamWriter, DataSourceArrowWriter)
+)
+
+
+class ZioStreamWriter(*_STREAM_WRITER_BASES):  # type: ignore[misc]
     """Micro-batch writer: one flow per task, commit/abort per batch id.
 
     ``targets`` (resolved here, on the driver) travels pickled to the tasks: partition

@@ -26,28 +26,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceReader,
-    DataSourceStreamReader,
-    DataSourceStreamWriter,
-    DataSourceWriter,
-    InputPartition,
-)
-from pyspark.sql.streaming.datasource import (
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.types import StructType
+
+from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
+from zio_spark.errors import ConfigError, DataLossError, TransportError
+from zio_spark.options import SourceOptions
+from zio_spark.source.receiver import Receiver
+from zio_spark.source.sealer import Sealer
+from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
+
+# Spark's admission-control classes (4.2+), or stand-ins on older Sparks (compat.py).
+from zio_spark.spark.compat import (
     ReadAllAvailable,
     ReadLimit,
     ReadMaxRows,
     SupportsTriggerAvailableNow,
 )
-from pyspark.sql.types import StructType
 
-from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
-from zio_spark.errors import ConfigError, DataLossError, TransportError
-from zio_spark.options import SourceOptions, parse_source_options
-from zio_spark.source.receiver import Receiver
-from zio_spark.source.sealer import Sealer
-from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
+# The data source class lives in a light module (Spark's pyspark_* lookup imports it).
+from zio_spark.spark.datasource import ZioDataSource
 from zio_spark.storage.spool import Spool, project, read_sealed
 from zio_spark.transport.discovery import GroupWatcher
 
@@ -386,7 +384,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._target = rt.spool.seal()
         return dict(self._target)
 
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+    def latestOffset(
+        self, start: dict[str, int] | None = None, limit: ReadLimit | None = None
+    ) -> dict[str, int]:
+        # Spark < 4.2 calls latestOffset() with no arguments (compat.HAS_ADMISSION_CONTROL
+        # false); 4.2+ passes both, as it sees from this signature.
+        start = start or {}
         rt = self._runtime()
         self._check(rt)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -587,36 +590,3 @@ def _raise_failed(recv: Receiver, timeout: float) -> None:
     if problems:
         raise TransportError("zio batch read failed: " + "; ".join(problems))
 
-
-class ZioDataSource(DataSource):  # type: ignore[misc]
-    """The ``zio`` data source: a ZIO flow source and sink for Spark."""
-
-    @classmethod
-    def name(cls) -> str:
-        return "zio"
-
-    def schema(self) -> str:
-        # Reads only: validate the source options now, so a typo fails at load().
-        parse_source_options(self.options)
-        return DEFAULT_SCHEMA
-
-    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return ZioStreamReader(parse_source_options(self.options), _columns(schema))
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        return ZioBatchReader(parse_source_options(self.options), _columns(schema))
-
-    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        # Runs on the driver: bad options or input columns fail before any task starts.
-        from zio_spark.spark.sink import ZioStreamWriter, sink_columns, sink_options
-
-        return ZioStreamWriter(sink_options(self.options), sink_columns(schema))
-
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        # The batch id is drawn here, once, on the driver; the pickled writer carries it
-        # to the tasks and back to commit().
-        from zio_spark.spark.sink import ZioBatchWriter, sink_columns, sink_options
-
-        return ZioBatchWriter(
-            sink_options(self.options), sink_columns(schema), f"write-{uuid.uuid4().hex}"
-        )
