@@ -3,7 +3,9 @@
 :class:`Replay` reads ``ids.snap`` and every ``seg-*.log`` oldest first, indexes each
 PUT/MOVE record as a pending slot, applies MOVE originals and ACK tombstones, and
 rebuilds the duplicate window, with each id's body digest derived from its record (or
-read from ``ids.snap`` for ids whose segments are gone). A segment stops at its first
+read from ``ids.snap`` for ids whose segments are gone). Only the window's records are
+hashed, read back once the window is known: recovery's extra cost is bounded by
+``dedup_window``, not by the store's size. A segment stops at its first
 short, CRC-failing or malformed record: the rest is truncated away and counted (only a
 commit that never finished can leave one, unless the disk corrupted data), unless the
 rest is all zero bytes: the preallocated tail of a segment that was not closed,
@@ -33,6 +35,7 @@ from zio_spark.storage.store_format import (
     _MAGIC,
     _MAX_SLOTS,
     _P,
+    _REC,
     _SEG_RE,
     _SNAP_NAME,
     _T_ACK,
@@ -117,7 +120,8 @@ class Replay:
             if (m := _SEG_RE.match(name)) is not None
         )
         snap = self._read_snapshot()
-        seen: list[tuple[int, bytes, bytes]] = []  # (accept seq, id, digest), ~2 windows
+        # (accept seq, id, digest or b"", key of its record or -1), pruned to ~2 windows
+        seen: list[tuple[int, bytes, bytes, int]] = []
         max_seq = snap[1] if snap else 0
         for no, name in names:
             max_seq = max(max_seq, self._replay_segment(no, self.root / name, seen))
@@ -126,7 +130,10 @@ class Replay:
                 del seen[: len(seen) - self.window_size]
         if snap is not None:
             self.next_no = max(self.next_no, snap[0])
-            seen.extend(zip(itertools.count(snap[2]), snap[3], snap[4]))
+            seen.extend(
+                (seq, mid, digest, -1)
+                for seq, mid, digest in zip(itertools.count(snap[2]), snap[3], snap[4])
+            )
         self.last_seq = max_seq
         self._rebuild_window(seen)
         log.info(
@@ -137,7 +144,9 @@ class Replay:
             self.torn,
         )
 
-    def _replay_segment(self, no: int, path: Path, seen: list[tuple[int, bytes, bytes]]) -> int:
+    def _replay_segment(
+        self, no: int, path: Path, seen: list[tuple[int, bytes, bytes, int]]
+    ) -> int:
         """Index one segment file; returns the highest accept seq in it."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         size = os.fstat(fd).st_size
@@ -187,9 +196,8 @@ class Replay:
                         self.messages += 1
                         if seq > max_seq:
                             max_seq = seq
-                        if windowed:
-                            digest = _record_digest(payload, kind, len(message_id))
-                            seen.append((seq, message_id, digest))
+                        if windowed:  # its digest is computed if it ends up in the window
+                            seen.append((seq, message_id, b"", no << 32 | len(seg.state) - 1))
                     elif kind == _T_ACK:
                         _, count = _ACK.unpack_from(payload, 0)
                         if _ACK.size + 8 * count != length:
@@ -258,37 +266,60 @@ class Replay:
             log.error("store %s: ignoring damaged %s (%s)", self.root, _SNAP_NAME, e)
             return None
 
-    def _rebuild_window(self, seen: list[tuple[int, bytes, bytes]]) -> None:
+    def _rebuild_window(self, seen: list[tuple[int, bytes, bytes, int]]) -> None:
         self.window_first = self.last_seq + 1
         if not self.window_size or not seen:
             return
         seen.sort()
         floor = self.last_seq - self.window_size
         window: list[bytes] = []
-        digests: list[bytes] = []
+        sources: list[tuple[bytes, int]] = []  # per position: (digest or b"", key or -1)
         first = expected = 0
-        for seq, mid, digest in seen:
+        for seq, mid, digest, key in seen:
             if seq <= floor:
                 continue  # out of the window
             if seq < expected:  # a second copy: a MOVE, or ids.snap beside a segment
-                if digest and not digests[-1] and seq == expected - 1:
-                    digests[-1] = digest  # ids.snap version 1 has none
+                if seq == expected - 1:
+                    known, where = sources[-1]
+                    sources[-1] = (known or digest, where if where >= 0 else key)
                 continue
             if not window:
                 first = expected = seq
             while expected < seq:  # a hole (should not happen): keep positions right
                 window.append(b"")
-                digests.append(b"")
+                sources.append((b"", -1))
                 expected += 1
             window.append(mid)
-            digests.append(digest)
+            sources.append((digest, key))
             expected += 1
         self.window = deque(window)
         self.window_first = first
         self.window_ids = {mid: seq for seq, mid in zip(itertools.count(first), window) if mid}
-        # The newest copy's digest per id (later positions overwrite earlier ones).
-        newest = {mid: d for mid, d in zip(window, digests, strict=True) if mid}
-        self.window_digests = {mid: d for mid, d in newest.items() if d}
+        # The newest copy's digest per id: from ids.snap, else from its record. Unknown
+        # (ids.snap version 1, segment gone) means the id is not in window_digests.
+        newest = {mid: i for i, mid in enumerate(window) if mid}
+        digests: dict[bytes, bytes] = {}
+        for mid, i in newest.items():
+            digest, key = sources[i]
+            if not digest and key >= 0:
+                digest = self._record_digest(key, len(mid))
+            if digest:
+                digests[mid] = digest
+        self.window_digests = digests
+
+    def _record_digest(self, key: int, id_len: int) -> bytes:
+        """The body digest of the PUT/MOVE record ``key`` names, whose id is ``id_len``
+        bytes (parsed and CRC-checked by the scan); b"" if it cannot be read back."""
+        seg = self.segments.get(key >> 32)
+        slot = key & 0xFFFFFFFF
+        if seg is None or slot >= len(seg.state):
+            return b""
+        length = seg.lengths[slot]
+        data = os.pread(seg.fd, _REC.size + length, seg.offsets[slot])
+        payload = data[_REC.size :]
+        if len(payload) != length:
+            return b""
+        return _record_digest(payload, payload[0], id_len)
 
 
 def _all_zero(mm: mmap.mmap, pos: int, size: int) -> bool:
