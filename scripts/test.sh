@@ -52,7 +52,7 @@ draft_dirs=(tests/transport)
 pass "draft: transport+peers" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
   -p no:cacheprovider "${draft_dirs[@]}"
 pass "draft: Spark requires_draft" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
-  -p no:cacheprovider -m "requires_draft and not fuzz and not chaos" tests/spark
+  -p no:cacheprovider -m "requires_draft and not fuzz and not chaos and not load" tests/spark
 pass "matrix (older Spark lines)" bash scripts/matrix.sh
 
 echo
