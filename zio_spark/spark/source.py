@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
@@ -47,7 +47,9 @@ from zio_spark.spark.compat import (
 # The data source class lives in a light module (Spark's pyspark_* lookup imports it).
 from zio_spark.spark.datasource import ZioDataSource
 from zio_spark.storage.spool import Spool, project, read_sealed
-from zio_spark.transport.discovery import GroupWatcher
+
+if TYPE_CHECKING:  # imported where a group is used: ZRE costs ~0.1-0.3 s to import
+    from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = ["DEFAULT_SCHEMA", "ZioBatchReader", "ZioDataSource", "ZioStreamReader"]
 
@@ -177,6 +179,8 @@ def _inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> _Inlet:
     ).start()
     watcher: GroupWatcher | None = None
     if opts.zre is not None:
+        from zio_spark.transport.discovery import GroupWatcher
+
         z = opts.zre
         try:
             watcher = GroupWatcher(
@@ -589,4 +593,3 @@ def _raise_failed(recv: Receiver, timeout: float) -> None:
             problems.append(f"no flow within {timeout:g} s: {why}")
     if problems:
         raise TransportError("zio batch read failed: " + "; ".join(problems))
-
