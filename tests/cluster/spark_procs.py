@@ -192,17 +192,28 @@ def start_connect_server(
 ) -> tuple[Proc, str]:
     """pyspark's ``sbin/start-connect-server.sh --wait`` on 127.0.0.1, a free port.
 
+    The pip packages of pyspark 4.0 and 4.1 have the server's jar but not that script:
+    there, ``bin/spark-submit`` of the server's class, as the script would run it.
     Returns the process and the ``sc://`` URL for ``SparkSession.builder.remote``.
     """
     work.mkdir(parents=True, exist_ok=True)
+    script = SPARK_HOME / "sbin" / "start-connect-server.sh"
+    launch = (
+        [str(script), "--wait"]
+        if script.is_file()
+        else [
+            str(SPARK_HOME / "bin" / "spark-submit"),
+            "--class",
+            "org.apache.spark.sql.connect.service.SparkConnectServer",
+        ]
+    )
     last = ""
     for attempt in range(3):  # the free port may be taken before the server binds it
         port = free_port()
         env = spark_env({"SPARK_LOG_DIR": str(work / "logs"), "SPARK_PID_DIR": str(work)})
         argv = [
             "bash",
-            str(SPARK_HOME / "sbin" / "start-connect-server.sh"),
-            "--wait",
+            *launch,
             "--master",
             master,
             "--conf",
