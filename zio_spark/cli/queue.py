@@ -68,9 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--dedup", choices=DEDUP_RULES, default="resend",
-        help="which repeated producer ids are acked and not stored again: resend (only "
-        "what can be a resend of a missed ack; default), global (any id in the window, "
-        "across restarts), off",
+        help="which repeated producer ids are acked and not stored again, always only "
+        "with the body stored under that id: resend (only what can be a resend of a "
+        "missed ack; default), global (any id in the window, across restarts), off",
     )  # fmt: skip
     p.add_argument(
         "--dedup-grace", default=f"{DEFAULT_DEDUP_GRACE:g}s", metavar="DURATION",
