@@ -390,6 +390,9 @@ class SourceOptions:
     spool_server_host: str | None = None  # None: the driver's Spark host address
     fail_on_data_loss: bool = True
     connect_timeout: float = 30.0
+    # availableNow: how long a flow that cannot state its position (a plain giver) must
+    # bring nothing before the run takes it as having given all it held.
+    plain_giver_quiet: float = 2.0
     socket: str = "auto"
     curve: Curve | None = None
     max_records: int | None = None  # batch reads only
@@ -466,6 +469,11 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         "(default: the driver's Spark host address)",
     ),
     "failOnDataLoss": (parse_bool, "fail the query when records are known lost"),
+    "plainGiverQuiet": (
+        parse_duration,
+        "availableNow: how long a giver that cannot state its position (a plain ZIO "
+        "giver) must bring nothing before the run takes it as done",
+    ),
     "maxRecords": (lambda n, v: parse_int(n, v, minimum=1), "batch read: stop after this many"),
     "timeout": (parse_duration, "batch read: stop after this long"),
 }
@@ -506,6 +514,7 @@ _SOURCE_FIELDS: dict[str, str] = {
     "maxRecordsPerPartition": "max_records_per_partition",
     "spoolAccess": "spool_access",
     "failOnDataLoss": "fail_on_data_loss",
+    "plainGiverQuiet": "plain_giver_quiet",
     "maxRecords": "max_records",
     "timeout": "timeout",
 }

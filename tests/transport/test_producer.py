@@ -218,6 +218,7 @@ def test_arrow_taker_gets_every_record_then_an_acknowledged_eot(
         "stream": "zio",
         "ack": True,
         "encoding": "arrow",
+        "last": 30,  # its position: the last seq assigned when it answered
     }
     assert t.take(30) == expected_rows(early, 1)
 

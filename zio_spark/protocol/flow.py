@@ -24,8 +24,10 @@ reference). The reference never checks incoming seqnos, and neither do we.
 
 The zio-spark profile adds attributes that plain ZIO peers ignore (unknown attributes
 pass through untouched): in BOT, ``stream`` (name), ``producer`` (a stable producer id),
-``resume`` (the last sequence number the taker holds durably) and ``ack`` (true if the
-giver keeps records until acknowledged); in PAY, ``ack`` (the highest record sequence
+``resume`` (the last sequence number the taker holds durably), ``ack`` (true if the
+giver keeps records until acknowledged) and ``last`` (a giver's position: the last
+sequence number it had assigned when it wrote its BOT, so a taker knows what "everything
+it holds now" means without waiting on a clock); in PAY, ``ack`` (the highest record sequence
 number whose delivery is final). A PAY with ``credit`` 0 is legal only when it carries
 ``ack``: the taker must be able to acknowledge while it holds no credit (all of it out
 with a giver that has nothing to send), and a reference giver just adds 0 to its credit.
@@ -650,6 +652,9 @@ class ProfileBot:
     ack: bool = False
     batch: int | None = None  # taker: most records it accepts per DAT
     encodings: tuple[str, ...] = ()  # payload encodings offered (taker) or used (giver)
+    # Giver: its position when it wrote this BOT, the last sequence number it had
+    # assigned (every record up to it is held for the taker or was acknowledged; 0: none).
+    last: int | None = None
 
 
 def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
@@ -658,8 +663,8 @@ def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
     Raises
     ------
     RemoteProtocolError
-        If ``stream``/``producer`` are not strings, ``resume`` not an integer >= 0 or
-        ``ack`` not a boolean.
+        If ``stream``/``producer`` are not strings, ``resume`` or ``last`` not an integer
+        >= 0, ``batch`` not an integer >= 1 or ``ack`` not a boolean.
     """
     stream = attrs.get("stream")
     producer = attrs.get("producer")
@@ -670,12 +675,14 @@ def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
             raise RemoteProtocolError(
                 f"BOT {name} must be a string, got {value!r}", field=name, value=value
             )
-    if resume is not None and (
-        isinstance(resume, bool) or not isinstance(resume, int) or resume < 0
-    ):
-        raise RemoteProtocolError(
-            f"BOT resume must be an integer >= 0, got {resume!r}", field="resume", value=resume
-        )
+    last = attrs.get("last")
+    for name, value in (("resume", resume), ("last", last)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 0
+        ):
+            raise RemoteProtocolError(
+                f"BOT {name} must be an integer >= 0, got {value!r}", field=name, value=value
+            )
     if not isinstance(ack, bool):
         raise RemoteProtocolError(
             f"BOT ack must be true or false, got {ack!r}", field="ack", value=ack
@@ -694,7 +701,7 @@ def profile_bot(attrs: Mapping[str, Any]) -> ProfileBot:
         encodings = tuple(e for e in raw if isinstance(e, str))
     else:
         encodings = ()
-    return ProfileBot(stream, producer, resume, ack, batch, encodings)
+    return ProfileBot(stream, producer, resume, ack, batch, encodings, last)
 
 
 def pay_ack(attrs: Mapping[str, Any]) -> int | None:

@@ -20,6 +20,10 @@ send (or sent with another value). From those:
   ``resume`` point (a giver never sends one). An echoed ``ack: true`` means a plain peer:
   no acknowledgements, at most once, and never a PAY with credit 0 (a C++ reference giver
   blocked in ``put()`` throws on one).
+- **position** (``last``): a zio-spark giver states the last sequence number it had
+  assigned when it wrote its BOT; it counts only with the profile (a giver's own
+  ``producer``), never from an echo (a client of ours never sends ``last``), and only
+  from a giver.
 - **credit** is not part of the terms: the C++ server announces the client's credit even
   when it will pay less. Givers count the credit actually paid (the flow machine does);
   nothing is sized from a BOT's credit.
@@ -77,6 +81,10 @@ class Terms:
         Most records per DAT the taker accepts, if it stated a limit.
     stream
         The stream name the peer stated, if any.
+    last
+        A zio-spark giver's stated position when it wrote its BOT: the last sequence
+        number it had assigned (None: it stated none, as a plain giver, or an older
+        zio-spark producer; such a giver cannot say when a taker has all it held).
     """
 
     profile: bool = False
@@ -86,6 +94,7 @@ class Terms:
     resume: int | None = None
     batch: int | None = None
     stream: str | None = None
+    last: int | None = None
 
 
 PLAIN = Terms()
@@ -143,6 +152,7 @@ def client_terms(role: Role, sent: Mapping[str, Any], reply: Mapping[str, Any]) 
         resume=prof.resume if profile else None,
         batch=prof.batch,
         stream=prof.stream,
+        last=prof.last if profile and role == "taker" else None,
     )
 
 
@@ -176,6 +186,7 @@ def server_terms(role: Role, bot: Mapping[str, Any], encodings: Sequence[str] = 
         resume=resume,
         batch=prof.batch,
         stream=prof.stream,
+        last=prof.last if profile and role == "taker" else None,
     )
 
 

@@ -328,12 +328,20 @@ class ProducerBacklog:
     def stated(self, giving: Giving, last: int | None) -> dict[str, Any] | None:
         """``more: false`` when the DAT ending at ``last`` empties the queue (in the BOT
         reply: when nothing is held for this taker), so the taker need not wait for
-        more; ``blocked_ms`` (DATs only) when the time :meth:`append` spent blocked on a
+        more; in the BOT reply always ``last``, the position (the last seq assigned);
+        ``blocked_ms`` (DATs only) when the time :meth:`append` spent blocked on a
         full window changed since last stated (at most every ``_BLOCKED_EVERY`` s while
         a block lasts). Unlocked reads first: the common case costs a few attribute
         reads and returns None (a bare label)."""
         if last is None:
-            return {"more": False} if self._records.next_seq <= giving.next_seq else None
+            # The BOT reply: our position (``last``, the last seq assigned so far), so the
+            # taker knows what "all we hold now" is by the protocol, not by a clock.
+            with self._cond:
+                position = self._records.next_seq - 1
+            state: dict[str, Any] = {"last": position}
+            if position < giving.next_seq:
+                state["more"] = False
+            return state
         attrs: dict[str, Any] | None = None
         if last >= self._records.next_seq - 1:
             attrs = {"more": False}

@@ -200,6 +200,19 @@ class Receiver(BoundFlows, SpoolWriting):
         # A flow the receiver could never start (no BOT within connectTimeout on a fresh
         # connection): what the query reports, naming the endpoint and the fix.
         self.unreachable: dict[str, str] = {}
+        # Per producer: the position its first flow's BOT stated (``last``), lowered only
+        # by a later statement below it (a restarted producer that lost records). What
+        # "all it held when we started" means, by the protocol (see spark/source.py).
+        self.positions: dict[str, int] = {}
+        self.started_at = clock()
+        # When the loop last looked at its sockets (after a poll): a flow whose
+        # ``last_data`` is older had nothing waiting since then.
+        self.looked_at = self.started_at
+        # Plain givers whose flow is open (BOT exchanged, no EOT either way), persisted:
+        # a restart must not send a new BOT into a flow left open by a killed runner.
+        self._open_path = os.path.join(str(spool.path), "plain_flows.json")
+        self._left_open: dict[str, str] = self._load_open() if reconnect else {}
+        self._open_now: dict[str, str] = {}
         for ep in endpoints:
             self._add(ep)
         try:
@@ -298,6 +311,12 @@ class Receiver(BoundFlows, SpoolWriting):
                 out.setdefault(p, {})["blockedMs"] = ms
             return out
 
+    def stated_positions(self) -> dict[str, int]:
+        """Per producer that states it (zio-spark producers, in their BOT): the position
+        its first flow stated, the last seq it had assigned then (see ``positions``)."""
+        with self._lock:
+            return dict(self.positions)
+
     def held_back(self) -> list[str]:
         """Producers the source holds back right now: maxBacklog reached, and they hold
         no credit."""
@@ -335,10 +354,51 @@ class Receiver(BoundFlows, SpoolWriting):
         data = json.dumps(self._known_ids, sort_keys=True).encode("utf-8")
         atomic_write(self._ids_path, data, sync=True, tmp=self._ids_path + ".tmp")
 
+    def _load_open(self) -> dict[str, str]:
+        try:
+            with open(self._open_path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable %s: %s", self._open_path, e)
+            return {}
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+    def _save_open(self) -> None:
+        data = json.dumps(self._open_now, sort_keys=True).encode("utf-8")
+        atomic_write(self._open_path, data, sync=True, tmp=self._open_path + ".tmp")
+
+    def _mark_open(self, peer: Peer, is_open: bool) -> None:
+        """Persist whether a plain giver's flow is open (client flows of a streaming
+        receiver: a batch read's spool is its own)."""
+        if peer.bound is not None or not self.reconnect:
+            return
+        if is_open:
+            self._open_now[peer.endpoint] = peer.producer or peer.endpoint
+        elif self._open_now.pop(peer.endpoint, None) is None:
+            return
+        self._save_open()
+
     def _add(self, endpoint: str, mode: str | None = None) -> None:
         with self._lock:
-            if endpoint not in self._peers:
-                self._peers[endpoint] = Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
+            if endpoint in self._peers:
+                return
+            peer = Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
+            self._peers[endpoint] = peer
+        if endpoint in self._left_open:
+            # The previous runner's flow to this plain giver ended without an EOT (it was
+            # killed): the giver may still hold that flow open, and a reference giver
+            # dies on a new BOT mid-flow (or gives its stream again from the start).
+            why = (
+                f"plain giver {endpoint}: the previous query on this spool left its flow "
+                "open (no EOT was sent or echoed: the runner was killed?); a plain ZIO giver "
+                "has no resume, and a new BOT would kill its open flow or make it give its "
+                "stream again from the start. Restart the giver, then delete "
+                f"{self._open_path} (or start over with a new spoolPath and checkpoint)"
+            )
+            self._open_now[endpoint] = self._left_open[endpoint]  # still open: keep it
+            self._unreachable(peer, why)
 
     def _remove(self, endpoint: str) -> None:
         with self._lock:
@@ -517,14 +577,70 @@ class Receiver(BoundFlows, SpoolWriting):
             self.error = e
             log.exception("receiver failed")
         finally:
+            try:
+                self._end_with_eot()
+            except BaseException as e:  # pragma: no cover - reported, then sockets close
+                log.exception("zio source: ending the flows failed")
+                if self.error is None:
+                    self.error = e
             for peer in self._flows():
-                self._end_flow(peer, eot=True)
+                self._end_flow(peer, eot=False)
             for b in self._bound:
                 with contextlib.suppress(zmq.ZMQError):
                     b.port.socket.disable_monitor()
                 if b.monitor is not None:
                     b.monitor.close(0)
                 b.port.close(linger_ms=100)
+
+    def _end_with_eot(self) -> None:
+        """Stop: send an EOT on every open flow and take what arrives until each echo
+        (the giver got our EOT: a plain giver's flow is over on both sides), bounded by
+        ``min(5 s, connectTimeout)``. Records that arrive meanwhile are stored."""
+        ending = []
+        for peer in self._flows():
+            flow = peer.flow
+            if flow is None or flow.state is not FlowState.READY:
+                continue
+            if peer.port is None and peer.bound is None:
+                continue
+            try:
+                self._send(peer, flow.send_eot(), timeout_ms=500)
+            except (ProtocolError, TransportError) as e:
+                log.warning("zio source: cannot send EOT to %s: %s", peer.endpoint, e)
+                continue
+            ending.append(peer)
+        deadline = self.clock() + min(_EOT_WAIT, self.connect_timeout)
+
+        def waiting() -> list[Peer]:
+            return [p for p in ending if p.flow is not None and p.flow.state is FlowState.EOT_SENT]
+
+        while waiting() and self.clock() < deadline:
+            poller = zmq.Poller()
+            for p in waiting():
+                if p.port is not None:
+                    poller.register(p.port.socket, zmq.POLLIN)
+            for b in self._bound:
+                poller.register(b.port.socket, zmq.POLLIN)
+            ready = dict(poller.poll(20))
+            now = self.clock()
+            appended = False
+            for b in self._bound:
+                if b.port.socket in ready:
+                    appended |= self._drain_bound(b, now)
+            for p in waiting():
+                if p.port is not None and p.port.socket in ready:
+                    appended |= self._drain(p, now)
+            if appended:
+                self.spool.flush()
+        for p in waiting():
+            log.warning(
+                "zio source: %s did not echo our EOT within %g s; its flow may still be open",
+                p.endpoint,
+                min(_EOT_WAIT, self.connect_timeout),
+            )
+        for p in ending:
+            if p.flow is None and p.status.state == "ended":
+                self.stats["eot_echoed"] += 1
 
     def _turn(self) -> None:
         while self._calls:
@@ -550,6 +666,7 @@ class Receiver(BoundFlows, SpoolWriting):
         ready = dict(poller.poll(50)) if poller.sockets else {}
         if not poller.sockets:
             self._stop.wait(0.05)
+        looked = self.clock()
         if ready:
             self._quiet_since = None
         appended = False
@@ -593,6 +710,7 @@ class Receiver(BoundFlows, SpoolWriting):
             self._count_withheld()
         if not ready and self._quiet_since is None:
             self._quiet_since = self.clock()
+        self.looked_at = looked
 
     def _count_withheld(self) -> None:
         """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
@@ -687,6 +805,7 @@ class Receiver(BoundFlows, SpoolWriting):
                 self._send(peer, peer.flow.send_eot())
             peer.status.state = "ended"
             self._end_flow(peer, eot=False)
+            self._mark_open(peer, False)
             # An acknowledging producer resumes after what we hold on a new flow; a plain
             # giver starts over (a reference server gives its whole stream to each new
             # flow): reopening would take the same records again, endlessly.
@@ -729,6 +848,24 @@ class Receiver(BoundFlows, SpoolWriting):
         st.encoding = "arrow" if peer.arrow else "plain"
         peer.acked = self._committed.get(producer, 1) - 1
         peer.said_idle = st.idle = False
+        st.flows += 1
+        st.last_data = self.clock()
+        st.position = terms.last
+        if terms.last is not None:
+            with self._lock:
+                known = self.positions.get(producer)
+                if known is None or terms.last < known:
+                    if known is not None:
+                        log.warning(
+                            "zio source: producer %s now states position %d, below the %d "
+                            "it stated before (a restarted producer without those records)",
+                            producer,
+                            terms.last,
+                            known,
+                        )
+                    self.positions[producer] = terms.last
+        if not terms.ack:
+            self._mark_open(peer, True)
 
     def _on_state(self, peer: Peer, attrs: Any) -> None:
         """A zio-spark producer's stated state, in a DAT or its BOT (:func:`dat_profile`).
@@ -810,4 +947,6 @@ _CLIENT_EVENTS = (
 # over many one-record DATs, small enough that records reach the spool (and the status
 # the availableNow trigger watches) steadily.
 _PENDING_BYTES_MAX = 8 << 20
+# Stop: the most we wait for the echoes of our EOTs (bounded by connectTimeout too).
+_EOT_WAIT = 5.0
 _PENDING_DATS_MAX = 256

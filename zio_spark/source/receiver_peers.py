@@ -54,6 +54,12 @@ class PeerStatus:
     # The producer said it has nothing more to send (``more: false`` in a DAT or its
     # BOT), and all it sent before is in the spool: no need to wait for quiet.
     idle: bool = False
+    # The position its current flow's BOT stated (``last``: the last seq it had
+    # assigned); None for a giver that states none (a plain giver).
+    position: int | None = None
+    flows: int = 0  # flows started (BOT exchanged) since the receiver started
+    # Receiver clock when records last reached the spool from this flow (or it started).
+    last_data: float = 0.0
 
 
 @dataclass

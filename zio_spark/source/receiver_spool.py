@@ -90,6 +90,7 @@ class SpoolWriting(ReceiverParts):
             return False
         peer.status.records += new
         peer.status.duplicates += total - new
+        peer.status.last_data = now
         self.stats["records"] += new
         return new > 0
 

@@ -35,6 +35,7 @@ from zio_spark.options import SourceOptions
 from zio_spark.source.receiver import Receiver
 from zio_spark.source.sealer import Sealer
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
+from zio_spark.spark import compat
 
 # Spark's admission-control classes (4.2+), or stand-ins on older Sparks (compat.py).
 from zio_spark.spark.compat import (
@@ -240,6 +241,7 @@ class _Runtime:
         # Seals while Spark runs a batch, so latestOffset seals only the latest records.
         self.sealer = Sealer(self.spool).start()
         self.stopped = False
+        self.terminating = False  # SIGTERM seen, or stop() begun (see _runtime)
 
     def server_endpoint(self) -> str | None:
         return None if self.server is None else self.server.endpoint
@@ -263,6 +265,37 @@ class _Runtime:
 _STEP = 1_000_000
 # The most a query's first latestOffset waits for the first records (_wait_first).
 _FIRST_WAIT = 1.0
+
+
+class _RunState:
+    """What a run's completeness checks said already (each problem and note once), and
+    since when a stating producer's flow is down."""
+
+    def __init__(self) -> None:
+        self.down: dict[str, float] = {}
+        self._said: set[str] = set()
+        self._progress_at = 0.0
+
+    def problem(self, key: str, text: str, fail: bool) -> None:
+        """An incomplete run: raise (``failOnDataLoss``), else log it once."""
+        if fail:
+            raise TransportError(text)
+        if f"problem:{key}" not in self._said:
+            self._said.add(f"problem:{key}")
+            log.warning("%s (failOnDataLoss=false: the run goes on without it)", text)
+
+    def once(self, key: str, fmt: str, *args: object) -> None:
+        if f"note:{key}" not in self._said:
+            self._said.add(f"note:{key}")
+            log.info(fmt, *args)
+
+    def say(self, awaited: list[str]) -> None:
+        """What the run waits for, logged every 10 s while it waits (progress only)."""
+        now = time.monotonic()
+        if now - self._progress_at >= 10.0:
+            if self._progress_at:
+                log.info("zio source: waiting for %s", "; ".join(awaited))
+            self._progress_at = now
 
 
 def _dump(offsets: dict[str, int]) -> dict[str, int]:
@@ -289,6 +322,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._target: dict[str, int] | None = None
         self._available_now = False
         self._first_waited = False
+        self._run_state = _RunState()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -298,6 +332,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_target": None,
             "_available_now": False,
             "_first_waited": False,
+            "_run_state": _RunState(),
         }
 
     def _runtime(self) -> _Runtime:
@@ -311,8 +346,16 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 # spool. The handler itself must not stop anything: it runs between any
                 # two bytecodes of the main thread, which may hold a spool lock (a
                 # commit in progress); stopping from there deadlocked, and the runner
-                # outlived its JVM.
+                # outlived its JVM. It unwinds once: Spark may signal again while that
+                # ``finally`` runs, and a second SystemExit there cut the stop short
+                # before the EOTs' echoes came (the giver's flow left open).
+                rt = self._rt
+
                 def on_term(signum: int, frame: Any) -> None:
+                    if rt.terminating:
+                        log.info("zio source: SIGTERM again; still ending the flows")
+                        return
+                    rt.terminating = True
                     if callable(previous):
                         previous(signum, frame)
                     else:
@@ -351,42 +394,135 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._runtime()
         self._available_now = True
         self._target = None
+        self._run_state = _RunState()
 
     def _available(self, rt: _Runtime) -> dict[str, int]:
-        """availableNow: the end of the next batch, once the producers let us know it.
+        """availableNow: the end of the next batch, once the producers' state says it.
 
-        The run's end is what is stored once every producer said it has nothing more
-        (``more: false``, zio-spark producers) or ended its flow, or else (plain givers
-        cannot say so) once the flows were quiet for 0.5 s; each wait is bounded by
-        connectTimeout. Until then, once ``_STEP`` records wait beyond the last batch,
-        or maxBacklog holds a producer back, what is stored is a batch of its own: Spark
-        processes it while the rest arrives, and its commit frees the backlog.
+        The run's end is what is stored once every producer has given what it held when
+        the run started (:meth:`_awaited`): a zio-spark producer states its position in
+        its BOT reply, a plain giver cannot and is taken as done after
+        ``plainGiverQuiet`` without records. Until then, once ``_STEP`` records wait
+        beyond the last batch, or maxBacklog holds a producer back, what is stored is a
+        batch of its own: Spark processes it while the rest arrives, and its commit
+        frees the backlog.
         """
-        deadline = time.monotonic() + self.opts.connect_timeout
-        last, quiet_since = -1, time.monotonic()
-        while time.monotonic() < deadline:
+        while True:
             self._check(rt)
-            status = rt.receiver.status()
-            if status and all(
-                s.state == "ended" or (s.state == "receiving" and s.idle) for s in status
-            ):
-                break  # every producer said so, and what it sent is in the spool
+            awaited = self._awaited(rt, plain=True, strict=True)
+            if not awaited:
+                break
             waiting = sum(rt.spool.backlog().values())
             if waiting >= _STEP or (waiting and rt.receiver.held_back()):
                 return rt.spool.seal()  # a step on the way, not the end
-            count = sum(s.records for s in status)
-            connected = all(s.state in ("receiving", "ended") for s in status)
-            if count != last:
-                last, quiet_since = count, time.monotonic()
-            elif (
-                connected
-                and time.monotonic() - quiet_since >= 0.5
-                and rt.receiver.quiet_for() >= 0.5  # not merely busy storing what came
-            ):
-                break
+            self._run_state.say(awaited)
             time.sleep(0.02)  # the runner waits for producers; not a test wait
         self._target = rt.spool.seal()
+        log.info("zio source: availableNow run complete at %s", _dump(self._target))
         return dict(self._target)
+
+    def _awaited(self, rt: _Runtime, *, plain: bool, strict: bool) -> list[str]:
+        """What the producers still owe the run (empty: every one gave what it held when
+        the run started), decided by protocol state:
+
+        - an endpoint with no flow yet is awaited for ``connectTimeout`` from the start;
+          then (``strict``) it is an error naming it and what the socket saw;
+        - a producer that stated its position (``last`` in its BOT reply) is awaited
+          until the spool holds every record up to it, it said ``more: false`` with all
+          it sent stored, or it ended its flow (EOT); while its flow is down, for
+          ``connectTimeout``, then (``strict``) an error;
+        - (``plain``) a flow that states no position (a plain giver) is awaited until it
+          ends (EOT), says ``more: false``, or brings nothing for ``plainGiverQuiet``
+          (logged); quiet with nothing received at all is (``strict``) an error.
+
+        Errors are raised with ``failOnDataLoss`` (the default), else logged once.
+        """
+        recv, opts, state = rt.receiver, self.opts, self._run_state
+        now = recv.clock()
+        status = recv.status()
+        positions = recv.stated_positions()
+        age = now - recv.started_at
+        out: list[str] = []
+        for st in status:
+            if st.flows or st.state in ("receiving", "ended"):
+                continue
+            if st.state == "failed" or age > opts.connect_timeout:
+                why = recv.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
+                if strict:
+                    state.problem(
+                        st.endpoint,
+                        f"zio source: producer {st.endpoint} was not reachable during this "
+                        f"availableNow run ({why}); its records are not in this run. Start "
+                        "it (or fix the endpoint), or set failOnDataLoss=false to end the "
+                        "run without it",
+                        opts.fail_on_data_loss,
+                    )
+                continue
+            out.append(f"{st.endpoint}: no flow yet")
+        if not status:
+            if age <= opts.connect_timeout:
+                out.append("no producer yet")
+            elif strict:
+                where = ", ".join(recv.bound_endpoints()) or "the group"
+                state.problem(
+                    "(none)",
+                    f"zio source: no producer reached this availableNow run within "
+                    f"connectTimeout {opts.connect_timeout:g} s (listening on {where}); "
+                    "start the producers first, or raise connectTimeout",
+                    opts.fail_on_data_loss,
+                )
+        for producer, pos in sorted(positions.items()):
+            stored = rt.spool.next_seq(producer) - 1
+            mine = [st for st in status if st.producer == producer]
+            if stored >= pos or any(st.state == "ended" or st.idle for st in mine):
+                state.down.pop(producer, None)
+                continue
+            if any(st.state == "receiving" for st in mine):
+                state.down.pop(producer, None)
+                out.append(f"{producer}: {stored} of its {pos} stored")
+                continue
+            since = state.down.setdefault(producer, now)
+            if now - since > opts.connect_timeout and strict:
+                errors = "; ".join(st.last_error or st.state for st in mine) or "no flow"
+                state.problem(
+                    producer,
+                    f"zio source: producer {producer} stated it held records up to {pos} "
+                    f"when the run started; the spool holds up to {stored}, and its flow "
+                    f"has been down for {now - since:.0f} s ({errors}). Restart the "
+                    "producer, or set failOnDataLoss=false to end the run without them",
+                    opts.fail_on_data_loss,
+                )
+                continue
+            out.append(f"{producer}: {stored} of its {pos} stored, flow down")
+        if plain:
+            for st in status:
+                if st.state != "receiving" or st.position is not None or st.idle:
+                    continue
+                quiet = recv.looked_at - st.last_data
+                if quiet < opts.plain_giver_quiet:
+                    out.append(f"{st.endpoint}: plain giver, quiet {max(quiet, 0):.1f} s")
+                    continue
+                if st.records == 0 and strict:
+                    state.problem(
+                        st.endpoint,
+                        f"zio source: plain giver {st.endpoint} answered our BOT but gave "
+                        f"nothing within plainGiverQuiet {opts.plain_giver_quiet:g} s; a "
+                        "plain giver cannot state what it holds, so this run would end "
+                        "with none of its records. Raise plainGiverQuiet if it is slow to "
+                        "start, or set failOnDataLoss=false to accept an empty run",
+                        opts.fail_on_data_loss,
+                    )
+                    continue
+                state.once(
+                    st.endpoint,
+                    "zio source: plain giver %s brought nothing for %.1f s after %d records "
+                    "(plainGiverQuiet %g s): taken as having given all it held",
+                    st.endpoint,
+                    quiet,
+                    st.records,
+                    opts.plain_giver_quiet,
+                )
+        return out
 
     def latestOffset(
         self, start: dict[str, int] | None = None, limit: ReadLimit | None = None
@@ -407,7 +543,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         elif self._available_now:
             ends = self._available(rt)
         else:
-            if not start and not self._first_waited:
+            if not self._first_waited:
                 self._first_waited = True
                 self._wait_first(rt)
             ends = rt.spool.seal()
@@ -424,15 +560,30 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return _dump(out)
 
     def _wait_first(self, rt: _Runtime) -> None:
-        """A query's first ``latestOffset`` with nothing stored yet: wait up to
-        :data:`_FIRST_WAIT` s for the producers' first records.
+        """A run's first ``latestOffset`` (no availableNow preparation): wait until each
+        producer that states its position has given what it held at connect
+        (:meth:`_awaited`), or maxBacklog holds it back, or ``_STEP`` records wait.
 
-        Spark runs a query's first micro-batch whatever offsets it gets, and that batch
-        pays for starting the Python workers (~2 s). Returned at once, the offsets are
-        empty (the receiver has only just connected), so that batch reads nothing and the
-        first rows wait for the next one, by then ~1M records big: measured 7 s to the
-        first row against 3.8 s for a source that has data at once.
+        Spark 4.0/4.1 run an availableNow query as this one batch (no
+        ``prepareForTriggerAvailableNow``): there the wait covers plain givers too
+        (``plainGiverQuiet``), so the batch holds everything the producers held when the
+        run started, up to ``maxBacklog`` records per producer. On 4.2+ a plain giver's
+        first records are awaited at most :data:`_FIRST_WAIT` s: a latency choice for
+        the first batch (Spark runs it whatever offsets it gets, paying ~2 s of worker
+        start-up), never a completeness decision; later batches take the rest.
         """
+        one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
+        while True:
+            self._check(rt)
+            if not self._awaited(rt, plain=one_batch, strict=False):
+                break
+            waiting = sum(rt.spool.backlog().values())
+            if waiting >= _STEP or (waiting and rt.receiver.held_back()):
+                return
+            self._run_state.say(self._awaited(rt, plain=one_batch, strict=False))
+            time.sleep(0.01)  # the runner waits for producers; not a test wait
+        if one_batch:
+            return
         deadline = time.monotonic() + min(_FIRST_WAIT, self.opts.connect_timeout)
         while time.monotonic() < deadline and not any(rt.spool.backlog().values()):
             self._check(rt)
@@ -482,6 +633,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def stop(self) -> None:
         if self._rt is not None:
+            self._rt.terminating = True  # a SIGTERM now must not cut the stop short
             self._rt.stop()
 
 

@@ -1,0 +1,300 @@
+"""The source decides completeness from protocol state, and stop means EOT (issue #23).
+
+Runner-side (no Spark session): availableNow ends at the producers' stated positions; a
+plain giver that never gives, or an endpoint never reached, is an error, never an empty
+success; stopping the reader (``stop()``, SIGTERM) sends an EOT that a reference-style
+giver sees; a restart after a runner that was killed mid-flow fails naming the endpoint
+instead of sending a BOT that would kill the giver's open flow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import zmq
+from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+from tests.peers.zio_reference import ReferenceServer
+from tests.support import free_endpoint, runner_reader, wait_until
+from zio_spark.errors import TransportError
+from zio_spark.protocol.flow import BotReceived, Flow, Role
+from zio_spark.transport.port import ServerPort
+
+
+def test_available_now_ends_at_the_position_the_producer_stated(producers, tmp_path):
+    prod = producers("stated")
+    n = 5000
+    prod.send_many([b"v%d" % i for i in range(n)])
+    reader = runner_reader(prod.endpoint, tmp_path)
+    try:
+        reader.prepareForTriggerAvailableNow()
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, ReadAllAvailable())
+        assert end == {"stated": n + 1}
+        assert reader._rt.receiver.stated_positions() == {"stated": n}
+        assert reader.latestOffset(end, ReadAllAvailable()) == end  # the run is over
+    finally:
+        reader.stop()
+
+
+def test_first_latest_offset_waits_for_what_the_producer_held_at_connect(producers, tmp_path):
+    """No prepareForTriggerAvailableNow (Spark 4.0/4.1 run availableNow as this one
+    batch): the first batch still holds every record the producer held."""
+    prod = producers("first-all")
+    n = 20_000
+    prod.send_many([b"v%d" % i for i in range(n)])
+    reader = runner_reader(prod.endpoint, tmp_path)
+    try:
+        end = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        assert end == {"first-all": n + 1}
+    finally:
+        reader.stop()
+
+
+class _SilentGiver:
+    """A plain giver that answers the BOT (an echo, as the reference does) and then
+    never sends anything."""
+
+    def __init__(self, ctx: zmq.Context) -> None:  # type: ignore[type-arg]
+        self.port = ServerPort(ctx, linger_ms=0)
+        self.endpoint = self.port.bind("tcp://127.0.0.1:*")
+        self.bots = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        flows: dict[object, Flow] = {}
+        while not self._stop.is_set():
+            got = self.port.recv(50)
+            if got is None or not isinstance(got, tuple):
+                continue
+            rid, msg = got
+            flow = flows.setdefault(rid, Flow(Role.SERVER))
+            event = flow.receive(msg)
+            if isinstance(event, BotReceived):
+                self.bots += 1
+                self.port.send(flow.accept(None, dict(event.attrs)), rid)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.port.close(0)
+
+
+@pytest.fixture
+def silent_giver():
+    ctx = zmq.Context()
+    g = _SilentGiver(ctx)
+    yield g
+    g.close()
+    ctx.term()
+
+
+def test_a_plain_giver_that_gives_nothing_fails_the_run_not_an_empty_success(
+    silent_giver, tmp_path
+):
+    reader = runner_reader(silent_giver.endpoint, tmp_path, plainGiverQuiet="300ms")
+    try:
+        reader.prepareForTriggerAvailableNow()
+        with pytest.raises(TransportError, match="plainGiverQuiet") as info:
+            reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        assert silent_giver.endpoint in str(info.value)
+        assert "failOnDataLoss=false" in str(info.value)  # the fix is named
+    finally:
+        reader.stop()
+
+
+def test_with_fail_on_data_loss_false_the_empty_plain_run_is_logged(silent_giver, tmp_path, caplog):
+    reader = runner_reader(
+        silent_giver.endpoint, tmp_path, plainGiverQuiet="300ms", failOnDataLoss="false"
+    )
+    try:
+        reader.prepareForTriggerAvailableNow()
+        with caplog.at_level("WARNING", logger="zio_spark.source"):
+            assert reader.latestOffset(reader.initialOffset(), ReadAllAvailable()) == {}
+        assert any(silent_giver.endpoint in r.getMessage() for r in caplog.records)
+    finally:
+        reader.stop()
+
+
+def test_an_endpoint_never_reached_fails_the_available_now_run(tmp_path):
+    endpoint = free_endpoint()  # nothing listens there
+    reader = runner_reader(endpoint, tmp_path, connectTimeout="1s")
+    try:
+        reader.prepareForTriggerAvailableNow()
+        with pytest.raises(TransportError, match="not reachable") as info:
+            reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        assert endpoint in str(info.value)
+    finally:
+        reader.stop()
+
+
+# -- stop means EOT ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ref_giver():
+    """A reference-style plain giver (C++ flavour): one flow at a time, no resume, dies on
+    a BOT mid-flow; 200k values, so a flow is still going when the reader stops."""
+    ctx = zmq.Context()
+    ref = ReferenceServer(
+        ctx, role="giver", flavor="cpp", values=[b"x%d" % i for i in range(200_000)]
+    )
+    yield ref
+    ref.close()
+    ctx.term()
+
+
+def _open_flows(tmp_path) -> dict[str, str]:
+    path = tmp_path / "spool" / "plain_flows.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def test_stop_sends_an_eot_the_reference_giver_sees(ref_giver, tmp_path):
+    reader = runner_reader(ref_giver.endpoint, tmp_path)
+    reader.initialOffset()
+    rt = reader._rt
+    wait_until(lambda: sum(rt.spool.backlog().values()) >= 500, what="records flowing")
+    assert ref_giver.endpoint in _open_flows(tmp_path)  # a plain flow is open
+    reader.stop()
+    wait_until(lambda: ref_giver.eots_received == 1, what="the giver got our EOT")
+    assert ref_giver.flows_completed == 1 and ref_giver.flows_killed == 0
+    assert ref_giver.values[-1] not in ref_giver.sent  # it was mid-flow
+    assert _open_flows(tmp_path) == {}  # closed on both sides: a restart may reconnect
+    again = runner_reader(ref_giver.endpoint, tmp_path)
+    try:
+        again.initialOffset()
+        wait_until(lambda: ref_giver.flows_started == 2, what="a new flow after a clean stop")
+        assert ref_giver.flows_killed == 0
+    finally:
+        again.stop()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    opts = parse_source_options(
+        {"endpoints": sys.argv[1], "spoolPath": sys.argv[2], "spoolAccess": "local"}
+    )
+    reader = ZioStreamReader(opts, ("seq", "value"))
+    try:  # what python_streaming_source_runner does around its command loop
+        reader.initialOffset()
+        rt = reader._rt
+        while sum(rt.spool.backlog().values()) < 500:
+            time.sleep(0.01)
+        print("receiving", flush=True)
+        sys.stdin.read()  # like the runner blocked on its command socket
+    finally:
+        reader.stop()
+    """
+)
+
+
+def _child(ref, tmp_path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, ref.endpoint, str(tmp_path / "spool")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "receiving":
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"reader child did not start receiving: {line!r} {err[-2000:]!r}")
+    return proc
+
+
+def test_sigterm_to_the_runner_sends_an_eot(ref_giver, tmp_path):
+    proc = _child(ref_giver, tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    wait_until(lambda: ref_giver.eots_received == 1, what="the giver got our EOT")
+    assert ref_giver.flows_killed == 0
+    assert _open_flows(tmp_path) == {}
+
+
+def test_restart_after_a_killed_runner_fails_naming_the_open_plain_flow(ref_giver, tmp_path):
+    proc = _child(ref_giver, tmp_path)
+    proc.kill()  # SIGKILL: no EOT
+    proc.communicate(timeout=60)
+    assert ref_giver.endpoint in _open_flows(tmp_path)
+    reader = runner_reader(ref_giver.endpoint, tmp_path)
+    try:
+        with pytest.raises(TransportError, match="left its flow") as info:
+            reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        text = str(info.value)
+        assert ref_giver.endpoint in text and "plain_flows.json" in text  # where, the fix
+        assert ref_giver.flows_started == 1 and ref_giver.flows_killed == 0  # no BOT sent
+    finally:
+        reader.stop()
+
+
+# -- stop means EOT, through Spark -------------------------------------------------------------
+
+
+def test_query_stop_sends_an_eot_to_a_reference_giver(spark, ref_giver, tmp_path):
+    q = (
+        spark.readStream.format("zio")
+        .option("endpoints", ref_giver.endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .option("spoolAccess", "local")
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .start()
+    )
+    try:
+        wait_until(
+            lambda: len(ref_giver.sent) >= 1000 or not q.isActive,
+            timeout=300,
+            what="the giver giving",
+        )
+        assert q.isActive, q.exception()
+    finally:
+        q.stop()
+    wait_until(lambda: ref_giver.eots_received == 1, timeout=60, what="the giver got our EOT")
+    assert ref_giver.flows_killed == 0
+    assert ref_giver.values[-1] not in ref_giver.sent  # it was mid-flow
+    # q.stop() does not wait for the runner: it marks the flow closed at the echo.
+    wait_until(lambda: _open_flows(tmp_path) == {}, timeout=60, what="the flow marked closed")
+
+
+def test_the_end_of_an_available_now_run_sends_an_eot(spark, producers, tmp_path):
+    prod = producers("an-end")
+    prod.send_many([b"v%d" % i for i in range(1000)])
+    q = (
+        spark.readStream.format("zio")
+        .option("endpoints", prod.endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .option("spoolAccess", "local")
+        .load()
+        .writeStream.format("parquet")
+        .option("path", str(tmp_path / "out"))
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert q.awaitTermination(600)
+    assert q.exception() is None
+    assert spark.read.parquet(str(tmp_path / "out")).count() == 1000
+    wait_until(lambda: prod.stats["eot_received"] >= 1, timeout=60, what="our EOT")
