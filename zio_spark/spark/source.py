@@ -421,12 +421,15 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         log.info("zio source: availableNow run complete at %s", _dump(self._target))
         return dict(self._target)
 
-    def _awaited(self, rt: _Runtime, *, plain: bool, strict: bool) -> list[str]:
+    def _awaited(
+        self, rt: _Runtime, *, plain: bool, strict: bool, reach: float | None = None
+    ) -> list[str]:
         """What the producers still owe the run (empty: every one gave what it held when
         the run started), decided by protocol state:
 
-        - an endpoint with no flow yet is awaited for ``connectTimeout`` from the start;
-          then (``strict``) it is an error naming it and what the socket saw;
+        - an endpoint with no flow yet is awaited for ``reach`` s (default
+          ``connectTimeout``) from the start; then (``strict``) it is an error naming it
+          and what the socket saw;
         - a producer that stated its position (``last`` in its BOT reply) is awaited
           until the spool holds every record up to it, it said ``more: false`` with all
           it sent stored, or it ended its flow (EOT); while its flow is down, for
@@ -442,11 +445,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         status = recv.status()
         positions = recv.stated_positions()
         age = now - recv.started_at
+        reach = opts.connect_timeout if reach is None else reach
         out: list[str] = []
         for st in status:
             if st.flows or st.state in ("receiving", "ended"):
                 continue
-            if st.state == "failed" or age > opts.connect_timeout:
+            if st.state == "failed" or age > reach:
                 why = recv.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
                 if strict:
                     state.problem(
@@ -460,7 +464,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 continue
             out.append(f"{st.endpoint}: no flow yet")
         if not status:
-            if age <= opts.connect_timeout:
+            if age <= reach:
                 out.append("no producer yet")
             elif strict:
                 where = ", ".join(recv.bound_endpoints()) or "the group"
@@ -573,14 +577,18 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         start-up), never a completeness decision; later batches take the rest.
         """
         one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
+        # A stream (4.2+) picks up a producer that is slow to connect in a later batch:
+        # its first batch waits for connections only briefly (a latency choice).
+        reach = None if one_batch else min(self.opts.connect_timeout, _FIRST_WAIT)
         while True:
             self._check(rt)
-            if not self._awaited(rt, plain=one_batch, strict=False):
+            awaited = self._awaited(rt, plain=one_batch, strict=False, reach=reach)
+            if not awaited:
                 break
             waiting = sum(rt.spool.backlog().values())
             if waiting >= _STEP or (waiting and rt.receiver.held_back()):
                 return
-            self._run_state.say(self._awaited(rt, plain=one_batch, strict=False))
+            self._run_state.say(awaited)
             time.sleep(0.01)  # the runner waits for producers; not a test wait
         if one_batch:
             return
