@@ -274,3 +274,37 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
     ]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["records"] == 2
+
+
+def test_consume_with_flows_but_nothing_published_exits_1(tmp_path, capsys):
+    """A writer stages a batch and never commits: a flow came, nothing was published."""
+    import pyarrow as pa
+
+    from tests.cli_support import Run
+    from zio_spark.sink.client import StagingWriter
+
+    endpoint = free_endpoint()
+    out = tmp_path / "out.jsonl"
+    run = Run(["consume", "--bind", endpoint, "--out", str(out), "--timeout", "4s", "--json"])
+    ctx = zmq.Context()
+    try:
+        w = StagingWriter(endpoint, "s", 1, 0, 0, ctx=ctx, timeout=30)
+        w.write_batch(
+            pa.RecordBatch.from_pydict(
+                {
+                    "value": pa.array([b"x"], pa.binary()),
+                    "key": pa.array([None], pa.binary()),
+                    "headers": pa.array([None], pa.map_(pa.string(), pa.string())),
+                }
+            )
+        )
+        assert w.close() == 1  # staged, never committed
+        rc, _ = run.result()
+    finally:
+        ctx.destroy(linger=0)
+    assert rc == 1
+    stdout, err = capsys.readouterr()
+    assert f"flows opened at {endpoint} but nothing was published within --timeout 4 s" in err
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["records"] == 0 and summary["flows"] >= 1
+    assert out.read_text() == ""
