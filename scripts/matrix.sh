@@ -1,38 +1,38 @@
 #!/usr/bin/env bash
-# The Spark version matrix: the contract tests (tests/compat) on the newest pyspark of
-# each older line that zio-spark supports, and the built wheel installed beside each.
+# The Spark version matrix: the built wheel installed next to each supported pyspark
+# line, and the contract tests (tests/compat) run there against the installed wheel.
 #
-#   bash scripts/matrix.sh              # 4.0.5, 4.1.4, 4.2.1: contract + wheel; 4.3: wheel
-#   bash scripts/matrix.sh 4.1.4        # only these versions (contract + wheel)
-#   MATRIX_WHEEL=0 bash scripts/matrix.sh   # contract tests only
+#   bash scripts/matrix.sh                 # 4.0.5, 4.1.4, 4.2.1: whole contract; 4.3.0: a stream
+#   bash scripts/matrix.sh 4.1.4 4.3.0     # only these (each runs the whole contract)
 #
-# The full suite runs on 4.3 (.venv); here each older line runs the tests that define
-# the contract: a stream, availableNow with the producer in another process, a batch
-# read, the sink (stream and batch) and one Spark Connect round trip. Never skipped:
-# every test of tests/compat must pass (a skip fails the version).
+# For each version X:
+# 1. a base venv with only pyspark[connect]==X and the test runner (pytest, pandas),
+#    cached in .cache/matrix/base-X and rebuilt only when what defines it changes (the
+#    version, the requirement list below, this Python);
+# 2. a fresh copy of it (.cache/matrix/run-X) gets the wheel (python -m build: a wheel and
+#    an sdist into .cache/matrix/dist, once per run of this script) and its dependencies
+#    with pip; pyspark must be untouched (version, RECORD, every file and its size);
+# 3. the wheel's own `python -m zio_spark.cli.precompile` (Spark gives a fresh Python
+#    worker 10 s to connect back);
+# 4. pytest -m compat on a copy of tests/ in a temp folder, so that zio_spark can only
+#    come from the installed wheel (the test checks the driver's and the workers'):
+#    a stream, availableNow with the producer in another process, a batch read, the sink
+#    (stream and batch), a Spark Connect round trip, the maxRecordsPerTrigger rule.
+#    Every test must pass: a skip fails the version. The full suite covers 4.3 (.venv),
+#    so 4.3.0 runs the probes and one stream here, against the wheel.
 #
-# Venvs: .cache/matrix/venv-<version>, with pyspark[connect]==<version>, pytest and
-# zio-spark (editable), cached between runs like .venv-draft: rebuilt only when what
-# defines them changes (the version, the requirement list below, this Python, the
-# project's dependencies in pyproject.toml). Each venv's pyspark.zip is precompiled
-# (`python -m zio_spark.cli.precompile`; Spark gives a fresh worker 10 s to connect back).
-#
-# The wheel (python -m build: a wheel and an sdist into .cache/matrix/dist) goes into a
-# fresh venv per version that holds only that pyspark (from pip's cache), which must be
-# untouched afterwards; a small stream then runs there (tests/install/wheel_stream.py).
-#
-# Output: one line per version and check, then "matrix: N passed, M failed".
-# Exit status: non-zero if anything failed.
+# Output: one line per version, then "matrix: N passed, M failed". Exit non-zero if any
+# version failed. Logs: .cache/matrix/logs/.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 py=${PYTHON:-python3}
+declare -A only=()
 versions=("$@")
-wheel_only=()
 if [ ${#versions[@]} -eq 0 ]; then
-  versions=(4.0.5 4.1.4 4.2.1)
-  wheel_only=(4.3.0)  # the full suite covers 4.3's contract (.venv)
+  versions=(4.0.5 4.1.4 4.2.1 4.3.0)
+  only[4.3.0]="probes or workers or stream_every_record"
 fi
 cache=$root/.cache/matrix
 logs=$cache/logs
@@ -40,7 +40,7 @@ mkdir -p "$cache" "$logs"
 exec 9>"$cache/.lock"
 command -v flock >/dev/null && flock 9
 
-# What defines a matrix venv besides its pyspark version.
+# What a base venv holds besides pyspark[connect]==X (the contract tests' runner).
 REQS=("pandas>=2.2.0,<3" "pytest>=8" "pytest-timeout>=2.3")
 
 summary=()
@@ -53,69 +53,36 @@ result() {  # result OK|FAIL text
   note "$1 $2"
 }
 
-deps_hash() {
-  "$py" - "$1" "${REQS[*]}" <<'EOF'
-import hashlib, sys, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-key = [sys.argv[1], sys.argv[2], sys.version, *sorted(project["dependencies"]), "v1"]
-print(hashlib.sha256("\n".join(key).encode()).hexdigest())
-EOF
-}
-
-# Precompile a venv's pyspark.zip if the project has the command (helper D's doctor work).
-precompile() {
-  local vpy=$1
-  if "$vpy" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("zio_spark.cli.precompile") is None)' 2>/dev/null; then
-    "$vpy" -m zio_spark.cli.precompile >>"$logs/precompile.log" 2>&1 \
-      || note "warning: precompile failed in $vpy (see $logs/precompile.log)"
-  else
-    note "zio_spark.cli.precompile not found: pyspark.zip left as shipped"
-  fi
-}
-
-# setup_venv VERSION -> sets $vpy; the venv is cached by deps_hash.
-setup_venv() {
-  local v=$1 venv=$cache/venv-$1 want stamp
-  want=$(deps_hash "$v")
-  stamp=$venv/.zio-matrix-stamp
-  vpy=$venv/bin/python
-  if [ -x "$vpy" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+base_venv() {  # base_venv X -> $base (cached)
+  local v=$1 want
+  base=$cache/base-$v
+  want=$(printf '%s\n' "$v" "${REQS[@]}" "$("$py" -c 'import sys; print(sys.version)')" v1 \
+    | sha256sum | cut -d' ' -f1)
+  if [ -x "$base/bin/python" ] && [ "$(cat "$base/.zio-matrix-stamp" 2>/dev/null)" = "$want" ]; then
     return 0
   fi
-  note "building $venv (pyspark[connect]==$v, zio-spark editable)"
-  rm -rf "$venv"
-  "$py" -m venv "$venv" || return 1
-  "$vpy" -m pip install -q --disable-pip-version-check "pyspark[connect]==$v" "${REQS[@]}" \
-    >"$logs/pip-$v.log" 2>&1 || { tail -n 20 "$logs/pip-$v.log"; return 1; }
-  # --no-deps for the project would miss pyzmq/pyarrow...; pip keeps the pyspark above
-  # (zio-spark does not depend on pyspark).
-  "$vpy" -m pip install -q --disable-pip-version-check -e . \
-    --config-settings editable_mode=compat >>"$logs/pip-$v.log" 2>&1 \
-    || { tail -n 20 "$logs/pip-$v.log"; return 1; }
-  [ "$("$vpy" -c 'import pyspark; print(pyspark.__version__)')" = "$v" ] \
-    || { note "pip replaced pyspark $v in $venv"; return 1; }
-  echo "$want" >"$stamp"
+  note "building $base (pyspark[connect]==$v, ${REQS[*]})"
+  rm -rf "$base"
+  "$py" -m venv "$base" || return 1
+  "$base/bin/python" -m pip install -q --disable-pip-version-check "pyspark[connect]==$v" \
+    "${REQS[@]}" >"$logs/base-$v.log" 2>&1 || { tail -n 20 "$logs/base-$v.log"; return 1; }
+  echo "$want" >"$base/.zio-matrix-stamp"
 }
 
-contract() {
-  local v=$1 out=$logs/contract-$v.log
-  local t0=$SECONDS
-  if ! setup_venv "$v"; then
-    result FAIL "$v contract: venv setup failed (see $logs/pip-$v.log)"
-    return
-  fi
-  precompile "$vpy"  # quick once done (the command checks first)
-  note "$v: pytest tests/compat (log: $out)"
-  # -rs lists skips; a skipped contract test is a failure here.
-  "$vpy" -m pytest -p no:cacheprovider -q -rs -m compat tests/compat >"$out" 2>&1
-  local rc=$? line
-  line=$(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$out" | tail -n 1)
-  if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ skipped' <<<"$line"; then
-    result OK "$v contract: $line ($((SECONDS - t0)) s)"
-  else
-    tail -n 40 "$out"
-    result FAIL "$v contract: ${line:-pytest exit $rc} ($((SECONDS - t0)) s)"
-  fi
+snapshot() {  # pyspark's version, its RECORD's hash, every file with its size (hashed)
+  "$1" - <<'PY'
+import hashlib, importlib.metadata as md, os
+d = md.distribution("pyspark")
+top = os.path.dirname(str(d.locate_file("pyspark/__init__.py")))
+files = []
+for dirpath, dirs, names in os.walk(top):
+    dirs[:] = [x for x in dirs if x != "__pycache__"]
+    files += [f"{os.path.relpath(os.path.join(dirpath, n), top)} "
+              f"{os.path.getsize(os.path.join(dirpath, n))}" for n in names]
+files.sort()
+print(d.version, hashlib.sha256((d.read_text("RECORD") or "").encode()).hexdigest()[:12],
+      len(files), hashlib.sha256("\n".join(files).encode()).hexdigest()[:12])
+PY
 }
 
 built=0
@@ -123,36 +90,65 @@ build_dist() {
   [ $built = 1 ] && return 0
   rm -rf "$cache/dist"
   # The build runs in .venv (its test extras bring `build`).
-  if ! "$root/.venv/bin/python" -m build --outdir "$cache/dist" >"$logs/build.log" 2>&1; then
-    tail -n 20 "$logs/build.log"
-    return 1
-  fi
+  "$root/.venv/bin/python" -m build --outdir "$cache/dist" >"$logs/build.log" 2>&1 \
+    || { tail -n 20 "$logs/build.log"; return 1; }
+  ls "$cache"/dist/zio_spark-*.whl "$cache"/dist/zio_spark-*.tar.gz >/dev/null || return 1
+  grep -qi "deprecat" "$logs/build.log" && note "warning: the build printed a deprecation (see $logs/build.log)"
   built=1
 }
 
-wheel() {
-  local v=$1 out=$logs/wheel-$v.log t0=$SECONDS
-  if ! build_dist; then
-    result FAIL "$v wheel: python -m build failed (see $logs/build.log)"
+one() {
+  local v=$1 log=$logs/matrix-$v.log t0=$SECONDS run=$cache/run-$v
+  : >"$log"
+  build_dist || { result FAIL "$v: python -m build failed (see $logs/build.log)"; return; }
+  base_venv "$v" || { result FAIL "$v: base venv failed (see $logs/base-$v.log)"; return; }
+  rm -rf "$run"
+  cp -a "$base" "$run" || { result FAIL "$v: cannot copy $base"; return; }
+  local vpy=$run/bin/python whl before after t1 t_wheel
+  whl=$(ls "$cache"/dist/zio_spark-*.whl | head -n 1)
+  before=$(snapshot "$vpy")
+  t1=$SECONDS
+  if ! "$vpy" -m pip install -q --disable-pip-version-check "$whl" >>"$log" 2>&1; then
+    result FAIL "$v: pip install $(basename "$whl") failed (see $log)"
     return
   fi
-  local whl
-  whl=$(ls "$cache"/dist/zio_spark-*.whl | head -n 1)
-  if bash "$root/tests/install/wheel_check.sh" "$v" "$whl" "$cache/wheel-venv-$v" >"$out" 2>&1; then
-    result OK "$v wheel: $(tail -n 1 "$out") ($((SECONDS - t0)) s)"
+  t_wheel=$((SECONDS - t1))
+  after=$(snapshot "$vpy")
+  echo "pyspark before the wheel: $before; after: $after" >>"$log"
+  if [ "$before" != "$after" ] || [ "${before%% *}" != "$v" ]; then
+    result FAIL "$v: installing the wheel changed pyspark ($before -> $after)"
+    return
+  fi
+  "$vpy" -m zio_spark.cli.precompile >>"$log" 2>&1 \
+    || { result FAIL "$v: python -m zio_spark.cli.precompile failed (see $log)"; return; }
+  local work
+  work=$(mktemp -d)
+  cp -r "$root/tests" "$root/pyproject.toml" "$work/"
+  find "$work/tests" -name __pycache__ -prune -exec rm -rf {} +
+  if ! (cd "$work" && env -u PYTHONPATH "$vpy" -c \
+      'import sys, zio_spark; assert zio_spark.__file__.startswith(sys.prefix), zio_spark.__file__') \
+      >>"$log" 2>&1; then
+    rm -rf "$work"
+    result FAIL "$v: zio_spark does not come from the installed wheel (see $log)"
+    return
+  fi
+  local k=() line rc
+  [ -n "${only[$v]:-}" ] && k=(-k "${only[$v]}")
+  # PYSPARK_PYTHON unset: the tests point Spark's workers at this venv's python.
+  (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
+    "$vpy" -m pytest -p no:cacheprovider -q -rs -m compat "${k[@]}" tests/compat) >>"$log" 2>&1
+  rc=$?
+  rm -rf "$work"
+  line=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)
+  if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ (skipped|deselected.*skipped)' <<<"$line"; then
+    result OK "$v: wheel installed (${t_wheel} s), pyspark untouched; ${line//=/} ($((SECONDS - t0)) s)"
   else
-    tail -n 30 "$out"
-    result FAIL "$v wheel: $(tail -n 1 "$out") ($((SECONDS - t0)) s; log: $out)"
+    tail -n 40 "$log"
+    result FAIL "$v: ${line:-pytest exit $rc} ($((SECONDS - t0)) s; log $log)"
   fi
 }
 
-for v in "${versions[@]}"; do
-  contract "$v"
-  [ "${MATRIX_WHEEL:-1}" = 1 ] && wheel "$v"
-done
-if [ "${MATRIX_WHEEL:-1}" = 1 ]; then
-  for v in "${wheel_only[@]}"; do wheel "$v"; done
-fi
+for v in "${versions[@]}"; do one "$v"; done
 
 echo "== matrix summary"
 for s in "${summary[@]}"; do echo "  $s"; done

@@ -62,8 +62,22 @@ def test_the_probes_find_the_verified_table_row() -> None:
 
     from zio_spark.spark.sink import ZioStreamWriter
 
-    # Spark's write path checks DataSourceArrowWriter first: Arrow batches on every line.
-    assert issubclass(ZioStreamWriter, DataSourceArrowWriter)
+    # Spark's write path hands Arrow batches to a DataSourceArrowWriter (every line) or a
+    # DataSourceStreamArrowWriter (4.1+): 4.0's stream writer is the former.
+    arrow = compat.find("DataSourceStreamArrowWriter") or DataSourceArrowWriter
+    assert issubclass(ZioStreamWriter, arrow)
+
+
+def test_spark_workers_import_the_same_zio_spark(spark: Any) -> None:
+    """scripts/matrix.sh runs this against the installed wheel: the workers too."""
+    import zio_spark
+
+    where = (
+        spark.sparkContext.parallelize([0], 1)
+        .map(lambda _: __import__("zio_spark").__file__)
+        .collect()[0]
+    )
+    assert where == zio_spark.__file__
 
 
 def _stream(spark: Any, endpoint: str, tmp_path: Path, **options: str) -> Any:
