@@ -306,3 +306,33 @@ def test_the_end_of_an_available_now_run_sends_an_eot(spark, producers, tmp_path
     assert q.exception() is None
     assert spark.read.parquet(str(tmp_path / "out")).count() == 1000
     wait_until(lambda: prod.stats["eot_received"] >= 1, timeout=60, what="our EOT")
+
+
+def test_available_now_in_bind_mode_takes_what_a_giver_client_held(tmp_path):
+    from zio_spark.options import parse_source_options
+    from zio_spark.source.producer import Producer
+    from zio_spark.spark.source import ZioStreamReader
+
+    endpoint = free_endpoint()
+    # A giver client states no position yet: the run ends at its ``more: false`` (the
+    # DAT that empties its queue); plainGiverQuiet only guards a client that never gives.
+    opts = parse_source_options(
+        {
+            "bind": endpoint,
+            "spoolPath": str(tmp_path / "spool"),
+            "spoolAccess": "local",
+            "plainGiverQuiet": "60s",
+        }
+    )
+    reader = ZioStreamReader(opts, ("seq", "value"))
+    reader.prepareForTriggerAvailableNow()
+    n = 3000
+    prod = Producer(connect=endpoint, producer_id="client-held", linger_ms=0)
+    try:
+        prod.send_many([b"v%d" % i for i in range(n)])
+        assert reader.latestOffset(reader.initialOffset(), ReadAllAvailable()) == {
+            "client-held": n + 1
+        }
+    finally:
+        reader.stop()
+        prod.close(timeout=5, flush=False)

@@ -434,9 +434,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
           until the spool holds every record up to it, it said ``more: false`` with all
           it sent stored, or it ended its flow (EOT); while its flow is down, for
           ``connectTimeout``, then (``strict``) an error;
-        - (``plain``) a flow that states no position (a plain giver) is awaited until it
-          ends (EOT), says ``more: false``, or brings nothing for ``plainGiverQuiet``
-          (logged); quiet with nothing received at all is (``strict``) an error.
+        - (``plain``) a flow that states no position (a plain giver; a zio-spark giver
+          client of a bound port: its BOT comes before our reply settles its numbering)
+          is awaited until it ends (EOT), says ``more: false``, or brings nothing for
+          ``plainGiverQuiet`` (logged); quiet with nothing received at all is
+          (``strict``) an error.
 
         Errors are raised with ``failOnDataLoss`` (the default), else logged once.
         """
