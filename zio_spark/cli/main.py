@@ -162,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--timeout",
         type=duration("--timeout"),
+        metavar="DURATION",
         default="60s",
         help="longest wait for delivery once every record is queued (and for buffer room "
         "while queueing), e.g. 500ms, 30s, 5000000us; a bare number is seconds. A shortfall "
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--timeout",
         type=duration("--timeout"),
+        metavar="DURATION",
         help="exit after this long (500ms, 30s, 2m; a bare number is seconds); if no giver "
         "opened a flow by then, or nothing was published, it exits 1 naming the endpoint "
         "(default: run until SIGINT/SIGTERM)",
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--timeout",
         type=duration("--timeout"),
+        metavar="DURATION",
         default="5s",
         help="how long to watch (500ms, 5s, 2m; a bare number is seconds)",
     )
