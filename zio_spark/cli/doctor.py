@@ -210,8 +210,8 @@ def _python_checks(t: Target, tag: str, fix: bool) -> list[Check]:
     if zs["ok"] and pa["ok"]:
         checks.append(Check(f"zio-spark{tag}", OK, f"{zs['version']} at {zs['path']}"))
     else:
-        missing = [f"{n} ({m['error']})" for n, m in (("zio_spark", zs), ("pyarrow", pa))]
-        missing = [m for m, x in zip(missing, (zs, pa), strict=True) if not x["ok"]]
+        pairs = (("zio_spark", zs), ("pyarrow", pa))
+        missing = [f"{n} ({m['error']})" for n, m in pairs if not m["ok"]]
         checks.append(
             Check(
                 f"zio-spark{tag}",
