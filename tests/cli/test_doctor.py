@@ -96,6 +96,8 @@ def test_the_project_venv_passes_every_check(capsys):
         "spark: stream API",
         "spark: latestOffset(start, limit)",
         "spark: admission control",
+        "spark: SupportsTriggerAvailableNow",
+        "spark: reportLatestOffset",
         "spark: DataSourceStreamArrowWriter",
         "spark: DataSourceArrowWriter",
         "data source module",
@@ -149,6 +151,33 @@ def test_the_environment_s_pythons_are_checked_each(capsys, monkeypatch, bare_py
     bad = checks["zio-spark [executors]"]
     assert bad["status"] == "fail" and "PYSPARK_PYTHON" in bad["fix"]
     assert checks["pyspark [executors]"]["status"] == "fail"
+
+
+def test_what_each_missing_spark_hook_degrades():
+    """The capability table as doctor reports it, for the hooks Spark 4.0's pyspark has
+    (what the probe found in pyspark 4.0.5) and for a pyspark without the API (3.5)."""
+    from zio_spark.cli.doctor import _capability_checks
+
+    spark40 = {"stream_api": True, "arrow_writer": True}
+    checks = {c.name: c for c in _capability_checks(spark40, "4.0.5", "")}
+    assert checks["spark: stream API"].status == "ok"
+    assert checks["spark: DataSourceArrowWriter"].status == "ok"
+    assert checks["spark: DataSourceStreamArrowWriter"].status == "ok"  # Arrow either way
+    assert "through DataSourceArrowWriter" in checks["spark: DataSourceStreamArrowWriter"].detail
+    warned = {n: c.detail for n, c in checks.items() if c.status == "warn"}
+    assert set(warned) == {
+        "spark: latestOffset(start, limit)",
+        "spark: admission control",
+        "spark: SupportsTriggerAvailableNow",
+        "spark: reportLatestOffset",
+    }
+    assert "maxRecordsPerTrigger is refused at load()" in warned["spark: admission control"]
+    assert "runs as one batch" in warned["spark: SupportsTriggerAvailableNow"]
+    assert "never to lastProgress" in warned["spark: reportLatestOffset"]
+
+    (unusable,) = _capability_checks({"stream_api": False}, "3.5.1", "")
+    assert unusable.status == "fail" and "cannot run at all" in unusable.detail
+    assert "Databricks Runtime 15.4 LTS" in unusable.fix
 
 
 def _stripped_spark_home(root: Path) -> Path:

@@ -287,17 +287,31 @@ _CAPABILITIES = (
     (
         "latest_offset_start_limit",
         "latestOffset(start, limit)",
-        "the runner hands the read limit to the source",
-        "maxRecordsPerTrigger is not available (Spark 4.0/4.1, Databricks 17.3/18 LTS)",
+        "Spark hands the read limit to the source",
+        "Spark calls latestOffset() with no arguments, so no read limit reaches the source "
+        "(zio-spark takes either form)",
         WARN,
     ),
     (
         "admission_control",
         "admission control",
-        "getDefaultReadLimit/ReadMaxRows, SupportsTriggerAvailableNow, reportLatestOffset",
+        "pyspark.sql.streaming.datasource ReadMaxRows, getDefaultReadLimit",
+        "maxRecordsPerTrigger is refused at load() (Spark 4.0/4.1, Databricks 17.3/18 LTS)",
+        WARN,
+    ),
+    (
+        "trigger_available_now",
+        "SupportsTriggerAvailableNow",
+        "Trigger.AvailableNow runs batch by batch up to the position taken at its start",
         "Trigger.AvailableNow runs as one batch (Spark logs 'Falling back to single batch "
-        "execution'), no maxRecordsPerTrigger, no latest-offset progress metrics "
-        "(Spark 4.0/4.1)",
+        "execution'), holding what the producers had when it started",
+        WARN,
+    ),
+    (
+        "report_latest_offset",
+        "reportLatestOffset",
+        "the source's backlog shows in the query progress",
+        "the source's backlog metrics go to its log, never to lastProgress",
         WARN,
     ),
     (

@@ -43,6 +43,8 @@ def _capabilities():
         "stream_api": False,
         "latest_offset_start_limit": False,
         "admission_control": False,
+        "trigger_available_now": False,
+        "report_latest_offset": False,
         "stream_arrow_writer": False,
         "arrow_writer": False,
     }
@@ -61,14 +63,12 @@ def _capabilities():
             pass
     try:
         sds = importlib.import_module("pyspark.sql.streaming.datasource")
-        caps["admission_control"] = (
-            hasattr(sds, "SupportsTriggerAvailableNow")
-            and hasattr(sds, "ReadMaxRows")
-            and reader is not None
-            and hasattr(reader, "getDefaultReadLimit")
-        )
     except Exception:
-        pass
+        sds = None
+    limit = reader is not None and hasattr(reader, "getDefaultReadLimit")
+    caps["admission_control"] = hasattr(sds, "ReadMaxRows") and limit
+    caps["trigger_available_now"] = hasattr(sds, "SupportsTriggerAvailableNow")
+    caps["report_latest_offset"] = reader is not None and hasattr(reader, "reportLatestOffset")
     caps["stream_arrow_writer"] = hasattr(ds, "DataSourceStreamArrowWriter")
     caps["arrow_writer"] = hasattr(ds, "DataSourceArrowWriter")
     return caps
