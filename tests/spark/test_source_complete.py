@@ -186,6 +186,19 @@ def test_stop_sends_an_eot_the_reference_giver_sees(ref_giver, tmp_path):
         again.stop()
 
 
+def test_a_plain_giver_that_went_away_leaves_no_open_flow_behind(ref_giver, tmp_path):
+    reader = runner_reader(ref_giver.endpoint, tmp_path)
+    try:
+        reader.initialOffset()
+        rt = reader._rt
+        wait_until(lambda: sum(rt.spool.backlog().values()) >= 500, what="records flowing")
+        assert ref_giver.endpoint in _open_flows(tmp_path)
+        ref_giver.close()  # its process ends: the connection drops, no flow is left open
+        wait_until(lambda: _open_flows(tmp_path) == {}, what="the flow marked gone")
+    finally:
+        reader.stop()
+
+
 _CHILD = textwrap.dedent(
     """
     import sys, time

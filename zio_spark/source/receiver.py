@@ -561,6 +561,9 @@ class Receiver(BoundFlows, SpoolWriting):
                 peer.handshake_error = _HANDSHAKE_FAILED[event]
             elif event == zmq.EVENT_DISCONNECTED:
                 if peer.handshaked:
+                    # The giver's socket is gone (its process ended or it closed the
+                    # port): no flow of it is left open to stumble into.
+                    self._mark_open(peer, False)
                     self._fail(peer, "disconnected", now)
                     return
                 # The ZMTP handshake failed (libzmq checks socket types there): wait for
