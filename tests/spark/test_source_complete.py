@@ -349,3 +349,51 @@ def test_available_now_in_bind_mode_takes_what_a_giver_client_held(tmp_path):
     finally:
         reader.stop()
         prod.close(timeout=5, flush=False)
+
+
+_DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    from tests.support import spark_session
+
+    spark = spark_session("zio-driver-term")
+    q = (
+        spark.readStream.format("zio")
+        .option("endpoints", sys.argv[1])
+        .option("spoolPath", sys.argv[2] + "/spool")
+        .option("spoolAccess", "local")
+        .load()
+        .writeStream.format("noop")
+        .option("checkpointLocation", sys.argv[2] + "/ckpt")
+        .start()
+    )
+    print("started", flush=True)
+    q.awaitTermination()
+    """
+)
+
+
+def test_sigterm_to_the_driver_sends_an_eot(ref_giver, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, ref_giver.endpoint, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    try:
+        wait_until(
+            lambda: len(ref_giver.sent) >= 1000 or proc.poll() is not None,
+            timeout=300,
+            what="the giver giving to the driver's query",
+        )
+        assert proc.poll() is None, "the driver ended before its query read"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    wait_until(lambda: ref_giver.eots_received == 1, timeout=60, what="the giver got our EOT")
+    assert ref_giver.flows_killed == 0
+    wait_until(lambda: _open_flows(tmp_path) == {}, timeout=60, what="the flow marked closed")
