@@ -48,6 +48,16 @@ reference server give its whole stream again. Producer ids learned from BOTs are
 persisted in the spool folder (``peers.json``) so ``resume`` is right after a runner
 restart too.
 
+A zio-spark producer states its position in its BOT reply (``last``, see
+:mod:`~zio_spark.protocol.negotiate`); the first one per producer is kept in
+:attr:`Receiver.positions`: the reader ends an availableNow run on it, not on a clock.
+:meth:`Receiver.stop` sends an EOT on every open flow and takes what arrives until each
+echo (bounded), so a giver's flow is over on both sides. A plain giver's open flow is
+recorded in ``plain_flows.json`` until it ends (EOT either way) or its connection drops:
+a runner that was killed leaves the entry, and the next receiver on that spool refuses
+to send a BOT into that flow (a reference giver dies on one), naming the endpoint and
+the fix.
+
 As the server taker (``bind``), one flow per client routing id: the client's BOT is its
 own statement (:func:`~zio_spark.protocol.negotiate.server_terms`); the reply states
 ``resume``/``ack``/``encoding``/``batch`` to a zio-spark producer, and only the reversed
