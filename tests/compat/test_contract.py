@@ -292,10 +292,14 @@ def test_max_records_per_trigger_follows_admission_control(spark: Any, tmp_path:
             .trigger(processingTime="100 milliseconds")
             .start()
         )
-        committed = ParquetProgress(out)
-        wait_until(lambda: q.exception() is not None or committed() >= 500, 120, "500 rows")
+
+        def sizes() -> list[int]:
+            return [p["numInputRows"] for p in q.recentProgress]
+
+        # The progress of a batch comes after its commit: wait on progress, not output.
+        wait_until(lambda: q.exception() is not None or sum(sizes()) >= 500, 120, "500 rows")
         assert q.exception() is None, q.exception()
-        sizes = [p["numInputRows"] for p in q.recentProgress]
+        sizes = sizes()
         assert max(sizes) <= 100 and sum(sizes) >= 500, sizes
     finally:
         if q is not None:
