@@ -2,7 +2,8 @@
 # The Spark version matrix: the built wheel installed next to each supported pyspark
 # line, and the contract tests (tests/compat) run there against the installed wheel.
 #
-#   bash scripts/matrix.sh                 # 4.0.5, 4.1.4, 4.2.1: whole contract; 4.3.0: a stream
+#   bash scripts/matrix.sh                 # 4.0.5, 4.1.4, 4.2.1: whole contract; 4.3.0: a stream;
+#                                          # 4.1.4 also: the quickstart notebook through Connect
 #   bash scripts/matrix.sh 4.1.4 4.3.0     # only these (each runs the whole contract)
 #
 # For each version X:
@@ -30,6 +31,9 @@ cd "$root"
 py=${PYTHON:-python3}
 declare -A only=()
 versions=("$@")
+# Versions that also run the quickstart notebook through a Spark Connect session (the
+# Databricks serverless line; the full suite runs it on 4.3).
+declare -A notebook=([4.1.4]=1)
 if [ ${#versions[@]} -eq 0 ]; then
   versions=(4.0.5 4.1.4 4.2.1 4.3.0)
   only[4.3.0]="probes or workers or stream_every_record"
@@ -123,7 +127,7 @@ one() {
     || { result FAIL "$v: python -m zio_spark.cli.precompile failed (see $log)"; return; }
   local work
   work=$(mktemp -d)
-  cp -r "$root/tests" "$root/pyproject.toml" "$work/"
+  cp -r "$root/tests" "$root/notebooks" "$root/pyproject.toml" "$work/"
   find "$work/tests" -name __pycache__ -prune -exec rm -rf {} +
   if ! (cd "$work" && env -u PYTHONPATH "$vpy" -c \
       'import sys, zio_spark; assert zio_spark.__file__.startswith(sys.prefix), zio_spark.__file__') \
@@ -138,10 +142,25 @@ one() {
   (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
     "$vpy" -m pytest -p no:cacheprovider -q -rs -m compat "${k[@]}" tests/compat) >>"$log" 2>&1
   rc=$?
-  rm -rf "$work"
   line=$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -n 1)
+  local nb_line=""
+  if [ $rc -eq 0 ] && [ -n "${notebook[$v]:-}" ]; then
+    # The notebook as on serverless: a given Spark Connect session, this pyspark.
+    if "$vpy" -m pip install -q --disable-pip-version-check nbclient nbformat ipykernel \
+        >>"$log" 2>&1 \
+      && (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
+        "$vpy" -m pytest -p no:cacheprovider -q -rs \
+        tests/notebooks/test_quickstart.py::test_quickstart_runs_with_a_given_spark_connect_session) \
+        >>"$log" 2>&1; then
+      nb_line="; notebook through Spark Connect: $(grep -E '[0-9]+ passed' "$log" | tail -n 1 | tr -d '=')"
+      grep -E '[0-9]+ passed' "$log" | tail -n 1 | grep -q skipped && rc=1
+    else
+      rc=1
+    fi
+  fi
+  rm -rf "$work"
   if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ (skipped|deselected.*skipped)' <<<"$line"; then
-    result OK "$v: wheel installed (${t_wheel} s), pyspark untouched; ${line//=/} ($((SECONDS - t0)) s)"
+    result OK "$v: wheel installed (${t_wheel} s), pyspark untouched; ${line//=/}${nb_line} ($((SECONDS - t0)) s)"
   else
     tail -n 40 "$log"
     result FAIL "$v: ${line:-pytest exit $rc} ($((SECONDS - t0)) s; log $log)"
