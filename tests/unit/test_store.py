@@ -536,13 +536,20 @@ def test_body_digests_tell_parts_apart() -> None:
     assert len({digest([b"ab"]), digest([b"a", b"b"]), digest([b"ab", b""]), digest([b""])}) == 4
 
 
-def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
+def _drained_and_deleted(tmp_path: Path) -> MessageStore:
+    """A store that took 500 ids (400-byte bodies), delivered them all and deleted their
+    segments (``maintain``): the ids live on only in ``ids.snap``."""
     st = MessageStore(tmp_path, segment_bytes=SMALL)
     put_many(st, ids(500), b"d" * 400)
     st.commit()
     drain(st)
     st.commit()
     st.maintain()
+    return st
+
+
+def test_duplicate_window_survives_segment_deletion(tmp_path: Path) -> None:
+    st = _drained_and_deleted(tmp_path)
     assert st.stats().deleted_segments > 0 and (tmp_path / "ids.snap").exists()
     crash(st)
     with MessageStore(tmp_path, segment_bytes=SMALL) as again:
@@ -557,12 +564,7 @@ def test_an_ids_snap_of_version_1_still_opens_and_its_ids_count_as_new_bodies(
     """A store written before digests: its ``ids.snap`` (version 1) has none. It opens;
     ids known only from it have no known body, so a repeat is stored (at least once),
     while ids of live segments get their digests from the records."""
-    st = MessageStore(tmp_path, segment_bytes=SMALL)
-    put_many(st, ids(500), b"d" * 400)
-    st.commit()
-    drain(st)
-    st.commit()
-    st.maintain()
+    st = _drained_and_deleted(tmp_path)
     put_many(st, [b"live"], b"kept")
     st.commit()
     crash(st)
