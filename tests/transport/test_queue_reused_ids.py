@@ -72,12 +72,30 @@ def _consume_until(
         consumer.ack(message)
 
 
-def _restart(start: Start, store: Path, info: dict[str, str]) -> dict[str, str]:
-    _, info2 = start(
-        store, *QUEUE_ARGS,
-        "--receive", info["receive"], "--send", info["send"], "--monitor", info["monitor"],
-    )  # fmt: skip
-    return info2
+class Queue:
+    """The queue process on the store ``tmp_path / "q"`` (``QUEUE_ARGS``); ``info`` holds
+    its endpoints."""
+
+    def __init__(self, start: Start, store: Path) -> None:
+        self.start, self.store = start, store
+        self.proc, self.info = start(store, *QUEUE_ARGS)
+
+    def kill_and_restart(self) -> dict[str, str]:
+        """SIGKILL the queue, then start it again on the same store and endpoints; returns
+        the new process's endpoints."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        info = self.info
+        _, info2 = self.start(
+            self.store, *QUEUE_ARGS,
+            "--receive", info["receive"], "--send", info["send"], "--monitor", info["monitor"],
+        )  # fmt: skip
+        return info2
+
+
+@pytest.fixture
+def queue(queue_process: Start, tmp_path: Path) -> Queue:  # noqa: F811
+    return Queue(queue_process, tmp_path / "q")
 
 
 def _stats(ctx: zmq.Context[Any], endpoint: str) -> dict[str, int]:
@@ -89,22 +107,17 @@ def _stats(ctx: zmq.Context[Any], endpoint: str) -> dict[str, int]:
 
 
 def test_three_runs_with_the_same_ids_around_a_sigkill_deliver_every_body(
-    queue_process: Start,  # noqa: F811
-    ctx: zmq.Context[Any],
-    tmp_path: Path,
+    queue: Queue, ctx: zmq.Context[Any]
 ) -> None:
-    store = tmp_path / "q"
-    proc, info = queue_process(store, *QUEUE_ARGS)
+    info = queue.info
     consumer = PzqConsumer(ctx, info["send"])  # connected throughout, never speaks first
     try:
         seen: collections.Counter[bytes] = collections.Counter()
         _produce_run(ctx, info["receive"], 1)
         _consume_until(consumer, {_body(1, i) for i in range(N)}, seen)
-        os.kill(proc.pid, signal.SIGKILL)  # acks of the last deliveries may die with it
-        proc.wait()
         run1_seen = sum(seen.values())
-
-        info2 = _restart(queue_process, store, info)
+        # SIGKILL: acks of the last deliveries may die with it.
+        info2 = queue.kill_and_restart()
         _produce_run(ctx, info2["receive"], 2)
         _produce_run(ctx, info2["receive"], 3)
         every = {_body(r, i) for r in (1, 2, 3) for i in range(N)}
@@ -136,18 +149,9 @@ def test_three_runs_with_the_same_ids_around_a_sigkill_deliver_every_body(
         consumer.close()
 
 
-def test_a_true_resend_after_a_sigkill_is_stored_once(
-    queue_process: Start,  # noqa: F811
-    ctx: zmq.Context[Any],
-    tmp_path: Path,
-) -> None:
-    store = tmp_path / "q"
-    proc, info = queue_process(store, *QUEUE_ARGS)
-    _produce_run(ctx, info["receive"], 1)
-    os.kill(proc.pid, signal.SIGKILL)  # as if every ack had died with it
-    proc.wait()
-
-    info2 = _restart(queue_process, store, info)
+def test_a_true_resend_after_a_sigkill_is_stored_once(queue: Queue, ctx: zmq.Context[Any]) -> None:
+    _produce_run(ctx, queue.info["receive"], 1)
+    info2 = queue.kill_and_restart()  # as if every ack had died with it
     _produce_run(ctx, info2["receive"], 1)  # the same ids with the same bodies: resends
     stats = _stats(ctx, info2["monitor"])
     assert (stats["received"], stats["stored"], stats["duplicates"]) == (N, 0, N)
