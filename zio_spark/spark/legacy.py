@@ -8,6 +8,18 @@ to the exact offset ``latestOffset()`` returned, one batch at a time, and asks a
 once that batch is in its commit log (or when it ran none, the offsets being unchanged).
 So the previous answer *is* the next ``start``: this subclass passes it on.
 
+A runner's first ``latestOffset()`` has no previous answer. The end of every batch Spark
+plans (``partitions(start, end)`` with a non-empty range) is therefore kept in the spool
+folder (:data:`PLANNED_FILE`, written atomically). On a restart Spark (checked on 4.0.5)
+first calls ``partitions(e, e)`` with the end ``e`` of its last offset-log entry (an
+empty range: not a batch), then re-plans that batch through ``partitions(start, e)`` if it
+is not in its commit log, and only then asks ``latestOffset()``. So a first
+``latestOffset()`` that no planned batch of this runner preceded means the last batch
+planned before is in Spark's commit log: its end is the ``start`` acknowledged. Without
+this, an availableNow run (one batch on these Sparks) whose last batch filled
+``maxBacklog`` left that batch counted as backlog for ever (its ``commit`` never comes):
+no credit, no new records, no batch, and every later run ended with 0 rows.
+
 Without ``reportLatestOffset`` (same Spark versions) the metrics it would report in the
 query's progress are logged instead (logger ``zio_spark.source``, INFO), at most every
 :data:`METRICS_LOG_INTERVAL` seconds.
@@ -20,18 +32,30 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections.abc import Sequence
 from typing import Any
+
+from pyspark.sql.datasource import InputPartition
 
 from zio_spark.spark import compat
 from zio_spark.spark.source import ZioStreamReader
+from zio_spark.storage.files import atomic_write
 
-__all__ = ["METRICS_LOG_INTERVAL", "ZioStreamReaderOldApi"]
+__all__ = ["METRICS_LOG_INTERVAL", "PLANNED_FILE", "ZioStreamReaderOldApi"]
 
 log = logging.getLogger("zio_spark.source")
 
 # Seconds between two metrics lines (every latestOffset would flood a fast trigger).
 METRICS_LOG_INTERVAL = 10.0
+
+# In the spool folder: {"end": <the end offsets of the last batch Spark planned>}.
+PLANNED_FILE = "planned.json"
+
+
+def _offsets(raw: Any) -> dict[str, int]:
+    return {str(p): int(v) for p, v in dict(raw).items()}
 
 
 class ZioStreamReaderOldApi(ZioStreamReader):
@@ -42,7 +66,11 @@ class ZioStreamReaderOldApi(ZioStreamReader):
     ) -> dict[str, int]:
         if start is None:
             # Runner-side state, never pickled (ZioStreamReader.__getstate__).
-            start = getattr(self, "_previous_end", None) or {}
+            start = getattr(self, "_previous_end", None)
+            if start is None:
+                # This runner's first question, and no batch planned before it: the
+                # last batch planned by an earlier runner is in Spark's commit log.
+                start = self._planned_end() or {}
         out = super().latestOffset(start, limit)
         self._previous_end = dict(out)
         if not compat.HAS_REPORT_LATEST_OFFSET:
@@ -54,3 +82,39 @@ class ZioStreamReaderOldApi(ZioStreamReader):
                     json.dumps(self.reportLatestOffset(), sort_keys=True),
                 )
         return out
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        out = super().partitions(start, end)
+        begin, stop = _offsets(start), _offsets(end)
+        if begin != stop:  # a batch; partitions(e, e) is Spark's look at its offset log
+            atomic_write(
+                self._planned_path(),
+                json.dumps({"end": dict(sorted(stop.items()))}).encode(),
+                sync=True,
+            )
+            # The next latestOffset() comes once this batch is in the commit log (also
+            # when Spark re-planned it after a failure, with no latestOffset before).
+            self._previous_end = stop
+        return out
+
+    def _planned_path(self) -> str:
+        return os.path.join(self.opts.spool_path, PLANNED_FILE)
+
+    def _planned_end(self) -> dict[str, int] | None:
+        """The end of the last batch planned on this spool (:data:`PLANNED_FILE`), or
+        None if there is none. An unreadable file is logged and ignored: acknowledging
+        nothing keeps every record."""
+        path = self._planned_path()
+        try:
+            with open(path, "rb") as f:
+                return _offsets(json.loads(f.read())["end"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "zio source: %s is unreadable (%s); the last batch of the previous run is "
+                "acknowledged only once Spark commits a batch in this one",
+                path,
+                e,
+            )
+            return None
