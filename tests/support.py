@@ -7,13 +7,22 @@
 - :func:`free_port`, :func:`free_endpoint`: a loopback TCP port nobody listens on (yet).
 - :func:`spark_session`: the local, loopback-only SparkSession the Spark tests share, with
   the workers on this interpreter (``PYSPARK_PYTHON``).
+- :func:`runner_reader`, :func:`zio_stream`, :func:`to_parquet`, :func:`committed_rows`,
+  :func:`rate_values`, :func:`wait_published`, :func:`check_published`,
+  :func:`check_batch_read`: the source and sink driven the same way by several Spark test
+  folders (tests/compat runs them on pyspark 4.0-4.2: nothing here imports pyspark at
+  module level).
+- :func:`start_producer_child`, :func:`stop_producer_child`: a producer in another
+  process, holding its records until stopped.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -152,3 +161,146 @@ def runner_reader(endpoint: str, tmp_path: Any, **options: object) -> Any:
     opts = {"endpoints": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
     opts.update({k: str(v) for k, v in options.items()})
     return ZioStreamReader(parse_source_options(opts), ("seq", "value"))
+
+
+def zio_stream(spark: Any, endpoint: str, tmp_path: Any, **options: str) -> Any:
+    """``spark.readStream.format("zio")`` on ``endpoint``, a local spool in
+    ``tmp_path / "spool"``; ``options`` are further source options; loaded."""
+    r = (
+        spark.readStream.format("zio")
+        .option("endpoints", endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .option("spoolAccess", "local")
+    )
+    for k, v in options.items():
+        r = r.option(k, v)
+    return r.load()
+
+
+def to_parquet(df: Any, base: Any, **trigger: Any) -> Any:
+    """Start streaming ``df`` into parquet in ``base / "out"``, checkpoint ``base / "ckpt"``,
+    with ``trigger(**trigger)``; returns the query."""
+    return (
+        df.writeStream.format("parquet")
+        .option("path", str(base / "out"))
+        .option("checkpointLocation", str(base / "ckpt"))
+        .trigger(**trigger)
+        .start()
+    )
+
+
+def committed_rows(q: Any, out: Any) -> Callable[[], int]:
+    """Rows the parquet sink of query ``q`` has committed in ``out`` (read from its log, no
+    Spark job); the call raises AssertionError once the query has failed."""
+    from tests.reliability.helpers import ParquetProgress
+
+    committed = ParquetProgress(out)
+
+    def rows() -> int:
+        if q.exception() is not None:
+            raise AssertionError(f"query failed: {q.exception()}")
+        return committed()
+
+    return rows
+
+
+def rate_values(spark: Any, rows: int) -> Any:
+    """A ``rate-micro-batch`` stream of ``rows`` rows a batch on 2 partitions, its
+    ``value`` as a string (batch b holds ``b * rows`` to ``(b + 1) * rows - 1``)."""
+    return (
+        spark.readStream.format("rate-micro-batch")
+        .option("rowsPerBatch", rows)
+        .option("numPartitions", 2)
+        .load()
+        .selectExpr("cast(value as string) as value")
+    )
+
+
+def wait_published(
+    q: Any, consumer: Any, stream: str, batches: int, timeout: float, interval: float = 0.05
+) -> None:
+    """Wait until ``consumer`` has published ``batches`` batches of ``stream``; the query
+    ``q`` must not have failed (it is left running)."""
+    wait_until(
+        lambda: q.exception() is not None or len(consumer.published(stream)) >= batches,
+        timeout,
+        f"{batches} published batches",
+        interval=interval,
+    )
+    assert q.exception() is None, q.exception()
+
+
+def check_published(consumer: Any, stream: str, rows: int) -> None:
+    """Each batch of a :func:`rate_values` stream that ``consumer`` published for
+    ``stream``: numbered from 0 without a gap, holding its own ``rows`` values once."""
+    pubs = consumer.published(stream)
+    assert [b for _, b in pubs] == list(range(len(pubs)))
+    for _, b in pubs:
+        values = sorted(int(r.value) for r in consumer.records(stream, b))
+        assert values == list(range(b * rows, (b + 1) * rows)), f"batch {b}"
+
+
+def check_batch_read(session: Any, fmt: str, endpoint: str, tmp_path: Any, n: int) -> None:
+    """A batch read (``maxRecords`` n, ``timeout`` 60s) of a producer that holds the ``n``
+    records ``b-0`` ... ``b-<n-1>`` returns each once, ``seq`` 1 to n."""
+    got = (
+        session.read.format(fmt)
+        .option("endpoints", endpoint)
+        .option("spoolPath", str(tmp_path / "spool"))
+        .option("maxRecords", str(n))
+        .option("timeout", "60s")
+        .load()
+        .select("seq", "value")
+        .collect()
+    )
+    assert sorted(r.seq for r in got) == list(range(1, n + 1))
+    assert {bytes(r.value) for r in got} == {f"b-{i}".encode() for i in range(n)}
+
+
+# The producer child: queue COUNT records, say so, keep them until stdin closes.
+PRODUCER_CHILD = textwrap.dedent(
+    """
+    import sys
+    from zio_spark.source.producer import Producer
+
+    prod = Producer(bind=sys.argv[1], producer_id=sys.argv[2], linger_ms=0)
+    prod.send_many([b"r%d" % i for i in range(int(sys.argv[3]))], timeout=None)
+    print("queued", prod.last_seq, flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+    d = prod.close(timeout=5, flush=False)
+    print("acked", d.acked, "sent", d.sent, flush=True)
+    """
+)
+
+
+def start_producer_child(endpoint: str, producer_id: str, count: int) -> subprocess.Popen[str]:
+    """A producer in another process bound to ``endpoint``, holding ``count`` records
+    (``r0`` ...) once this returns; stop it with :func:`stop_producer_child`."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", PRODUCER_CHILD, endpoint, producer_id, str(count)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()  # the producer holds every record now
+        assert line.split() == ["queued", str(count)], line
+    except BaseException:
+        stop_producer_child(child)
+        raise
+    return child
+
+
+def stop_producer_child(child: subprocess.Popen[str]) -> None:
+    """Close the child's stdin (it closes its producer and exits), then kill it by pid if
+    it has not ended within 30 s."""
+    if child.poll() is None:
+        assert child.stdin is not None
+        child.stdin.close()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(timeout=30)

@@ -13,17 +13,26 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
-import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pyspark
 import pytest
 
-from tests.reliability.helpers import ParquetProgress
-from tests.support import free_endpoint, wait_until
+from tests.support import (
+    check_batch_read,
+    check_published,
+    committed_rows,
+    free_endpoint,
+    rate_values,
+    start_producer_child,
+    stop_producer_child,
+    to_parquet,
+    wait_published,
+    wait_until,
+    zio_stream,
+)
 from zio_spark.sink.consumer import Consumer
 from zio_spark.source.producer import Producer
 from zio_spark.spark import compat
@@ -31,21 +40,6 @@ from zio_spark.spark import compat
 pytestmark = pytest.mark.compat
 
 MINOR = tuple(int(x) for x in pyspark.__version__.split(".")[:2])
-
-# The producer child: queue COUNT records, say so, keep them until stdin closes.
-_PRODUCER = textwrap.dedent(
-    """
-    import sys
-    from zio_spark.source.producer import Producer
-
-    prod = Producer(bind=sys.argv[1], producer_id=sys.argv[2], linger_ms=0)
-    prod.send_many([b"r%d" % i for i in range(int(sys.argv[3]))], timeout=None)
-    print("queued", prod.last_seq, flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    d = prod.close(timeout=5, flush=False)
-    print("acked", d.acked, "sent", d.sent, flush=True)
-    """
-)
 
 
 def test_the_probes_find_the_verified_table_row() -> None:
@@ -80,54 +74,39 @@ def test_spark_workers_import_the_same_zio_spark(spark: Any) -> None:
     assert where == zio_spark.__file__
 
 
-def _stream(spark: Any, endpoint: str, tmp_path: Path, **options: str) -> Any:
-    r = (
-        spark.readStream.format("zio")
-        .option("endpoints", endpoint)
-        .option("spoolPath", str(tmp_path / "spool"))
-        .option("spoolAccess", "local")
-    )
-    for k, v in options.items():
-        r = r.option(k, v)
-    return r.load()
-
-
 def _seqs(spark: Any, out: Path) -> list[int]:
     return sorted(r.seq for r in spark.read.parquet(str(out)).select("seq").collect())
 
 
-def test_stream_every_record_once(spark: Any, tmp_path: Path) -> None:
-    n1, n2 = 3000, 2000
-    prod = Producer(producer_id="contract-stream", linger_ms=0)
+@contextlib.contextmanager
+def _into_parquet(
+    session: Any, tmp_path: Path, producer_id: str, prefix: str, n: int, every: str
+) -> Iterator[tuple[Producer, Any, Callable[[], int]]]:
+    """A producer holding ``n`` records ``<prefix>-0`` ..., streamed by ``session`` into
+    parquet in ``tmp_path / "out"`` every ``every``: ``(producer, query, committed rows)``;
+    both stopped on leaving."""
+    prod = Producer(producer_id=producer_id, linger_ms=0)
     q = None
     try:
-        prod.send_many([f"s-{i}".encode() for i in range(n1)])
-        out = tmp_path / "out"
-        q = (
-            _stream(spark, prod.endpoint, tmp_path)
-            .writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(tmp_path / "ckpt"))
-            .trigger(processingTime="300 milliseconds")
-            .start()
-        )
-        committed = ParquetProgress(out)
+        prod.send_many([f"{prefix}-{i}".encode() for i in range(n)])
+        q = to_parquet(zio_stream(session, prod.endpoint, tmp_path), tmp_path, processingTime=every)
+        yield prod, q, committed_rows(q, tmp_path / "out")
+    finally:
+        if q is not None:
+            q.stop()
+        prod.close(flush=False, timeout=5)
 
-        def rows() -> int:
-            if q.exception() is not None:
-                raise AssertionError(f"query failed: {q.exception()}")
-            return committed()
 
+def test_stream_every_record_once(spark: Any, tmp_path: Path) -> None:
+    n1, n2 = 3000, 2000
+    stream = _into_parquet(spark, tmp_path, "contract-stream", "s", n1, "300 milliseconds")
+    with stream as (prod, q, rows):
         wait_until(lambda: rows() >= n1, 120, f"{n1} rows")
         prod.send_many([f"s-{i}".encode() for i in range(n1, n1 + n2)])
         wait_until(lambda: rows() >= n1 + n2, 120, f"{n1 + n2} rows")
         wait_until(lambda: prod.acked == n1 + n2, 120, "every record acknowledged")
         q.stop()
-        assert _seqs(spark, out) == list(range(1, n1 + n2 + 1))
-    finally:
-        if q is not None:
-            q.stop()
-        prod.close(flush=False, timeout=5)
+        assert _seqs(spark, tmp_path / "out") == list(range(1, n1 + n2 + 1))
 
 
 @pytest.fixture
@@ -137,29 +116,13 @@ def remote_producer() -> Iterator[Any]:
     children: list[subprocess.Popen[str]] = []
 
     def start(endpoint: str, producer_id: str, count: int) -> subprocess.Popen[str]:
-        child = subprocess.Popen(
-            [sys.executable, "-c", _PRODUCER, endpoint, producer_id, str(count)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        child = start_producer_child(endpoint, producer_id, count)
         children.append(child)
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        assert line.split() == ["queued", str(count)], line
         return child
 
     yield start
     for child in children:
-        if child.poll() is None:
-            assert child.stdin is not None
-            child.stdin.close()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(timeout=30)
+        stop_producer_child(child)
 
 
 def test_available_now_takes_what_a_remote_producer_held(
@@ -171,14 +134,7 @@ def test_available_now_takes_what_a_remote_producer_held(
     endpoint = free_endpoint()
     remote_producer(endpoint, "contract-an", count)
     out = tmp_path / "out"
-    q = (
-        _stream(spark, endpoint, tmp_path)
-        .writeStream.format("parquet")
-        .option("path", str(out))
-        .option("checkpointLocation", str(tmp_path / "ckpt"))
-        .trigger(availableNow=True)
-        .start()
-    )
+    q = to_parquet(zio_stream(spark, endpoint, tmp_path), tmp_path, availableNow=True)
     assert q.awaitTermination(300), "the availableNow run did not end"  # hang guard only
     assert q.exception() is None, q.exception()
     assert _seqs(spark, out) == list(range(1, count + 1))
@@ -189,18 +145,7 @@ def test_batch_read_every_record_once(spark: Any, tmp_path: Path) -> None:
     prod = Producer(producer_id="contract-batch", linger_ms=0)
     try:
         prod.send_many([f"b-{i}".encode() for i in range(n)])
-        got = (
-            spark.read.format("zio")
-            .option("endpoints", prod.endpoint)
-            .option("spoolPath", str(tmp_path / "spool"))
-            .option("maxRecords", str(n))
-            .option("timeout", "60s")
-            .load()
-            .select("seq", "value")
-            .collect()
-        )
-        assert sorted(r.seq for r in got) == list(range(1, n + 1))
-        assert {bytes(r.value) for r in got} == {f"b-{i}".encode() for i in range(n)}
+        check_batch_read(spark, "zio", prod.endpoint, tmp_path, n)
         wait_until(lambda: prod.acked == n, 60, "the batch read's acknowledgement")
     finally:
         prod.close(flush=False, timeout=5)
@@ -217,15 +162,9 @@ def test_sink_stream_every_row_once_per_batch(
     spark: Any, consumer: Consumer, tmp_path: Path
 ) -> None:
     rows = 300
-    df = (
-        spark.readStream.format("rate-micro-batch")
-        .option("rowsPerBatch", rows)
-        .option("numPartitions", 2)
-        .load()
-        .selectExpr("cast(value as string) as value")
-    )
     q = (
-        df.writeStream.format("zio")
+        rate_values(spark, rows)
+        .writeStream.format("zio")
         .option("endpoint", consumer.endpoint)
         .option("stream", "rate")
         .option("format", "arrow")  # the Arrow path, on 4.0 through DataSourceArrowWriter
@@ -235,19 +174,10 @@ def test_sink_stream_every_row_once_per_batch(
         .start()
     )
     try:
-        wait_until(
-            lambda: q.exception() is not None or len(consumer.published("rate")) >= 3,
-            120,
-            "3 published batches",
-        )
-        assert q.exception() is None, q.exception()
+        wait_published(q, consumer, "rate", 3, 120)
     finally:
         q.stop()
-    pubs = consumer.published("rate")
-    assert [b for _, b in pubs] == list(range(len(pubs)))
-    for _, b in pubs:
-        values = sorted(int(r.value) for r in consumer.records("rate", b))
-        assert values == list(range(b * rows, (b + 1) * rows)), f"batch {b}"
+    check_published(consumer, "rate", rows)
     assert consumer.stats["commit_errors"] == 0
 
 
@@ -279,18 +209,14 @@ def test_max_records_per_trigger_follows_admission_control(spark: Any, tmp_path:
     try:
         if not compat.HAS_ADMISSION_CONTROL:
             with pytest.raises(Exception, match="maxRecordsPerTrigger") as e:
-                _stream(spark, prod.endpoint, tmp_path, maxRecordsPerTrigger="100")  # load()
+                zio_stream(spark, prod.endpoint, tmp_path, maxRecordsPerTrigger="100")  # load()
             assert "Spark 4.2" in str(e.value) and "Drop the option" in str(e.value)
             return
         prod.send_many([f"l-{i}".encode() for i in range(500)])
-        out = tmp_path / "out"
-        q = (
-            _stream(spark, prod.endpoint, tmp_path, maxRecordsPerTrigger="100")
-            .writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(tmp_path / "ckpt"))
-            .trigger(processingTime="100 milliseconds")
-            .start()
+        q = to_parquet(
+            zio_stream(spark, prod.endpoint, tmp_path, maxRecordsPerTrigger="100"),
+            tmp_path,
+            processingTime="100 milliseconds",
         )
 
         def sizes() -> list[int]:
@@ -363,31 +289,9 @@ def remote(tmp_path_factory: pytest.TempPathFactory, spark: Any) -> Iterator[Any
 def test_connect_stream_round_trip(remote: Any, tmp_path: Path) -> None:
     """A stream read through Spark Connect: the server's lookup finds format("zio")."""
     n = 2000
-    prod = Producer(producer_id="contract-connect", linger_ms=0)
-    q = None
-    try:
-        prod.send_many([f"c-{i}".encode() for i in range(n)])
-        out = tmp_path / "out"
-        q = (
-            _stream(remote, prod.endpoint, tmp_path)
-            .writeStream.format("parquet")
-            .option("path", str(out))
-            .option("checkpointLocation", str(tmp_path / "ckpt"))
-            .trigger(processingTime="500 milliseconds")
-            .start()
-        )
-        committed = ParquetProgress(out)
-
-        def rows() -> int:
-            if q.exception() is not None:
-                raise AssertionError(f"query failed: {q.exception()}")
-            return committed()
-
+    stream = _into_parquet(remote, tmp_path, "contract-connect", "c", n, "500 milliseconds")
+    with stream as (_, q, rows):
         wait_until(lambda: rows() >= n, 120, f"{n} rows", interval=0.3)
         q.stop()
-        got = remote.read.parquet(str(out)).select("seq").collect()
+        got = remote.read.parquet(str(tmp_path / "out")).select("seq").collect()
         assert sorted(r.seq for r in got) == list(range(1, n + 1))
-    finally:
-        if q is not None:
-            q.stop()
-        prod.close(flush=False, timeout=5)

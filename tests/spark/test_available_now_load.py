@@ -15,34 +15,23 @@ The default run does 3 runs; ``-m load`` runs the 20-run version.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.support import free_endpoint, wait_until
+from tests.support import (
+    free_endpoint,
+    start_producer_child,
+    stop_producer_child,
+    to_parquet,
+    wait_until,
+    zio_stream,
+)
 
 COUNT = 20_000
 BUSY = 6  # busy loops: 3 per core on this 2-core machine
-
-# The producer child: queue COUNT records, say so, keep them until stdin closes.
-_PRODUCER = textwrap.dedent(
-    """
-    import sys
-    from zio_spark.source.producer import Producer
-
-    prod = Producer(bind=sys.argv[1], producer_id=sys.argv[2], linger_ms=0)
-    prod.send_many([b"r%d" % i for i in range(int(sys.argv[3]))], timeout=None)
-    print("queued", prod.last_seq, flush=True)
-    sys.stdin.read()  # until the test closes our stdin
-    d = prod.close(timeout=5, flush=False)
-    print("acked", d.acked, "sent", d.sent, flush=True)
-    """
-)
 
 
 class Busy:
@@ -73,30 +62,10 @@ def busy() -> Iterator[Busy]:
 
 def _one_run(spark, tmp_path, busy: Busy, run: int) -> int:
     endpoint = free_endpoint()
-    child = subprocess.Popen(
-        [sys.executable, "-c", _PRODUCER, endpoint, f"load-{run}", str(COUNT)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    child = start_producer_child(endpoint, f"load-{run}", COUNT)  # holds every record now
     try:
-        assert child.stdout is not None
-        line = child.stdout.readline()  # the producer holds every record now
-        assert line.split() == ["queued", str(COUNT)], line
         base = tmp_path / f"run{run}"
-        q = (
-            spark.readStream.format("zio")
-            .option("endpoints", endpoint)
-            .option("spoolPath", str(base / "spool"))
-            .option("spoolAccess", "local")
-            .load()
-            .writeStream.format("parquet")
-            .option("path", str(base / "out"))
-            .option("checkpointLocation", str(base / "ckpt"))
-            .trigger(availableNow=True)
-            .start()
-        )
+        q = to_parquet(zio_stream(spark, endpoint, base), base, availableNow=True)
         # The runner is up once its spool exists (it opens it before latestOffset).
         wait_until(
             lambda: (base / "spool").exists() or not q.isActive,
@@ -116,14 +85,7 @@ def _one_run(spark, tmp_path, busy: Busy, run: int) -> int:
         assert rows == distinct, f"run {run}: {rows} rows, {distinct} distinct seqs"
         return int(rows)
     finally:
-        if child.poll() is None:
-            assert child.stdin is not None
-            child.stdin.close()
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait(timeout=30)
+        stop_producer_child(child)
 
 
 def _runs(spark, tmp_path, busy: Busy, n: int) -> None:

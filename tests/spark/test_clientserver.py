@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from tests.support import wait_until
+from tests.support import check_published, rate_values, wait_published
 
 pytestmark = pytest.mark.requires_draft
 
@@ -56,15 +56,9 @@ def test_sink_publishes_every_row_once_over_clientserver(spark, tmp_path):
         "tcp://127.0.0.1:*", tmp_path / "consumer", linger_ms=0, mode="clientserver"
     )
     try:
-        df = (
-            spark.readStream.format("rate-micro-batch")
-            .option("rowsPerBatch", rows)
-            .option("numPartitions", 2)
-            .load()
-            .selectExpr("cast(value as string) as value")
-        )
         q = (
-            df.writeStream.format("zio")
+            rate_values(spark, rows)
+            .writeStream.format("zio")
             .option("endpoint", consumer.endpoint)
             .option("socket", "clientserver")
             .option("stream", "cs")
@@ -74,18 +68,9 @@ def test_sink_publishes_every_row_once_over_clientserver(spark, tmp_path):
             .start()
         )
         try:
-            wait_until(
-                lambda: q.exception() is not None or len(consumer.published("cs")) >= 2,
-                90,
-                "2 published batches",
-            )
-            assert q.exception() is None, q.exception()
+            wait_published(q, consumer, "cs", 2, 90)
         finally:
             q.stop()
-        pubs = consumer.published("cs")
-        assert [b for _, b in pubs] == list(range(len(pubs)))
-        for _, b in pubs:
-            values = sorted(int(r.value) for r in consumer.records("cs", b))
-            assert values == list(range(b * rows, (b + 1) * rows)), f"batch {b}"
+        check_published(consumer, "cs", rows)
     finally:
         consumer.close()

@@ -25,8 +25,14 @@ from typing import Any
 import pytest
 
 from tests.cluster.spark_procs import start_connect_server
-from tests.reliability.helpers import ParquetProgress
-from tests.support import wait_until
+from tests.support import (
+    check_batch_read,
+    check_published,
+    committed_rows,
+    rate_values,
+    wait_published,
+    wait_until,
+)
 from zio_spark.sink.consumer import Consumer
 from zio_spark.source.producer import Producer
 from zio_spark.spark.compat import check_session
@@ -94,13 +100,7 @@ def test_stream_read_into_parquet_exactly_once(remote: Any, fmt: str, tmp_path: 
             .start()
         )
 
-        committed = ParquetProgress(tmp_path / "out")  # the sink's log, read here: no job
-
-        def rows() -> int:
-            if q.exception() is not None:
-                raise AssertionError(f"query failed: {q.exception()}")
-            return committed()
-
+        rows = committed_rows(q, tmp_path / "out")  # the sink's log, read here: no job
         _wait(lambda: rows() >= n1, what=f"{n1} rows of the first wave", timeout=90.0)
         prod.send_many([f"rec-{i}".encode() for i in range(n1, n1 + n2)])
         _wait(lambda: rows() >= n1 + n2, what=f"{n1 + n2} rows", timeout=90.0)
@@ -131,15 +131,9 @@ def test_stream_write_to_consumer_exactly_once(remote: Any, fmt: str, tmp_path: 
     consumer = Consumer("tcp://127.0.0.1:*", tmp_path / "consumer", linger_ms=0)
     q = None
     try:
-        df = (
-            remote.readStream.format("rate-micro-batch")
-            .option("rowsPerBatch", rows_per_batch)
-            .option("numPartitions", 2)
-            .load()
-            .selectExpr("cast(value as string) as value")
-        )
         q = (
-            df.writeStream.format(fmt)
+            rate_values(remote, rows_per_batch)
+            .writeStream.format(fmt)
             .option("endpoint", consumer.endpoint)
             .option("stream", "rate")
             .option("connectTimeout", "30s")
@@ -147,19 +141,9 @@ def test_stream_write_to_consumer_exactly_once(remote: Any, fmt: str, tmp_path: 
             .trigger(processingTime="300 milliseconds")
             .start()
         )
-        _wait(
-            lambda: q.exception() is not None or len(consumer.published("rate")) >= 3,
-            what="3 published batches",
-            timeout=90.0,
-        )
-        assert q.exception() is None, q.exception()
+        wait_published(q, consumer, "rate", 3, 90.0, interval=0.3)
         q.stop()
-        pubs = consumer.published("rate")
-        assert [b for _, b in pubs] == list(range(len(pubs)))
-        for _, b in pubs:
-            values = sorted(int(r.value) for r in consumer.records("rate", b))
-            lo = b * rows_per_batch
-            assert values == list(range(lo, lo + rows_per_batch)), f"batch {b}"
+        check_published(consumer, "rate", rows_per_batch)
         assert consumer.stats["commit_errors"] == 0
     finally:
         if q is not None:
@@ -173,18 +157,7 @@ def test_batch_read_exactly_once(remote: Any, fmt: str, tmp_path: Path) -> None:
     prod = Producer(producer_id=f"batch-{fmt}", linger_ms=0)
     try:
         prod.send_many([f"b-{i}".encode() for i in range(n)])
-        got = (
-            remote.read.format(fmt)
-            .option("endpoints", prod.endpoint)
-            .option("spoolPath", str(tmp_path / "spool"))
-            .option("maxRecords", str(n))
-            .option("timeout", "60s")
-            .load()
-            .select("seq", "value")
-            .collect()
-        )
-        assert sorted(r.seq for r in got) == list(range(1, n + 1))
-        assert {bytes(r.value) for r in got} == {f"b-{i}".encode() for i in range(n)}
+        check_batch_read(remote, fmt, prod.endpoint, tmp_path, n)
         _wait(lambda: prod.acked == n, 30, "the batch read's acknowledgement")
     finally:
         prod.close(flush=False, timeout=5)

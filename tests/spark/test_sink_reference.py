@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceServer
+from tests.support import rate_values
 
 
 @pytest.fixture
@@ -56,11 +57,7 @@ def test_stream_to_a_reference_taker_from_one_partition(spark, taker, tmp_path):
     """Micro-batches one after another (one flow each), commits skip the plain taker."""
     rows = 200
     q = (
-        spark.readStream.format("rate-micro-batch")
-        .option("rowsPerBatch", rows)
-        .option("numPartitions", 2)
-        .load()
-        .selectExpr("cast(value as string) as value")
+        rate_values(spark, rows)
         .coalesce(1)
         .writeStream.format("zio")
         .option("endpoint", taker.endpoint)
