@@ -16,13 +16,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import free_endpoint, runner_reader, wait_until
+from tests.support import free_endpoint, runner_reader, to_parquet, wait_until, zio_stream
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import BotReceived, Flow, Role
 from zio_spark.spark import compat
@@ -199,32 +200,13 @@ def test_a_plain_giver_that_went_away_leaves_no_open_flow_behind(ref_giver, tmp_
         reader.stop()
 
 
-_CHILD = textwrap.dedent(
-    """
-    import sys, time
-    from zio_spark.options import parse_source_options
-    from zio_spark.spark.source import ZioStreamReader
-
-    opts = parse_source_options(
-        {"endpoints": sys.argv[1], "spoolPath": sys.argv[2], "spoolAccess": "local"}
-    )
-    reader = ZioStreamReader(opts, ("seq", "value"))
-    try:  # what python_streaming_source_runner does around its command loop
-        reader.initialOffset()
-        rt = reader._rt
-        while sum(rt.spool.backlog().values()) < 500:
-            time.sleep(0.01)
-        print("receiving", flush=True)
-        sys.stdin.read()  # like the runner blocked on its command socket
-    finally:
-        reader.stop()
-    """
-)
+# The child runs the reader as the runner does and blocks on stdin once records flow.
+RUNNER_CHILD = str(Path(__file__).with_name("runner_child.py"))
 
 
 def _child(ref, tmp_path) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, ref.endpoint, str(tmp_path / "spool")],
+        [sys.executable, RUNNER_CHILD, "receive", ref.endpoint, str(tmp_path / "spool")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -275,11 +257,7 @@ def test_restart_after_a_killed_runner_fails_naming_the_open_plain_flow(ref_give
 
 def test_query_stop_sends_an_eot_to_a_reference_giver(spark, ref_giver, tmp_path):
     q = (
-        spark.readStream.format("zio")
-        .option("endpoints", ref_giver.endpoint)
-        .option("spoolPath", str(tmp_path / "spool"))
-        .option("spoolAccess", "local")
-        .load()
+        zio_stream(spark, ref_giver.endpoint, tmp_path)
         .writeStream.format("noop")
         .option("checkpointLocation", str(tmp_path / "ckpt"))
         .start()
@@ -303,18 +281,7 @@ def test_query_stop_sends_an_eot_to_a_reference_giver(spark, ref_giver, tmp_path
 def test_the_end_of_an_available_now_run_sends_an_eot(spark, producers, tmp_path):
     prod = producers("an-end")
     prod.send_many([b"v%d" % i for i in range(1000)])
-    q = (
-        spark.readStream.format("zio")
-        .option("endpoints", prod.endpoint)
-        .option("spoolPath", str(tmp_path / "spool"))
-        .option("spoolAccess", "local")
-        .load()
-        .writeStream.format("parquet")
-        .option("path", str(tmp_path / "out"))
-        .option("checkpointLocation", str(tmp_path / "ckpt"))
-        .trigger(availableNow=True)
-        .start()
-    )
+    q = to_parquet(zio_stream(spark, prod.endpoint, tmp_path), tmp_path, availableNow=True)
     assert q.awaitTermination(600)
     assert q.exception() is None
     assert spark.read.parquet(str(tmp_path / "out")).count() == 1000

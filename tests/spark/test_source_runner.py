@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -168,27 +168,8 @@ def test_the_first_latest_offset_without_records_returns_within_its_bound(produc
 
 # -- SIGTERM --------------------------------------------------------------------------------
 
-_TERM_CHILD = textwrap.dedent(
-    """
-    import os, signal, sys
-    from zio_spark.options import parse_source_options
-    from zio_spark.spark.source import ZioStreamReader
-
-    opts = parse_source_options(
-        {"endpoints": sys.argv[1], "spoolPath": sys.argv[2], "spoolAccess": "local"}
-    )
-    reader = ZioStreamReader(opts, ("seq", "value"))
-    try:  # what python_streaming_source_runner does around its command loop
-        reader.initialOffset()
-        rt = reader._rt
-        with rt.spool._lock, rt.spool._maint_lock:  # as inside a commit or a seal
-            signal.raise_signal(signal.SIGTERM)
-            print("handler returned", flush=True)
-    finally:
-        reader.stop()
-        print("stopped", rt.spool._closed, flush=True)
-    """
-)
+# The child runs the reader as the runner does, raising SIGTERM inside the spool's locks.
+RUNNER_CHILD = str(Path(__file__).with_name("runner_child.py"))
 
 
 def test_sigterm_while_the_runner_holds_a_spool_lock_stops_cleanly(producers, tmp_path):
@@ -197,7 +178,7 @@ def test_sigterm_while_the_runner_holds_a_spool_lock_stops_cleanly(producers, tm
     outlived its JVM); it unwinds, and the runner's ``finally`` stops the reader."""
     prod = producers("term")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _TERM_CHILD, prod.endpoint, str(tmp_path / "spool")],
+        [sys.executable, RUNNER_CHILD, "sigterm-in-lock", prod.endpoint, str(tmp_path / "spool")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
