@@ -582,6 +582,36 @@ def test_a_plain_giver_fills_the_backlog_exactly(ctx, spool, closing):
     assert [v for _, v in _contents(spool, producer)] == values[50:]
 
 
+def test_a_plain_giver_that_leaves_is_not_left_open_for_the_next_runner(ctx, tmp_path, closing):
+    """A plain giver's flow is in plain_flows.json while open; removing its endpoint (a
+    ZRE peer leaving the group) ends it there too, so the next receiver on the spool
+    sends it a BOT instead of refusing it as left open."""
+    giver = PlainGiver(ctx, [b"g%d" % i for i in range(1000)], credit=5)
+    closing.append(giver)
+    path = tmp_path / "spool" / "plain_flows.json"
+    spool = Spool(tmp_path / "spool", sync=False)
+    r = Receiver(spool, [giver.endpoint], ctx=ctx, credit=5, max_backlog=20).start()
+    try:
+        wait_until(lambda: r.status()[0].records == 20, what="the backlog filled", timeout=20.0)
+        assert giver.endpoint in json.loads(path.read_text())
+        r.remove_endpoint(giver.endpoint)
+        wait_until(lambda: not r.endpoints(), what="the endpoint removed", timeout=20.0)
+        wait_until(
+            lambda: giver.endpoint not in json.loads(path.read_text()),
+            what="the flow marked ended",
+            timeout=20.0,
+        )
+    finally:
+        r.stop()
+        spool.close()
+    assert r.error is None, r.error
+    again = Spool(tmp_path / "spool", sync=False)
+    closing.append(again)
+    r2 = _receiver(closing, again, [giver.endpoint], ctx, credit=5, max_backlog=20)
+    wait_until(lambda: len(giver.bots) == 2, what="a BOT from the next receiver", timeout=20.0)
+    assert r2.error is None and r2.status()[0].state != "failed"
+
+
 def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     class Garbage(RawGiver):
         """Breaks the protocol differently on each BOT."""

@@ -415,6 +415,10 @@ class Receiver(BoundFlows, SpoolWriting):
             peer = self._peers.pop(endpoint, None)
         if peer is not None:
             self._end_flow(peer, eot=True)
+            # The giver left (its group peer is gone; the echo is not awaited): no flow of
+            # it is left open to stumble into, as when its socket disconnects. A stale
+            # plain_flows.json entry would make the next runner refuse it once it is back.
+            self._mark_open(peer, False)
 
     def _open(self, peer: Peer, now: float) -> None:
         port = ClientPort(
