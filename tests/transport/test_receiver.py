@@ -612,6 +612,67 @@ def test_a_plain_giver_that_leaves_is_not_left_open_for_the_next_runner(ctx, tmp
     assert r2.error is None and r2.status()[0].state != "failed"
 
 
+class SilentEndGiver(PlainGiver):
+    """A plain giver that never ends its flow nor echoes our EOT; ``late`` more records
+    come after our EOT."""
+
+    def __init__(self, ctx: zmq.Context, values: list[bytes], late: list[bytes]) -> None:
+        self.late = late
+        super().__init__(ctx, values, credit=50)
+        self.eot_sent = True  # its flow stays open once its values are given
+
+    def on_eot(self, ident: bytes, label: dict) -> None:
+        super().on_eot(ident, label)
+        for v in self.late:  # in flight when our EOT crossed them
+            self.send(ident, {"flow": "DAT"}, (v,))
+
+
+def test_stop_outlasts_the_eot_phase_and_keeps_what_came_in_it(ctx, tmp_path, closing, monkeypatch):
+    """stop() waits as long as ending the flows may take (derived from the EOT bounds,
+    not a fixed 10 s), so the spool is closed after the last append: records that came
+    after our EOT, while the echoes were awaited, are stored."""
+    import zio_spark.source.receiver as receiver_module
+
+    monkeypatch.setattr(receiver_module, "_EOT_WAIT", 11.0)  # beyond the old fixed 10 s
+    givers = [SilentEndGiver(ctx, [b"v%d" % i for i in range(10)], [b"late"]) for _ in range(4)]
+    closing.extend(givers)
+    spool = Spool(tmp_path / "spool", sync=False)
+    r = Receiver(spool, [g.endpoint for g in givers], ctx=ctx, credit=50).start()
+    try:
+        wait_until(
+            lambda: sum(st.records for st in r.status()) == 40, what="40 records", timeout=20.0
+        )
+        thread = r._thread
+        assert thread is not None
+        assert r.stop_bound() >= 4 * 0.5 + 11.0
+        assert r.stop() is True
+        assert not thread.is_alive()
+        assert r.error is None, r.error
+        ends = spool.seal()
+    finally:
+        r.stop()
+        spool.close()
+    assert [g.eot_echoes for g in givers] == [1, 1, 1, 1]  # our EOT reached each
+    for g in givers:
+        assert ends[g.endpoint] == 12, "the 10 records and the late one, all stored"
+
+
+def test_stop_says_when_the_thread_outlives_its_bound(ctx, spool, closing, monkeypatch):
+    release = threading.Event()
+
+    def stuck_end(self: Receiver) -> None:
+        release.wait(30)  # a thread that cannot end (the test releases it)
+
+    monkeypatch.setattr(Receiver, "_end_with_eot", stuck_end)
+    r = Receiver(spool, [], ctx=ctx).start()
+    try:
+        assert r.stop(timeout=0.2) is False
+        assert r._thread is not None and r._thread.is_alive()
+    finally:
+        release.set()
+    assert r.stop() is True and r._thread is None
+
+
 def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     class Garbage(RawGiver):
         """Breaks the protocol differently on each BOT."""

@@ -240,12 +240,40 @@ class Receiver(BoundFlows, SpoolWriting):
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """End every flow with EOT (best effort, bounded) and stop the thread."""
+    def stop(self, timeout: float | None = None) -> bool:
+        """End every flow with EOT (best effort, bounded) and stop the thread; True once
+        the thread has ended, so the spool can be closed.
+
+        The thread's ending is bounded: an EOT send of at most :data:`_EOT_SEND_MS` per
+        flow, one after another, then the echoes awaited at most
+        ``min(_EOT_WAIT, connectTimeout)``, then the sockets closed. The default wait is
+        that bound for the flows open now plus :data:`_STOP_MARGIN` (a fixed 10 s ran out
+        with many flows, and the spool was closed under a thread still appending the
+        records that came before the echoes). False (logged) means the thread outlived
+        even that: leave the spool open (its lock goes with the process).
+        """
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return True
+        bound = self.stop_bound() if timeout is None else timeout
+        thread.join(bound)
+        if thread.is_alive():
+            log.error(
+                "zio source: the receiver thread is still ending its flows after %.1f s; "
+                "leaving it (the spool stays open)",
+                bound,
+            )
+            return False
+        self._thread = None
+        return True
+
+    def stop_bound(self) -> float:
+        """Seconds :meth:`stop` waits by default (see there)."""
+        with self._lock:
+            flows = len(self._flows())
+        per_flow = _EOT_SEND_MS / 1000 + _END_FLOW_S
+        return flows * per_flow + min(_EOT_WAIT, self.connect_timeout) + _STOP_MARGIN
 
     def add_endpoint(self, endpoint: str, mode: str | None = None) -> None:
         """Start receiving from ``endpoint`` (``mode``: the socket pair, None = default)."""
@@ -621,7 +649,7 @@ class Receiver(BoundFlows, SpoolWriting):
             if peer.port is None and peer.bound is None:
                 continue
             try:
-                self._send(peer, flow.send_eot(), timeout_ms=500)
+                self._send(peer, flow.send_eot(), timeout_ms=_EOT_SEND_MS)
             except (ProtocolError, TransportError) as e:
                 log.warning("zio source: cannot send EOT to %s: %s", peer.endpoint, e)
                 continue
@@ -966,4 +994,9 @@ _CLIENT_EVENTS = (
 _PENDING_BYTES_MAX = 8 << 20
 # Stop: the most we wait for the echoes of our EOTs (bounded by connectTimeout too).
 _EOT_WAIT = 5.0
+# Stop: the most one EOT send blocks (ms), what closing one flow costs at most (s), and
+# the margin for the turn in progress when stop() is called (s): Receiver.stop_bound.
+_EOT_SEND_MS = 500
+_END_FLOW_S = 0.2
+_STOP_MARGIN = 10.0
 _PENDING_DATS_MAX = 256

@@ -148,10 +148,12 @@ class _Inlet:
         self.receiver = receiver
         self.watcher = watcher
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
+        """Stop the watcher, then the receiver: True once the receiver thread ended
+        (:meth:`Receiver.stop`); only then may the spool be closed."""
         if self.watcher is not None:
             self.watcher.stop()
-        self.receiver.stop()
+        return self.receiver.stop()
 
 
 def _inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> _Inlet:
@@ -253,11 +255,12 @@ class _Runtime:
         if self.stopped:
             return
         self.stopped = True
-        self.inlet.stop()
+        ended = self.inlet.stop()
         self.sealer.stop()
         if self.server is not None:
             self.server.stop()
-        self.spool.close()
+        if ended:  # never under a receiver thread still appending (it logged why)
+            self.spool.close()
 
 
 # availableNow: records waiting beyond the last batch that make a batch of their own
