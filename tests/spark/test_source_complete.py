@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 from tests.peers.zio_reference import ReferenceServer
 from tests.support import free_endpoint, runner_reader, to_parquet, wait_until, zio_stream
 from zio_spark.errors import TransportError
-from zio_spark.protocol.flow import BotReceived, Flow, Role
+from zio_spark.protocol.flow import BotReceived, Flow, FlowState, Role
 from zio_spark.spark import compat
 from zio_spark.transport.port import ServerPort
 
@@ -364,3 +365,312 @@ def test_sigterm_to_the_driver_sends_an_eot(ref_giver, tmp_path):
     wait_until(lambda: ref_giver.eots_received == 1, timeout=60, what="the giver got our EOT")
     assert ref_giver.flows_killed == 0
     wait_until(lambda: _open_flows(tmp_path) == {}, timeout=60, what="the flow marked closed")
+
+
+# -- completeness under maxBacklog, pauses and flows down (review of 0478ffa) ---------------------
+
+
+def _withheld_ms(recv, producer: str) -> int:
+    return recv.holdups().get(producer, {}).get("withheldMs", 0)
+
+
+def test_a_plain_giver_held_back_by_max_backlog_is_not_taken_as_done(tmp_path):
+    """Quiet counts only while the giver holds credit: step batches slower than
+    plainGiverQuiet (the giver held back by maxBacklog meanwhile) lose nothing."""
+    ctx = zmq.Context()
+    n = 2000
+    ref = ReferenceServer(ctx, role="giver", flavor="cpp", values=[b"h%d" % i for i in range(n)])
+    reader = runner_reader(ref.endpoint, tmp_path, maxBacklog="500", plainGiverQuiet="300ms")
+    try:
+        reader.prepareForTriggerAvailableNow()
+        end = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        recv = reader._rt.receiver
+        steps = 0
+        while reader._target is None:
+            steps += 1
+            # Spark runs this step batch for 3x plainGiverQuiet: the giver has no credit.
+            before = _withheld_ms(recv, ref.endpoint)
+            wait_until(
+                lambda b=before: _withheld_ms(recv, ref.endpoint) - b > 900,
+                what="the giver held back for 3x plainGiverQuiet",
+            )
+            end = reader.latestOffset(end, ReadAllAvailable())
+        assert end == {ref.endpoint: n + 1}
+        assert steps >= 3  # maxBacklog 500 of 2000: step batches happened
+        assert reader.latestOffset(end, ReadAllAvailable()) == end
+    finally:
+        reader.stop()
+        ref.close()
+        ctx.term()
+
+
+def _latest_in_thread(reader, start) -> tuple[threading.Thread, dict]:
+    got: dict = {}
+
+    def run() -> None:
+        try:
+            got["end"] = reader.latestOffset(start, ReadAllAvailable())
+        except BaseException as e:  # handed to the test thread
+            got["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, got
+
+
+def test_a_zio_spark_giver_client_that_pauses_is_not_ended_by_plain_giver_quiet(tmp_path):
+    from zio_spark.options import parse_source_options
+    from zio_spark.source.producer import Producer
+    from zio_spark.spark.source import ZioStreamReader
+
+    endpoint = free_endpoint()
+    opts = {"bind": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
+    reader = ZioStreamReader(
+        parse_source_options({**opts, "plainGiverQuiet": "300ms"}), ("seq", "value")
+    )
+    reader.prepareForTriggerAvailableNow()
+    start = reader.initialOffset()
+    recv = reader._rt.receiver
+    prod = Producer(connect=endpoint, producer_id="client-pause", linger_ms=0)
+    try:
+
+        def quiet() -> float:
+            mine = [s for s in recv.status() if s.producer == "client-pause"]
+            live = [s for s in mine if s.state == "receiving"]
+            return recv.looked_at - live[0].last_data if live else 0.0
+
+        t, got = _latest_in_thread(reader, start)
+        wait_until(lambda: quiet() > 1.0 or not t.is_alive(), what="a pause of 3x the quiet")
+        assert t.is_alive(), got  # neither ended nor failed by plainGiverQuiet
+        n = 3000
+        prod.send_many([b"v%d" % i for i in range(n)])
+        wait_until(lambda: not t.is_alive(), what="the run's end at more:false")
+        assert got == {"end": {"client-pause": n + 1}}
+    finally:
+        reader.stop()
+        prod.close(timeout=5, flush=False)
+
+
+def _held_then_closed(producers, tmp_path, name: str, **options: str):
+    """A producer stating 5000 records, held back by maxBacklog 500, then closed without
+    flushing: its EOT comes short of its stated position."""
+    prod = producers(name)
+    prod.send_many([b"v%d" % i for i in range(5000)])
+    reader = runner_reader(prod.endpoint, tmp_path, maxBacklog="500", **options)
+    return prod, reader
+
+
+def test_an_eot_short_of_the_stated_position_is_not_the_end(producers, tmp_path):
+    prod, reader = _held_then_closed(producers, tmp_path, "eot-short", connectTimeout="2s")
+    try:
+        reader.prepareForTriggerAvailableNow()
+        end = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
+        assert 1 < end["eot-short"] < 5001  # a step: maxBacklog held it back
+        recv = reader._rt.receiver
+        prod.close(timeout=5, flush=False)  # EOT with records still held
+        wait_until(
+            lambda: all(s.state != "receiving" for s in recv.status()), what="its flow ended"
+        )
+        with pytest.raises(TransportError, match="stated it held records up to 5000") as info:
+            reader.latestOffset(end, ReadAllAvailable())
+        assert prod.endpoint in str(info.value)
+    finally:
+        reader.stop()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["spark4.2+", "spark4.0-4.1"])
+def test_the_first_batch_stops_awaiting_a_stating_producer_down_for_connect_timeout(
+    producers, tmp_path, monkeypatch, caplog, native
+):
+    monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", native, raising=False)
+    prod, reader = _held_then_closed(producers, tmp_path, f"down-{native}", connectTimeout="1s")
+    try:
+        start = reader.initialOffset()
+        recv = reader._rt.receiver
+        wait_until(lambda: recv.held_back(), what="maxBacklog holding it back")
+        prod.close(timeout=5, flush=False)
+        wait_until(
+            lambda: all(s.state != "receiving" for s in recv.status()), what="its flow ended"
+        )
+        with caplog.at_level("WARNING", logger="zio_spark.source"):
+            t, got = _latest_in_thread(reader, start)
+            wait_until(lambda: not t.is_alive(), what="the first batch's end")
+        assert 1 < got["end"][f"down-{native}"] < 5001, got
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(prod.endpoint in m and "first batch" in m for m in warned), warned
+    finally:
+        reader.stop()
+
+
+_PRODUCER = textwrap.dedent(
+    """
+    import sys, time
+    from zio_spark.source.producer import Producer
+
+    endpoint, producer_id, count, topology = sys.argv[1:5]
+    where = {"connect": endpoint} if topology == "connect" else {"bind": endpoint}
+    prod = Producer(producer_id=producer_id, linger_ms=0, max_unacked=200_000, **where)
+    prod.send_many([b"r%d" % s for s in range(1, int(count) + 1)])
+    print("QUEUED", flush=True)
+    while True:
+        time.sleep(1.0)  # gives until it is killed
+    """
+)
+
+
+@pytest.fixture
+def child_producer():
+    """``start(endpoint, producer_id, count, topology)``: a producer in a child process
+    that queues ``count`` records and gives them, killed (SIGKILL, by pid) at will."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(endpoint: str, producer_id: str, count: int, topology: str):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PRODUCER, endpoint, producer_id, str(count), topology],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if line.strip() != "QUEUED":
+            proc.kill()
+            pytest.fail(f"producer child did not start: {line!r} {proc.communicate()[1][-2000:]!r}")
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+
+
+def test_the_first_batch_stops_awaiting_a_stating_producer_whose_flow_failed(
+    child_producer, tmp_path, caplog
+):
+    """Killed (no EOT), the producer's flow keeps reconnecting: awaited connectTimeout,
+    then a WARN naming it, never an endless wait."""
+    endpoint = free_endpoint()
+    proc = child_producer(endpoint, "killed", 5000, "bind")
+    reader = runner_reader(endpoint, tmp_path, maxBacklog="500", connectTimeout="1s")
+    try:
+        start = reader.initialOffset()
+        recv = reader._rt.receiver
+        wait_until(lambda: recv.held_back(), what="maxBacklog holding it back")
+        assert recv.stated_positions() == {"killed": 5000}
+        proc.kill()
+        proc.communicate(timeout=60)
+        wait_until(lambda: all(s.state != "receiving" for s in recv.status()), what="its flow down")
+        with caplog.at_level("WARNING", logger="zio_spark.source"):
+            t, got = _latest_in_thread(reader, start)
+            wait_until(lambda: not t.is_alive(), what="the first batch's end")
+        assert 1 < got["end"]["killed"] < 5001, got
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(endpoint in m and "first batch" in m for m in warned), warned
+    finally:
+        reader.stop()
+
+
+def test_bind_mode_awaits_a_named_giver_client_whose_flow_dropped(child_producer, tmp_path):
+    """A client that stated its producer id and dropped is awaited connectTimeout (it
+    reconnects when it can), then the run fails naming it: never a short success."""
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    endpoint = free_endpoint()
+    opts = {"bind": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
+    reader = ZioStreamReader(
+        parse_source_options({**opts, "maxBacklog": "500", "connectTimeout": "2s"}),
+        ("seq", "value"),
+    )
+    try:
+        reader.prepareForTriggerAvailableNow()
+        start = reader.initialOffset()
+        proc = child_producer(endpoint, "dropped", 5000, "connect")
+        end = reader.latestOffset(start, ReadAllAvailable())
+        assert 1 < end.get("dropped", 0) < 5001, end  # a step: maxBacklog held it back
+        proc.kill()  # the commit frees credit: our PAY to it fails, its flow drops
+        proc.communicate(timeout=60)
+        with pytest.raises(TransportError, match="did not come back") as info:
+            reader.latestOffset(end, ReadAllAvailable())
+        assert "dropped" in str(info.value)
+    finally:
+        reader.stop()
+
+
+class _DrippingGiver(_SilentGiver):
+    """A plain giver that gives one record every 20 ms, within the credit paid, for as
+    long as it runs: never quiet (a steady stream)."""
+
+    def _run(self) -> None:
+        flow: Flow | None = None
+        rid: object = None
+        n, next_at = 0, 0.0
+        while not self._stop.is_set():
+            got = self.port.recv(10)
+            if isinstance(got, tuple):
+                rid, msg = got
+                flow = flow or Flow(Role.SERVER)
+                event = flow.receive(msg)
+                if isinstance(event, BotReceived):
+                    self.bots += 1
+                    self.port.send(flow.accept(None, dict(event.attrs)), rid)
+            ready = flow is not None and flow.state is FlowState.READY and flow.credit > 0
+            if ready and time.monotonic() >= next_at:  # pacing the giver, not a test wait
+                assert flow is not None
+                self.port.send(flow.send_dat((b"d%d" % n,)), rid)
+                n += 1
+                next_at = time.monotonic() + 0.02
+
+
+@pytest.fixture
+def dripping_giver():
+    ctx = zmq.Context()
+    g = _DrippingGiver(ctx)
+    yield g
+    g.close()
+    ctx.term()
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_on_spark_4_0_the_first_batch_waits_for_a_steady_plain_giver_at_most_connect_timeout(
+    dripping_giver, tmp_path, monkeypatch, caplog
+):
+    """Spark 4.0/4.1 give every query this one-batch wait (processingTime too): a plain
+    giver that never goes quiet is awaited connectTimeout, then a WARN."""
+    monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", False, raising=False)
+    ep = dripping_giver.endpoint
+    reader = runner_reader(ep, tmp_path, connectTimeout="2s", plainGiverQuiet="500ms")
+    try:
+        with caplog.at_level("WARNING", logger="zio_spark.source"):
+            t, got = _latest_in_thread(reader, reader.initialOffset())
+            wait_until(lambda: not t.is_alive(), timeout=60, what="the first batch's end")
+        assert got["end"][ep] > 1, got  # what it gave so far
+        assert any(ep in m and "connectTimeout" in m for m in _warnings(caplog)), caplog.text
+    finally:
+        reader.stop()
+
+
+def test_on_spark_4_0_the_first_batch_warns_of_each_producer_it_goes_on_without(
+    silent_giver, tmp_path, monkeypatch, caplog
+):
+    """An unreachable endpoint and a plain giver that gave nothing: a WARN for each,
+    never a silent short run (4.0/4.1 run availableNow as this one batch)."""
+    monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", False, raising=False)
+    nobody = free_endpoint()
+    reader = runner_reader(
+        f"{nobody},{silent_giver.endpoint}", tmp_path, connectTimeout="1s", plainGiverQuiet="300ms"
+    )
+    try:
+        with caplog.at_level("WARNING", logger="zio_spark.source"):
+            assert reader.latestOffset(reader.initialOffset(), ReadAllAvailable()) == {}
+        warned = _warnings(caplog)
+        assert any(nobody in m and "not reachable" in m for m in warned), warned
+        assert any(silent_giver.endpoint in m and "gave nothing" in m for m in warned), warned
+    finally:
+        reader.stop()

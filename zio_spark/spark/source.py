@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from pyspark.sql.types import StructType
 from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions
-from zio_spark.source.receiver import Receiver
+from zio_spark.source.receiver import PeerStatus, Receiver
 from zio_spark.source.sealer import Sealer
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
 from zio_spark.spark import compat
@@ -278,6 +278,12 @@ class _RunState:
         self.down: dict[str, float] = {}
         self._said: set[str] = set()
         self._progress_at = 0.0
+        # Per producer: the receiver clock when it was last seen holding no credit from
+        # us (maxBacklog), and the withheld time last read (a spell between two looks).
+        self._held_at: dict[str, float] = {}
+        self._withheld_ms: dict[str, int] = {}
+        # Per flow stating no position: when it was first seen giving (the one-batch cap).
+        self.first_seen: dict[str, float] = {}
 
     def problem(self, key: str, text: str, fail: bool) -> None:
         """An incomplete run: raise (``failOnDataLoss``), else log it once."""
@@ -286,6 +292,24 @@ class _RunState:
         if f"problem:{key}" not in self._said:
             self._said.add(f"problem:{key}")
             log.warning("%s (failOnDataLoss=false: the run goes on without it)", text)
+
+    def warn(self, key: str, text: str) -> None:
+        """A first batch that goes on without some records: a WARN, once (on Spark
+        4.0/4.1 an availableNow run is this one batch: never a silent short run)."""
+        if f"problem:{key}" not in self._said:
+            self._said.add(f"problem:{key}")
+            log.warning("%s (the first batch goes on without them)", text)
+
+    def held_at(self, recv: Receiver, now: float) -> dict[str, float]:
+        """Per producer: when it last held no credit from us (maxBacklog withheld it).
+        A giver cannot give without credit: its quiet counts only from then on."""
+        held = set(recv.held_back())
+        for p, h in recv.holdups().items():
+            ms = h.get("withheldMs", 0)
+            if p in held or ms != self._withheld_ms.get(p, 0):
+                self._withheld_ms[p] = ms
+                self._held_at[p] = now
+        return self._held_at
 
     def once(self, key: str, fmt: str, *args: object) -> None:
         if f"note:{key}" not in self._said:
@@ -425,7 +449,14 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return dict(self._target)
 
     def _awaited(
-        self, rt: _Runtime, *, plain: bool, strict: bool, reach: float | None = None
+        self,
+        rt: _Runtime,
+        *,
+        plain: bool,
+        strict: bool,
+        reach: float | None = None,
+        warn: bool = False,
+        cap: float | None = None,
     ) -> list[str]:
         """What the producers still owe the run (empty: every one gave what it held when
         the run started), decided by protocol state:
@@ -434,16 +465,24 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
           ``connectTimeout``) from the start; then (``strict``) it is an error naming it
           and what the socket saw;
         - a producer that stated its position (``last`` in its BOT reply) is awaited
-          until the spool holds every record up to it, it said ``more: false`` with all
-          it sent stored, or it ended its flow (EOT); while its flow is down, for
-          ``connectTimeout``, then (``strict``) an error;
-        - (``plain``) a flow that states no position (a plain giver; a zio-spark giver
-          client of a bound port: its BOT comes before our reply settles its numbering)
-          is awaited until it ends (EOT), says ``more: false``, or brings nothing for
-          ``plainGiverQuiet`` (logged); quiet with nothing received at all is
-          (``strict``) an error.
+          until the spool holds every record up to it or it said ``more: false`` with
+          all it sent stored; an EOT short of that (``close(flush=False)``, a restart)
+          or a flow down is awaited for ``connectTimeout``, then (``strict``) an error;
+        - (``plain``) a plain giver (no acks, no zio-spark profile: it states nothing)
+          is awaited until it ends (EOT), or brings nothing for ``plainGiverQuiet``
+          while it holds credit from us (logged; the quiet clock starts again when
+          maxBacklog stops withholding its credit); quiet with nothing received at all
+          is (``strict``) an error;
+        - (``plain``) a zio-spark giver that states no position (a client of a bound
+          port: its BOT comes before our reply settles its numbering) is awaited until
+          ``more: false`` or EOT; quiet for ``connectTimeout`` is (``strict``) an error.
+          One whose flow failed, and that named itself (a producer id), is awaited for
+          ``connectTimeout`` to come back, then (``strict``) an error;
+        - ``cap``: a flow stating no position that is still giving ``cap`` s after it
+          was first seen is no longer awaited (a WARN; Spark 4.0/4.1's one batch).
 
-        Errors are raised with ``failOnDataLoss`` (the default), else logged once.
+        Errors are raised with ``failOnDataLoss`` (the default), else logged once; with
+        ``warn`` (not ``strict``) each is logged once as a WARN.
         """
         recv, opts, state = rt.receiver, self.opts, self._run_state
         now = recv.clock()
@@ -452,38 +491,44 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         age = now - recv.started_at
         reach = opts.connect_timeout if reach is None else reach
         out: list[str] = []
+
+        def short(key: str, text: str) -> None:
+            if strict:
+                state.problem(key, text, opts.fail_on_data_loss)
+            elif warn:
+                state.warn(key, text)
+
         for st in status:
             if st.flows or st.state in ("receiving", "ended"):
                 continue
             if st.state == "failed" or age > reach:
                 why = recv.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
-                if strict:
-                    state.problem(
-                        st.endpoint,
-                        f"zio source: producer {st.endpoint} was not reachable during this "
-                        f"availableNow run ({why}); its records are not in this run. Start "
-                        "it (or fix the endpoint), or set failOnDataLoss=false to end the "
-                        "run without it",
-                        opts.fail_on_data_loss,
-                    )
+                short(
+                    st.endpoint,
+                    f"zio source: producer {st.endpoint} was not reachable during this "
+                    f"availableNow run ({why}); its records are not in this run. Start "
+                    "it (or fix the endpoint), or set failOnDataLoss=false to end the "
+                    "run without it",
+                )
                 continue
             out.append(f"{st.endpoint}: no flow yet")
         if not status:
             if age <= reach:
                 out.append("no producer yet")
-            elif strict:
+            else:
                 where = ", ".join(recv.bound_endpoints()) or "the group"
-                state.problem(
+                short(
                     "(none)",
                     f"zio source: no producer reached this availableNow run within "
                     f"connectTimeout {opts.connect_timeout:g} s (listening on {where}); "
                     "start the producers first, or raise connectTimeout",
-                    opts.fail_on_data_loss,
                 )
         for producer, pos in sorted(positions.items()):
             stored = rt.spool.next_seq(producer) - 1
             mine = [st for st in status if st.producer == producer]
-            if stored >= pos or any(st.state == "ended" or st.idle for st in mine):
+            # Done by its own statements only: an EOT short of its position (a producer
+            # closed without flushing, or restarting) is a flow down, not the end.
+            if stored >= pos or any(st.idle for st in mine):
                 state.down.pop(producer, None)
                 continue
             if any(st.state == "receiving" for st in mine):
@@ -491,46 +536,124 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 out.append(f"{producer}: {stored} of its {pos} stored")
                 continue
             since = state.down.setdefault(producer, now)
-            if now - since > opts.connect_timeout and strict:
+            if now - since > opts.connect_timeout:
                 errors = "; ".join(st.last_error or st.state for st in mine) or "no flow"
-                state.problem(
-                    producer,
-                    f"zio source: producer {producer} stated it held records up to {pos} "
-                    f"when the run started; the spool holds up to {stored}, and its flow "
-                    f"has been down for {now - since:.0f} s ({errors}). Restart the "
-                    "producer, or set failOnDataLoss=false to end the run without them",
-                    opts.fail_on_data_loss,
+                where = ", ".join(sorted({st.endpoint for st in mine})) or "no endpoint"
+                text = (
+                    f"zio source: producer {producer} ({where}) stated it held records up "
+                    f"to {pos} when the run started; the spool holds up to {stored}, and "
+                    f"its flow has been down (or ended short) for {now - since:.0f} s "
+                    f"({errors}). Restart the producer, or set failOnDataLoss=false to "
+                    "end the run without them"
                 )
+                if strict:
+                    state.problem(producer, text, opts.fail_on_data_loss)
+                else:  # the first batch: not awaited any longer, never silently
+                    state.warn(producer, text)
                 continue
             out.append(f"{producer}: {stored} of its {pos} stored, flow down")
-        if plain:
-            for st in status:
-                if st.state != "receiving" or st.position is not None or st.idle:
-                    continue
-                quiet = recv.looked_at - st.last_data
-                if quiet < opts.plain_giver_quiet:
-                    out.append(f"{st.endpoint}: plain giver, quiet {max(quiet, 0):.1f} s")
-                    continue
-                if st.records == 0 and strict:
-                    state.problem(
+        if not plain:
+            return out
+        held_at = state.held_at(recv, now)
+        for st in status:
+            if st.state != "receiving" or st.position is not None or st.idle:
+                continue
+            # Quiet counts only while it holds credit from us: a giver held back by
+            # maxBacklog (while Spark runs a step batch) cannot give.
+            since = max(st.last_data, held_at.get(st.producer or st.endpoint, st.last_data))
+            quiet = max(recv.looked_at - since, 0.0)
+            ours = st.ack_capable or st.encoding == "arrow"
+            kind = "zio-spark giver" if ours else "plain giver"
+            if cap is not None:
+                first = state.first_seen.setdefault(st.endpoint, now)
+                if now - first > cap:
+                    state.warn(
                         st.endpoint,
-                        f"zio source: plain giver {st.endpoint} answered our BOT but gave "
-                        f"nothing within plainGiverQuiet {opts.plain_giver_quiet:g} s; a "
-                        "plain giver cannot state what it holds, so this run would end "
-                        "with none of its records. Raise plainGiverQuiet if it is slow to "
-                        "start, or set failOnDataLoss=false to accept an empty run",
-                        opts.fail_on_data_loss,
+                        f"zio source: {kind} {st.endpoint} was still giving {cap:g} s "
+                        f"(connectTimeout) after its flow started, {st.records} records "
+                        "so far; the first batch takes what is stored. On Spark 4.0/4.1 "
+                        "an availableNow run is this one batch: its later records are "
+                        "not in it",
                     )
                     continue
-                state.once(
+            if ours:
+                # It ends by its own statement (more: false) or EOT, never by quiet.
+                if quiet < opts.connect_timeout:
+                    out.append(f"{st.endpoint}: {kind}, until more:false or EOT")
+                    continue
+                short(
                     st.endpoint,
-                    "zio source: plain giver %s brought nothing for %.1f s after %d records "
-                    "(plainGiverQuiet %g s): taken as having given all it held",
-                    st.endpoint,
-                    quiet,
-                    st.records,
-                    opts.plain_giver_quiet,
+                    f"zio source: {kind} {st.endpoint} (producer {st.producer}) brought "
+                    f"nothing for {quiet:.0f} s (connectTimeout {opts.connect_timeout:g} "
+                    f"s) after {st.records} records while holding credit, and neither "
+                    "said it had no more (more: false) nor ended its flow (EOT). Check "
+                    "the producer, or set failOnDataLoss=false to end the run without it",
                 )
+                continue
+            if quiet < opts.plain_giver_quiet:
+                out.append(f"{st.endpoint}: plain giver, quiet {quiet:.1f} s")
+                continue
+            if st.records == 0:
+                short(
+                    st.endpoint,
+                    f"zio source: plain giver {st.endpoint} answered our BOT but gave "
+                    f"nothing within plainGiverQuiet {opts.plain_giver_quiet:g} s; a "
+                    "plain giver cannot state what it holds, so this run would end "
+                    "with none of its records. Raise plainGiverQuiet if it is slow to "
+                    "start, or set failOnDataLoss=false to accept an empty run",
+                )
+                continue
+            state.once(
+                st.endpoint,
+                "zio source: plain giver %s brought nothing for %.1f s after %d records "
+                "(plainGiverQuiet %g s): taken as having given all it held",
+                st.endpoint,
+                quiet,
+                st.records,
+                opts.plain_giver_quiet,
+            )
+        out.extend(self._dropped_clients(rt, status, positions, now, short))
+        return out
+
+    def _dropped_clients(
+        self,
+        rt: _Runtime,
+        status: list[PeerStatus],
+        positions: dict[str, int],
+        now: float,
+        short: Callable[[str, str], None],
+    ) -> list[str]:
+        """Bind mode: a giver client that named itself (a producer id) and whose latest
+        flow failed is awaited for ``connectTimeout`` to come back (it reconnects), then
+        ``short`` says so. A plain client (``origin:<n>``) cannot resume: not awaited."""
+        recv, state = rt.receiver, self._run_state
+        named = set(recv.endpoints())
+        live = {st.producer for st in status if st.state == "receiving"}
+        latest: dict[str, PeerStatus] = {}
+        for st in status:  # live flows first, then the ended ones in the order they ended
+            p = st.producer
+            if st.endpoint in named or p is None or p.startswith("origin:") or p in positions:
+                continue
+            if st.state != "receiving":
+                latest[p] = st
+        out: list[str] = []
+        for producer, st in sorted(latest.items()):
+            key = f"client:{producer}"
+            if producer in live or st.state != "failed" or st.idle:
+                state.down.pop(key, None)
+                continue
+            since = state.down.setdefault(key, now)
+            if now - since > self.opts.connect_timeout:
+                short(
+                    key,
+                    f"zio source: giver client {st.endpoint} (producer {producer}) "
+                    f"dropped its flow ({st.last_error}) and did not come back within "
+                    f"connectTimeout {self.opts.connect_timeout:g} s; records it still "
+                    "held are not in this run. Restart it, or set failOnDataLoss=false "
+                    "to end the run without it",
+                )
+                continue
+            out.append(f"{producer}: giver client's flow dropped, awaiting it")
         return out
 
     def latestOffset(
@@ -576,18 +699,26 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         Spark 4.0/4.1 run an availableNow query as this one batch (no
         ``prepareForTriggerAvailableNow``): there the wait covers plain givers too
         (``plainGiverQuiet``), so the batch holds everything the producers held when the
-        run started, up to ``maxBacklog`` records per producer. On 4.2+ a plain giver's
-        first records are awaited at most :data:`_FIRST_WAIT` s: a latency choice for
-        the first batch (Spark runs it whatever offsets it gets, paying ~2 s of worker
-        start-up), never a completeness decision; later batches take the rest.
+        run started, up to ``maxBacklog`` records per producer. There every query has
+        this wait (a processingTime stream too), so a giver stating no position that
+        keeps giving is awaited at most ``connectTimeout`` from its flow's start (then a
+        WARN), and whatever the batch goes on without is a WARN too. A stating producer
+        whose flow is down is awaited ``connectTimeout`` (then a WARN) on any Spark. On
+        4.2+ a plain giver's first records are awaited at most :data:`_FIRST_WAIT` s: a
+        latency choice for the first batch (Spark runs it whatever offsets it gets,
+        paying ~2 s of worker start-up), never a completeness decision; later batches
+        take the rest.
         """
         one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
         # A stream (4.2+) picks up a producer that is slow to connect in a later batch:
         # its first batch waits for connections only briefly (a latency choice).
         reach = None if one_batch else min(self.opts.connect_timeout, _FIRST_WAIT)
+        cap = self.opts.connect_timeout if one_batch else None
         while True:
             self._check(rt)
-            awaited = self._awaited(rt, plain=one_batch, strict=False, reach=reach)
+            awaited = self._awaited(
+                rt, plain=one_batch, strict=False, reach=reach, warn=one_batch, cap=cap
+            )
             if not awaited:
                 break
             waiting = sum(rt.spool.backlog().values())
@@ -682,6 +813,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
             spool.close()
             raise
         recv = inlet.receiver
+        ended: bool | None = None  # the receiver thread ended (then the spool may close)
         try:
             timeout = opts.timeout or opts.connect_timeout
             deadline = time.monotonic() + timeout
@@ -709,12 +841,26 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
                     ends[p] = starts[p] + take
                     budget -= take
             # The records stay in this private spool for read(); only the producers hear
-            # that they are safe (an ack), so ack-capable ones can forget them.
+            # that they are safe (an ack), so ack-capable ones can forget them. Acks go
+            # on open flows: before the EOTs.
             recv.acknowledge(ends)
             recv.flush_acks(timeout=min(5.0, opts.connect_timeout))
+            # End the flows. A plain giver sends what it had credit for until our EOT
+            # reaches it, and its echo tells it all arrived: those records are in the
+            # result (sealed after the receiver ended), never dropped with this spool.
+            # An ack-capable producer's late records were not acked: it keeps them.
+            ended = inlet.stop()
+            if not ended:
+                raise TransportError(
+                    "zio batch read failed: the receiver did not end the flows within "
+                    f"{recv.stop_bound():.0f} s, so what arrived meanwhile cannot be sealed"
+                )
+            _take_plain(recv, spool, starts, ends, budget, opts.max_records)
         finally:
-            inlet.stop()
-            spool.close()
+            if ended is None:
+                ended = inlet.stop()
+            if ended:  # never under a receiver thread still appending (it logged why)
+                spool.close()
         ranges = {p: (starts[p], e) for p, e in ends.items()}
         return [
             ZioPartition(
@@ -739,6 +885,42 @@ def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     if not isinstance(partition, ZioPartition):
         return iter(())
     return _read_partition(partition)
+
+
+def _take_plain(
+    recv: Receiver,
+    spool: Spool,
+    starts: dict[str, int],
+    ends: dict[str, int],
+    budget: int | None,
+    max_records: int | None,
+) -> None:
+    """A batch read's flows have ended: extend ``ends`` of plain givers (no acks) to all
+    they gave, within ``budget`` (what ``maxRecords`` leaves).
+
+    A plain giver has no acks: what reached the spool is confirmed to it (by our credit,
+    then the echo of our EOT), so it is in the result or (beyond ``maxRecords``) logged
+    as not taken: the giver does not keep it."""
+    plain = {st.producer for st in recv.status() if st.producer and not st.ack_capable}
+    sealed = spool.seal()
+    for p in sorted(sealed):
+        if p not in plain:
+            continue
+        start = starts.setdefault(p, max(spool.committed().get(p, 1), 1))
+        end = ends.get(p, start)
+        more = max(0, sealed[p] - end)
+        take = more if budget is None else min(more, budget)
+        if budget is not None:
+            budget -= take
+        ends[p] = end + take
+        if more > take:
+            log.warning(
+                "zio batch read: %d records of plain giver %s are beyond maxRecords %s: "
+                "not in the result, and a plain giver does not keep them",
+                more - take,
+                p,
+                max_records,
+            )
 
 
 def _raise_failed(recv: Receiver, timeout: float) -> None:
