@@ -461,7 +461,7 @@ def _held_then_closed(producers, tmp_path, name: str, **options: str):
 
 
 def test_an_eot_short_of_the_stated_position_is_not_the_end(producers, tmp_path):
-    prod, reader = _held_then_closed(producers, tmp_path, "eot-short", connectTimeout="2s")
+    prod, reader = _held_then_closed(producers, tmp_path, "eot-short", connectTimeout="5s")
     try:
         reader.prepareForTriggerAvailableNow()
         end = reader.latestOffset(reader.initialOffset(), ReadAllAvailable())
@@ -483,7 +483,7 @@ def test_the_first_batch_stops_awaiting_a_stating_producer_down_for_connect_time
     producers, tmp_path, monkeypatch, caplog, native
 ):
     monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", native, raising=False)
-    prod, reader = _held_then_closed(producers, tmp_path, f"down-{native}", connectTimeout="1s")
+    prod, reader = _held_then_closed(producers, tmp_path, f"down-{native}", connectTimeout="2s")
     try:
         start = reader.initialOffset()
         recv = reader._rt.receiver
@@ -554,7 +554,7 @@ def test_the_first_batch_stops_awaiting_a_stating_producer_whose_flow_failed(
     then a WARN naming it, never an endless wait."""
     endpoint = free_endpoint()
     proc = child_producer(endpoint, "killed", 5000, "bind")
-    reader = runner_reader(endpoint, tmp_path, maxBacklog="500", connectTimeout="1s")
+    reader = runner_reader(endpoint, tmp_path, maxBacklog="500", connectTimeout="3s")
     try:
         start = reader.initialOffset()
         recv = reader._rt.receiver
@@ -580,15 +580,16 @@ def test_bind_mode_awaits_a_named_giver_client_whose_flow_dropped(child_producer
     from zio_spark.spark.source import ZioStreamReader
 
     endpoint = free_endpoint()
+    # Started first (it connects once we bind): a slow child start is no "no producer".
+    proc = child_producer(endpoint, "dropped", 5000, "connect")
     opts = {"bind": endpoint, "spoolPath": str(tmp_path / "spool"), "spoolAccess": "local"}
     reader = ZioStreamReader(
-        parse_source_options({**opts, "maxBacklog": "500", "connectTimeout": "2s"}),
+        parse_source_options({**opts, "maxBacklog": "500", "connectTimeout": "4s"}),
         ("seq", "value"),
     )
     try:
         reader.prepareForTriggerAvailableNow()
         start = reader.initialOffset()
-        proc = child_producer(endpoint, "dropped", 5000, "connect")
         end = reader.latestOffset(start, ReadAllAvailable())
         assert 1 < end.get("dropped", 0) < 5001, end  # a step: maxBacklog held it back
         proc.kill()  # the commit frees credit: our PAY to it fails, its flow drops
@@ -645,7 +646,7 @@ def test_on_spark_4_0_the_first_batch_waits_for_a_steady_plain_giver_at_most_con
     giver that never goes quiet is awaited connectTimeout, then a WARN."""
     monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", False, raising=False)
     ep = dripping_giver.endpoint
-    reader = runner_reader(ep, tmp_path, connectTimeout="2s", plainGiverQuiet="500ms")
+    reader = runner_reader(ep, tmp_path, connectTimeout="4s", plainGiverQuiet="500ms")
     try:
         with caplog.at_level("WARNING", logger="zio_spark.source"):
             t, got = _latest_in_thread(reader, reader.initialOffset())
@@ -664,7 +665,7 @@ def test_on_spark_4_0_the_first_batch_warns_of_each_producer_it_goes_on_without(
     monkeypatch.setattr(compat, "HAS_TRIGGER_AVAILABLE_NOW", False, raising=False)
     nobody = free_endpoint()
     reader = runner_reader(
-        f"{nobody},{silent_giver.endpoint}", tmp_path, connectTimeout="1s", plainGiverQuiet="300ms"
+        f"{nobody},{silent_giver.endpoint}", tmp_path, connectTimeout="3s", plainGiverQuiet="300ms"
     )
     try:
         with caplog.at_level("WARNING", logger="zio_spark.source"):
