@@ -673,6 +673,18 @@ def test_stop_says_when_the_thread_outlives_its_bound(ctx, spool, closing, monke
     assert r.stop() is True and r._thread is None
 
 
+def test_flush_acks_does_not_wait_for_a_plain_giver(ctx, spool, closing):
+    """A plain giver takes no acks: flush_acks has nothing to send it (it waited its
+    whole timeout for one, 5 s of every batch read from a plain giver)."""
+    giver = PlainGiver(ctx, [b"f%d" % i for i in range(1000)], credit=5)
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, credit=5, max_backlog=20)
+    wait_until(lambda: r.status()[0].records == 20, what="the backlog filled", timeout=20.0)
+    assert r.status()[0].state == "receiving"
+    r.acknowledge({giver.endpoint: 21})
+    assert r.flush_acks(timeout=3.0) is True
+
+
 def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     class Garbage(RawGiver):
         """Breaks the protocol differently on each BOT."""

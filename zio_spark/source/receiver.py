@@ -299,7 +299,9 @@ class Receiver(BoundFlows, SpoolWriting):
                     self._committed[producer] = end
 
     def flush_acks(self, timeout: float = 5.0) -> bool:
-        """Wait until every connected producer was sent the latest committed ack."""
+        """Wait until every connected producer that takes acks was sent the latest
+        committed ack (a plain giver takes none: it was waited for in vain, the whole
+        ``timeout``, in every batch read)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
@@ -307,6 +309,7 @@ class Receiver(BoundFlows, SpoolWriting):
                     p
                     for p in self._flows()
                     if p.producer is not None
+                    and p.terms.ack
                     and p.flow is not None
                     and p.flow.state is FlowState.READY
                     and p.acked < self._committed.get(p.producer, 1) - 1
