@@ -33,6 +33,7 @@ from test_queue import (  # the queue_process fixture is shared by importing it
     queue_process,  # noqa: F401
 )
 
+from tests.support import wait_until
 from zio_spark.protocol import pzq
 from zio_spark.pzq.broker import QueueBroker
 from zio_spark.storage import store as store_mod
@@ -177,19 +178,27 @@ def test_a_consumer_that_reconnects_is_served_and_a_vanished_ones_messages_come_
     tmp_path: Path,
 ) -> None:
     n = 300
-    _, info = queue_process(tmp_path / "q", "--ack-timeout", "60s")  # far longer than a wait
+    # An ack timeout far beyond every wait below: a message that came back only by its
+    # timeout would leave _consume with nothing for a whole minute.
+    _, info = queue_process(tmp_path / "q", "--ack-timeout", "600s")
     first = clients(PzqConsumer, info["send"])
     assert producer_example(ctx, info["receive"], n) == n
     held = first.consume(WAIT_S)  # taken, never acked
     assert held is not None
     first.close()  # it vanishes with its in-flight messages
-    second = clients(PzqConsumer, info["send"])
-    started = time.monotonic()
-    got = set(_consume(second, n))
-    assert got == {b"id-%d" % i for i in range(n)} and held.id in got
-    assert time.monotonic() - started < 30, "requeued at once, not after the 60 s timeout"
+    # Decided by the queue's own state, not by the clock: once it has seen the connection
+    # go (its socket monitor), what was in flight to it is back in the queue. (A consumer
+    # that connects before that moment shares the dealer's round robin with the dead pipe,
+    # and what goes there waits for the ack timeout: see pzq/send.py.)
     mon = clients(PzqMonitor, info["monitor"])
-    assert int(mon.get_stats()["vanished_requeued"]) >= 1
+    wait_until(
+        lambda: int(mon.get_stats()["vanished_requeued"]) >= 1,
+        60,
+        "the queue requeueing the vanished consumer's messages",
+    )
+    second = clients(PzqConsumer, info["send"])
+    got = set(_consume(second, n, timeout=60))
+    assert got == {b"id-%d" % i for i in range(n)} and held.id in got
 
 
 def test_probing_consumers_keep_working_across_a_restart(
