@@ -627,8 +627,10 @@ class _Peer:
         self.trace: list[tuple[str, WireMessage]] = []  # ("recv"|"send", message)
 
     # -- public
-    def wait_until(self, pred: Callable[[], bool], timeout: float = 10.0) -> bool:
-        """Wait (with a deadline) until ``pred()`` is true; returns its final value."""
+    def wait_until(self, pred: Callable[[], bool], timeout: float = 60.0) -> bool:
+        """Wait (with a deadline) until ``pred()`` is true; returns its final value. The
+        deadline only guards against a hang (a loaded machine took over 10 s for a flow's
+        last EOT round trip); it returns as soon as ``pred()`` holds."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not pred():
