@@ -62,21 +62,21 @@ _S40 = "Spark 4.0 (Databricks Runtime 17.3 LTS; 15.4 LTS and 16.4 LTS backport i
 _S41 = "Spark 4.1 (Databricks Runtime 18 LTS)"
 _S42 = "Spark 4.2 (Databricks Runtime 19)"
 
-# name -> (module, attribute, the first Spark that has it)
-_CLASSES: dict[str, tuple[str, str, str]] = {
-    "DataSource": (_DS, "DataSource", _S40),
-    "DataSourceReader": (_DS, "DataSourceReader", _S40),
-    "DataSourceWriter": (_DS, "DataSourceWriter", _S40),
-    "DataSourceStreamReader": (_DS, "DataSourceStreamReader", _S40),
-    "DataSourceStreamWriter": (_DS, "DataSourceStreamWriter", _S40),
-    "DataSourceArrowWriter": (_DS, "DataSourceArrowWriter", _S40),
-    "DataSourceStreamArrowWriter": (_DS, "DataSourceStreamArrowWriter", _S41),
-    "InputPartition": (_DS, "InputPartition", _S40),
-    "WriterCommitMessage": (_DS, "WriterCommitMessage", _S40),
-    "ReadLimit": (_SDS, "ReadLimit", _S42),
-    "ReadAllAvailable": (_SDS, "ReadAllAvailable", _S42),
-    "ReadMaxRows": (_SDS, "ReadMaxRows", _S42),
-    "SupportsTriggerAvailableNow": (_SDS, "SupportsTriggerAvailableNow", _S42),
+# class name -> (its module, the first Spark that has it)
+_CLASSES: dict[str, tuple[str, str]] = {
+    "DataSource": (_DS, _S40),
+    "DataSourceReader": (_DS, _S40),
+    "DataSourceWriter": (_DS, _S40),
+    "DataSourceStreamReader": (_DS, _S40),
+    "DataSourceStreamWriter": (_DS, _S40),
+    "DataSourceArrowWriter": (_DS, _S40),
+    "DataSourceStreamArrowWriter": (_DS, _S41),
+    "InputPartition": (_DS, _S40),
+    "WriterCommitMessage": (_DS, _S40),
+    "ReadLimit": (_SDS, _S42),
+    "ReadAllAvailable": (_SDS, _S42),
+    "ReadMaxRows": (_SDS, _S42),
+    "SupportsTriggerAvailableNow": (_SDS, _S42),
 }
 
 
@@ -108,19 +108,20 @@ def spark_version() -> str | None:
 @functools.cache
 def find(name: str) -> Any:
     """The pyspark class ``name`` (a key of the table above), or None if this Spark lacks it."""
-    module, attr, _ = _CLASSES[name]
+    module, _ = _CLASSES[name]
     try:
         mod = importlib.import_module(module)
     except ImportError:
         return None
-    return getattr(mod, attr, None)
+    return getattr(mod, name, None)
 
 
 def require(name: str, needed_for: str) -> Any:
     """The pyspark class ``name``; raise :class:`SparkCapabilityError` if it is missing."""
     cls = find(name)
     if cls is None:
-        raise SparkCapabilityError(f"{_CLASSES[name][0]}.{name}", needed_for, _CLASSES[name][2])
+        module, has_it = _CLASSES[name]
+        raise SparkCapabilityError(f"{module}.{name}", needed_for, has_it)
     return cls
 
 
