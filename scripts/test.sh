@@ -6,7 +6,7 @@
 #   3. the passes: ruff (check + format), mypy strict, pytest (stock pyzmq), the
 #      standalone-cluster test (-m cluster: a master and two workers as separate
 #      processes), then on the draft build with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never
-#      skip): tests/transport and tests/peers whole, and every Spark test marked
+#      skip): tests/loopback and tests/peers whole, and every Spark test marked
 #      requires_draft (source and sink over real CLIENT/SERVER sockets), then the Spark
 #      version matrix (scripts/matrix.sh: contract tests on pyspark 4.0, 4.1, 4.2)
 # Every pass runs even when an earlier one failed; a summary line per pass (name, result,
@@ -47,7 +47,7 @@ pass "mypy" .venv/bin/mypy
 pass "pytest (pyzmq $zmq_version)" env ZIO_REQUIRE_PYRE=1 .venv/bin/python -m pytest \
   --cov=zio_spark.protocol --cov-branch --cov-report=term --cov-fail-under=95 "$@"
 pass "pytest -m cluster" .venv/bin/python -m pytest -p no:cacheprovider -m cluster tests/cluster
-draft_dirs=(tests/transport)
+draft_dirs=(tests/loopback)
 [ -d tests/peers ] && draft_dirs+=(tests/peers)
 pass "draft: transport+peers" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
   -p no:cacheprovider "${draft_dirs[@]}"

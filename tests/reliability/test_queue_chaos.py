@@ -1,6 +1,6 @@
 """Queue under chaos: the PZQ queue process (``python -m zio_spark.cli.queue``) is
 SIGKILLed under load at random (seeded) moments and restarted on the same store and
-endpoints, while a producer (raw pyzmq, as ``tests/transport/test_queue.py``) and a
+endpoints, while a producer (raw pyzmq, as ``tests/loopback/test_broker.py``) and a
 consumer keep running: no message the queue acknowledged is lost, every message is delivered,
 and a message is delivered again only across a restart (a consumer ack the dead queue had
 not made durable), never twice by one queue process.
@@ -13,7 +13,7 @@ not on a reconnect, so without ROUTER_NOTIFY (draft) a restarted queue never lea
 consumer that has nothing to ack (see the test at the end).
 
 Each size runs with two kinds of consumer: ``probing`` (the above) and ``pzq``, the
-stand-in for the reference PZQ's client library (``tests/transport/pzq_clients.py``): a
+stand-in for the reference PZQ's client library (``tests/loopback/pzq_clients.py``): a
 ROUTER that connects and never speaks first, no ``ZMQ_PROBE_ROUTER``, no
 ``ROUTER_MANDATORY`` (an ack it cannot send is dropped silently), skipping expired
 deliveries. Both are checked alike: deliveries are tallied by the queue's message id (as
@@ -42,9 +42,9 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.loopback.pzq_clients import PzqConsumer
+from tests.loopback.test_broker import _start_queue
 from tests.reliability.helpers import KillPlan, chaos_rng, run_with_kills, wait_until
-from tests.transport.pzq_clients import PzqConsumer
-from tests.transport.test_queue import _start_queue
 from zio_spark.protocol import pzq
 
 WINDOW = 500  # producer's unacknowledged messages

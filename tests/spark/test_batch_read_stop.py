@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-import tests.transport.test_receiver as rt  # module import: its tests are not re-collected
+import tests.loopback.test_receiver as rt  # module import: its tests are not re-collected
 from tests.support import wait_until
 from zio_spark.options import parse_source_options
 from zio_spark.spark.source import ZioBatchReader, _columns

@@ -1,7 +1,7 @@
 """The zio sink on local Spark towards a plain ZIO taker that behaves like the reference
 (tests/peers/zio_reference.py: a C++ server taker, echoing BOT replies, one flow at a
 time). The socket pair here is ROUTER/DEALER; CLIENT/SERVER is covered at the transport
-level (tests/transport/test_sink_reference.py, draft pass).
+level (tests/loopback/test_consumer_reference.py, draft pass).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ picks ``v0`` and broadcasts to 10.99.0.255, which never leaves the namespace. Ou
 runs in the same namespace with ``broadcast=10.99.0.255`` and ``interface_addr=10.99.0.1``
 (the source address of those broadcasts, where pyre connects back).
 
-Both sides run as child processes (tests/transport/zre_netns_child.py) that print JSON
+Both sides run as child processes (tests/loopback/zre_netns_child.py) that print JSON
 lines; the scenario is event-driven and bounded in time (see the child's docstring).
 Needs root and iproute2 (fails under CI=true without them, skips otherwise) and pyre
 installed; without pyre the test is skipped, or fails when ZIO_REQUIRE_PYRE=1.

@@ -1,7 +1,7 @@
 """`zio-spark produce` / `consume` with ``--socket``, against the reference stand-in.
 
 They need a draft pyzmq for the CLIENT/SERVER peers (marked ``requires_draft``: they run
-in the draft pass, ``.venv-draft/bin/python -m pytest tests/transport``; the stock-pyzmq
+in the draft pass, ``.venv-draft/bin/python -m pytest tests/loopback``; the stock-pyzmq
 side is in ``tests/cli/test_produce_delivery.py``). The commands run in a thread
 (``main``); endpoints are 127.0.0.1 random ports; every wait has a deadline.
 """

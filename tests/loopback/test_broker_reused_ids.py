@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.loopback.pzq_clients import PzqConsumer, PzqMonitor, PzqProducer
+from tests.loopback.test_broker import queue_process  # noqa: F401  (the fixture)
 from tests.support import wait_until
-from tests.transport.pzq_clients import PzqConsumer, PzqMonitor, PzqProducer
-from tests.transport.test_queue import queue_process  # noqa: F401  (the fixture)
 
 Start = Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]]
 

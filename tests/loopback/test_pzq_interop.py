@@ -28,7 +28,7 @@ from pzq_clients import (
     PzqProducer,
     producer_example,
 )
-from test_queue import (  # the queue_process fixture is shared by importing it
+from test_broker import (  # the queue_process fixture is shared by importing it
     ROOT,
     queue_process,  # noqa: F401
 )

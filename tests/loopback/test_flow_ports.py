@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import zmq
-from test_queue import (  # the queue_process fixture is shared by importing it
+from test_broker import (  # the queue_process fixture is shared by importing it
     monitor,
     nothing_within,
     queue_process,  # noqa: F401

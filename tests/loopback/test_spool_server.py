@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import zmq
 
-from tests.transport.conftest import RecordingProxy
+from tests.loopback.conftest import RecordingProxy
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import parse_source_options
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, _ipc, driver_host, fetch_range
