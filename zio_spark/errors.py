@@ -15,6 +15,12 @@ other exception escaping the package is a bug. The split follows h11/h2:
 - :class:`TransportError`: socket-level trouble; keeps the endpoint.
 - :class:`DataLossError`: records are known to be missing; raised only when
   ``failOnDataLoss`` is true.
+- :class:`StorageError`: trouble with durable state on disk (spool, WAL, queue store,
+  sink folder); keeps the path. Its subclasses: :class:`CorruptRecordError` (bytes that
+  fail their checks), :class:`FormatVersionError` (a file written by another format
+  version), :class:`StorageClosedError` (used after ``close``) and
+  :class:`StorageInputError` (a bad argument to a storage call; also a
+  :class:`ValueError` and a :class:`TypeError`, which storage raised before).
 
 Errors carry their facts as attributes (``field``, ``value``, ``peer``, ``credit``) so
 callers and tests need not parse messages, and messages name the field, the value and
@@ -23,16 +29,22 @@ what was expected.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 __all__ = [
     "ConfigError",
+    "CorruptRecordError",
     "DataLossError",
     "FlowControlError",
+    "FormatVersionError",
     "InputColumnsError",
     "LocalProtocolError",
     "ProtocolError",
     "RemoteProtocolError",
+    "StorageClosedError",
+    "StorageError",
+    "StorageInputError",
     "TransportError",
     "ZioSparkError",
     "check_count",
@@ -162,3 +174,72 @@ class DataLossError(ZioSparkError):
     def __init__(self, message: str, *, producer: str | None = None) -> None:
         self.producer = producer
         super().__init__(message)
+
+
+class StorageError(ZioSparkError):
+    """Durable state on disk cannot be read, written or used as asked.
+
+    ``path`` is the file or folder involved, when known; the message ends with it.
+    """
+
+    def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = None if path is None else os.fspath(path)
+        super().__init__(f"{message} ({self.path})" if self.path is not None else message)
+
+
+class CorruptRecordError(StorageError):
+    """Bytes on disk fail their checks (CRC, length, magic, a field out of range).
+
+    ``offset`` is the byte offset of the bad record in ``path``, when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.offset = offset
+        where = f" at byte {offset}" if offset is not None else ""
+        super().__init__(f"{message}{where}", path=path)
+
+
+class FormatVersionError(StorageError):
+    """A file was written in a format version this code does not read.
+
+    ``found`` is the version (or magic) read, ``expected`` what this code reads.
+    """
+
+    def __init__(
+        self,
+        found: object,
+        expected: object,
+        *,
+        path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.found = found
+        self.expected = expected
+        super().__init__(f"format version {found!r}, expected {expected!r}", path=path)
+
+
+class StorageClosedError(StorageError):
+    """A storage object was used after it was closed."""
+
+
+class StorageInputError(StorageError, ValueError, TypeError):
+    """A bad argument to a storage call; the stored state is untouched.
+
+    ``field`` names the argument (or the field of a record), ``value`` is what was given
+    and ``expected`` says what would have been accepted. Also a :class:`ValueError` and a
+    :class:`TypeError`, which storage raised for these before.
+    """
+
+    def __init__(self, field: str, value: object, expected: str) -> None:
+        self.field = field
+        self.value = value
+        self.expected = expected
+        shown = repr(value)
+        if len(shown) > 200:
+            shown = shown[:200] + "..."
+        super().__init__(f"{field}: got {shown}, expected {expected}")
