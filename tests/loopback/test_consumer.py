@@ -17,7 +17,7 @@ from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.sink import staging as staging_mod
+from zio_spark.storage import sink_folder as staging_mod
 from zio_spark.sink.client import CommandError, StagingWriter, send_command
 from zio_spark.sink.consumer import Consumer, ConsumerStateError
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected

@@ -105,7 +105,7 @@ the same lock as commands, briefly. A commit (links and fsyncs) and an EOT (one 
 run in the server thread, so they delay other flows for their duration.
 
 Modules: this one is the server (:class:`Consumer` and its flow handler); the folder,
-staging files and committed ids are :mod:`zio_spark.sink.staging` (no sockets); the
+staging files and committed ids are :mod:`zio_spark.storage.sink_folder` (no sockets); the
 client that Spark's executors run is :mod:`zio_spark.sink.client`.
 """
 
@@ -124,7 +124,7 @@ from zio_spark.codec.records import decode_payload, decode_plain
 from zio_spark.errors import ConfigError, RemoteProtocolError, ZioSparkError
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived
 from zio_spark.protocol.sink import BatchId, error_reply, parse_command, parse_data_bot
-from zio_spark.sink.staging import ConsumerRecord, ConsumerStateError, SinkFolder, Stage
+from zio_spark.storage.sink_folder import ConsumerRecord, ConsumerStateError, SinkFolder, Stage
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
 
