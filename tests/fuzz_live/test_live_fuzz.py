@@ -32,6 +32,7 @@ import pytest
 import zmq
 
 from tests.fuzz_live.live_fuzz_support import durations, mutate, report
+from tests.support import TrackingContext, tracked_context, wait_until
 from zio_spark.errors import TransportError
 from zio_spark.protocol import message as zio_message
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, Role
@@ -61,15 +62,6 @@ LOOPBACK = "tcp://127.0.0.1:*"
 
 
 # ------------------------------------------------------------------------ harness
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``cond`` until true; fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 class Attack:
@@ -154,10 +146,9 @@ class Sampler:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
+def ctx() -> Iterator[TrackingContext]:
+    """A context that must terminate at teardown: a socket left open fails the test."""
+    yield from tracked_context()
 
 
 def _drain(sock: zmq.Socket[bytes]) -> None:
@@ -479,7 +470,7 @@ def test_flow_server_survives_garbage_and_serves_good_peer(
         assert not good_errors, f"good peer failed: {good_errors[0]!r}"
         # Still up, and still serving: one more good flow after the attack.
         expected["good-after"] = good_flow_client(ctx, endpoint, "good-after", 50)
-        wait_for(lambda: "good-after" in done, 10, "the last good flow to close")
+        wait_until(lambda: "good-after" in done, 10, "the last good flow to close")
         max_flows = sampler.stop()
         assert server._thread is not None and server._thread.is_alive()
         assert server.error is None
@@ -491,7 +482,7 @@ def test_flow_server_survives_garbage_and_serves_good_peer(
         assert port.stats["bad_messages"] > 0
         # One flow per connected identity at most (+ the good peer); idle ones go away.
         assert max_flows <= sum(identities) + 1
-        wait_for(lambda: not server.flows, 10, "idle offenders' flows to be removed")
+        wait_until(lambda: not server.flows, 10, "idle offenders' flows to be removed")
         _check_caches_bounded()
         report(
             f"flow-server [{duration:g} s]: {attack.cases} attack cases, "
@@ -567,7 +558,7 @@ def test_producer_survives_garbage_and_serves_its_taker(
     t = threading.Thread(target=taker, daemon=True)
     try:
         t.start()
-        wait_for(lambda: prod.connected, 20, "the good taker to connect")
+        wait_until(lambda: prod.connected, 20, "the good taker to connect")
         attack.start()
         deadline = time.monotonic() + duration
         n = 0
@@ -929,8 +920,8 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
     sampler = Sampler(lambda: len(a.peers()))
     rounds = 0
     try:
-        wait_for(lambda: any(p.uuid == a.uuid for p in b.peers_in_group("g")), 20, "b sees a")
-        wait_for(lambda: any(p.uuid == b.uuid for p in a.peers_in_group("g")), 20, "a sees b")
+        wait_until(lambda: any(p.uuid == a.uuid for p in b.peers_in_group("g")), 20, "b sees a")
+        wait_until(lambda: any(p.uuid == b.uuid for p in a.peers_in_group("g")), 20, "a sees b")
         for at in attacks:
             at.start()
         deadline = time.monotonic() + duration
@@ -966,7 +957,7 @@ def test_zre_node_survives_garbage_and_serves_good_peer(
         # (each queued HELLO re-enters a fake), so give it time: expiry is 3 s of silence.
         t_stop = time.monotonic()
         try:
-            wait_for(lambda: [p.uuid for p in a.peers()] == [b.uuid], 60, "fakes to expire")
+            wait_until(lambda: [p.uuid for p in a.peers()] == [b.uuid], 60, "fakes to expire")
         except AssertionError as e:
             left = [(p.uuid == b.uuid, p.endpoint, p.ready, p.last_seen) for p in a.peers()]
             raise AssertionError(f"{e}: {len(left)} peers left, {left[:5]}, {a.stats}") from e
@@ -1000,11 +991,16 @@ def test_zre_node_beacon_flood_does_not_lock_out_a_good_peer() -> None:
                 beacon = encode_beacon(Beacon(uuid.uuid4(), 9))  # port 9: nothing listens
                 udp.sendto(beacon, ("127.0.0.1", beacon_port))
                 if i % 100 == 99:  # let the node read them (its socket buffer is finite)
-                    wait_for(lambda n=i: a.stats["beacons_received"] >= n * 0.9, 10, "beacons read")
+                    wait_until(
+                        lambda n=i: a.stats["beacons_received"] >= n * 0.9,
+                        10,
+                        "beacons read",
+                        interval=0.01,
+                    )
         b = _zre_node("good", beacon_port)
         b.join("g")
         b.start()
-        wait_for(
+        wait_until(
             lambda: any(p.uuid == b.uuid for p in a.peers_in_group("g")),
             10,
             "the flooded node to see a good peer",
@@ -1031,24 +1027,26 @@ def test_queue_producer_not_reading_acks_does_not_block_other_producers(
         tmp_path / "store", linger_ms=0, receive=f"ipc://{tmp_path}/rx", hwm=1000
     ).start()
     rx = broker.endpoints["receive"]
+    deaf: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    good: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
     try:
-        deaf: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
         deaf.linger = 0
         deaf.rcvhwm = 1
         deaf.connect(rx)
         n = 60_000
         for i in range(n):  # valid messages; their acks are never read
             deaf.send_multipart([b"deaf-%d" % i, b"", b"x"])
-        wait_for(lambda: int(broker.stats().get("received", 0)) >= n, 120, "the deaf messages")
-        good: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        wait_until(lambda: int(broker.stats().get("received", 0)) >= n, 120, "the deaf messages")
         good.linger = 0
         good.connect(rx)
         good.send_multipart([b"good-1", b"", b"body"])
         assert good.poll(5000), "no ack for a good producer within 5 s"
         assert good.recv_multipart()[:2] == [b"good-1", b"1"]
         # The deaf producer's backlog stayed bounded: its oldest acks were dropped.
-        wait_for(lambda: int(broker.stats().get("acks_dropped", 0)) > 0, 5, "acks_dropped")
+        wait_until(lambda: int(broker.stats().get("acks_dropped", 0)) > 0, 5, "acks_dropped")
     finally:
+        deaf.close(0)
+        good.close(0)
         broker.stop()
 
 
