@@ -28,6 +28,7 @@ from zio_spark.errors import (
     RemoteProtocolError,
     TransportError,
 )
+from zio_spark.options import Curve
 from zio_spark.protocol.message import (
     DAT_LABEL,
     DatCodec,
@@ -36,7 +37,7 @@ from zio_spark.protocol.message import (
     encode_frames,
     encode_single,
 )
-from zio_spark.transport.curve import start_authenticator
+from zio_spark.transport.curve import client_curve, server_curve, start_authenticator
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -895,6 +896,71 @@ def test_curve_without_authenticator_admits_any_client_with_the_server_key(
     client.connect(server.bind(tcp_any))
     client.send(flow(BOT))
     server_recv(server)
+
+
+def test_curve_as_one_options_object(make_server, make_client, authenticator, tcp_any, server_keys):
+    server_public, server_secret = server_keys
+    client_public, client_secret = zmq.curve_keypair()
+    authenticator([client_public])
+    server = make_server(curve=server_curve(server_secret))
+    assert server.curve_public_key == server_public
+    client = make_client(curve=Curve(server_public, client_public, client_secret))
+    assert client.curve_public_key == client_public
+    client.connect(server.bind(tcp_any))
+    client.send(flow(BOT, payload=[b"secret"]))
+    peer, msg = server_recv(server)
+    assert msg.payload == (b"secret",)
+    server.send(flow({"flow": "PAY", "credit": 1}), peer)
+    assert client_recv(client).label == '{"flow": "PAY", "credit": 1}'
+
+
+def test_curve_builders_derive_and_normalise_keys(server_keys):
+    server_public, server_secret = server_keys
+    client_public, client_secret = zmq.curve_keypair()
+    assert server_curve(server_secret.decode()) == Curve(
+        server_public, server_public, server_secret
+    )
+    raw_server = zmq.utils.z85.decode(server_public)
+    assert client_curve(raw_server, client_secret, client_public) == Curve(
+        server_public, client_public, client_secret
+    )
+    with pytest.raises(ConfigError) as e:
+        server_curve(server_secret, client_public)
+    assert e.value.option == "curve_public_key"
+
+
+def test_curve_given_in_both_forms_is_refused(ctx, server_keys):
+    server_public, server_secret = server_keys
+    with pytest.raises(ConfigError) as e:
+        ServerPort(ctx, curve=server_curve(server_secret), curve_secret_key=server_secret)
+    assert e.value.option == "curve" and "not both" in e.value.expected
+    client = client_curve(server_public, zmq.curve_keypair()[1])
+    with pytest.raises(ConfigError) as e:
+        ClientPort(ctx, curve=client, curve_server_key=server_public, curve_secret_key=b"x")
+    assert e.value.option == "curve" and "not both" in e.value.expected
+
+
+def test_server_curve_with_another_server_key_is_refused(ctx, server_keys):
+    server_public, server_secret = server_keys
+    other_public = zmq.curve_keypair()[0]
+    with pytest.raises(ConfigError) as e:
+        ServerPort(ctx, curve=Curve(other_public, server_public, server_secret))
+    assert e.value.option == "curve.server_key" and e.value.value == other_public
+    assert "own public key" in e.value.expected
+
+
+def test_curve_object_errors_name_the_field_and_hide_the_secret(ctx, server_keys):
+    server_public = server_keys[0]
+    client_public, client_secret = zmq.curve_keypair()
+    with pytest.raises(ConfigError) as e:
+        ClientPort(ctx, curve=Curve(b"not a key", client_public, client_secret))
+    assert (e.value.option, e.value.value) == ("curve.server_key", b"not a key")
+    with pytest.raises(ConfigError) as e:
+        ClientPort(ctx, curve=Curve(server_public, client_public, client_secret[:-1] + b"~"))
+    assert (e.value.option, e.value.value) == ("curve.secret_key", "<redacted>")
+    with pytest.raises(ConfigError) as e:
+        ClientPort(ctx, curve=Curve(server_public, server_public, client_secret))
+    assert e.value.option == "curve.public_key"
 
 
 def test_one_authenticator_per_context(ctx, authenticator):

@@ -29,6 +29,7 @@ import pytest
 import zmq
 
 from zio_spark.errors import ConfigError, LocalProtocolError, TransportError
+from zio_spark.options import ZreOptions
 from zio_spark.protocol.zio_ports import ZioEndpoint
 from zio_spark.protocol.zre import (
     DISCOVERY_PORT,
@@ -217,6 +218,53 @@ def test_bad_configuration_raises_config_error(kw: dict[str, Any], option: str) 
     with pytest.raises(ConfigError) as info:
         ZreNode("bad", **kw)
     assert info.value.option == option
+
+
+def test_settings_as_one_zre_options_object(beacon_port: int) -> None:
+    zre = ZreOptions("G", beacon_port, "127.1.2.255", "127.0.0.9", 0.25)
+    node = ZreNode("opts", zre=zre)
+    assert (node.beacon_port, node.broadcast, node.interface_addr) == (
+        beacon_port,
+        "127.1.2.255",
+        "127.0.0.9",
+    )
+    assert node.own_groups() == {"G"}  # joined before start: it goes out in the HELLO
+    bad = dataclasses.replace(zre, interval=0.0)
+    with pytest.raises(ConfigError) as info:
+        ZreNode("bad", zre=bad)
+    assert (info.value.option, info.value.value) == ("interval", 0.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"beacon_port": 5670},
+        {"broadcast": LOOPBACK_BROADCAST},
+        {"interface_addr": "127.0.0.1"},
+        {"interval": 1.0},
+    ],
+)
+def test_zre_options_and_a_keyword_of_the_older_form_are_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError) as info:
+        ZreNode("both", zre=ZreOptions("G"), **kw)
+    assert info.value.option == next(iter(kw)) and "not both" in info.value.expected
+
+
+def test_two_nodes_made_from_zre_options_meet_in_its_group(
+    make_node: Callable[..., ZreNode], beacon_port: int
+) -> None:
+    zre = ZreOptions("Z", beacon_port, LOOPBACK_BROADCAST, "127.0.0.1", 0.05)
+    a = make_node(
+        "za", zre=zre, beacon_port=None, broadcast=None, interface_addr=None, interval=None
+    )
+    b = make_node(
+        "zb", zre=zre, beacon_port=None, broadcast=None, interface_addr=None, interval=None
+    )
+    events = Events(b)
+    a.start()
+    b.start()
+    events.wait("JOIN", peer=a.uuid, group="Z")
+    assert [p.uuid for p in b.peers_in_group("Z")] == [a.uuid]
 
 
 def test_bad_name_and_headers_are_local_errors() -> None:

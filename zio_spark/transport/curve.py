@@ -3,9 +3,12 @@
 Every CURVE key the project accepts goes through :func:`curve_key` (Z85 text, Z85 bytes
 or 32 raw bytes, errors naming the option; secret keys are never echoed back), and
 every key pair through :func:`key_pair`. :func:`apply_server` / :func:`apply_client` set
-the socket options; :class:`CurveAuthenticator` (see :func:`start_authenticator`) is the
-ZAP handler that admits clients from an allow-list of public keys. Without an
-authenticator any client that knows the server's public key is accepted.
+the socket options. A port takes its keys as one :class:`~zio_spark.options.Curve`:
+:func:`server_curve` / :func:`client_curve` build one from keys in any accepted form, and
+:func:`server_keys` / :func:`client_keys` check one for a port. :class:`CurveAuthenticator`
+(see :func:`start_authenticator`) is the ZAP handler that admits clients from an
+allow-list of public keys. Without an authenticator any client that knows the server's
+public key is accepted.
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from zio_spark.errors import ConfigError, TransportError
+from zio_spark.options import Curve
 
 __all__ = [
     "ClientCurve",
     "CurveAuthenticator",
     "apply_client",
     "apply_server",
+    "client_curve",
+    "client_keys",
     "client_kwargs",
     "curve_key",
     "key_pair",
+    "server_curve",
+    "server_keys",
     "start_authenticator",
 ]
 
@@ -118,16 +126,95 @@ def apply_client(sock: zmq.Socket[bytes], server_key: bytes, keys: tuple[bytes, 
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[1])
 
 
-def client_kwargs(curve: ClientCurve | None) -> dict[str, Any]:
-    """The ``ClientPort`` keyword arguments for ``curve`` (none when it is None)."""
+def server_curve(secret_key: str | bytes, public_key: str | bytes | None = None) -> Curve:
+    """The :class:`~zio_spark.options.Curve` of a bound (server) port: our key pair, and
+    our public key as ``server_key`` (what our clients use). The public key is derived
+    from the secret key when omitted, and checked when given.
+
+    Raises
+    ------
+    TransportError
+        If libzmq has no CURVE.
+    ConfigError
+        If a key is malformed, or ``public_key`` is not the secret key's public key.
+    """
+    secret, public = key_pair(secret_key, public_key)
+    return Curve(server_key=public, public_key=public, secret_key=secret)
+
+
+def client_curve(
+    server_key: str | bytes, secret_key: str | bytes, public_key: str | bytes | None = None
+) -> Curve:
+    """The :class:`~zio_spark.options.Curve` of a connecting (client) port: the server's
+    public key and our key pair (public key derived when omitted, checked when given).
+
+    Raises
+    ------
+    TransportError, ConfigError
+        As :func:`server_curve`.
+    """
+    secret, public = key_pair(secret_key, public_key)
+    return Curve(curve_key(server_key, "curve_server_key"), public, secret)
+
+
+def _pair(curve: Curve) -> tuple[bytes, bytes]:
+    return key_pair(
+        curve.secret_key,
+        curve.public_key,
+        secret_option="curve.secret_key",
+        public_option="curve.public_key",
+    )
+
+
+def server_keys(curve: Curve | None) -> tuple[bytes, bytes] | None:
+    """``(secret, public)`` Z85 keys for a server port from ``curve`` (None: no CURVE).
+
+    Raises
+    ------
+    TransportError
+        If libzmq has no CURVE.
+    ConfigError
+        If a key is malformed, the public key is not the secret key's, or ``server_key``
+        is not the port's own public key (the key its clients are given).
+    """
+    if curve is None:
+        return None
+    secret, public = _pair(curve)
+    if curve_key(curve.server_key, "curve.server_key") != public:
+        raise ConfigError(
+            "curve.server_key",
+            curve.server_key,
+            "a bound port's own public key (curve.public_key), the key its clients use",
+        )
+    return secret, public
+
+
+def client_keys(curve: Curve | None) -> tuple[bytes, tuple[bytes, bytes]] | None:
+    """``(server key, (secret, public))`` Z85 keys for a client port from ``curve``
+    (None: no CURVE).
+
+    Raises
+    ------
+    TransportError, ConfigError
+        If libzmq has no CURVE or a key is malformed (naming ``curve.<field>``).
+    """
+    if curve is None:
+        return None
+    return curve_key(curve.server_key, "curve.server_key"), _pair(curve)
+
+
+def client_kwargs(curve: Curve | ClientCurve | None) -> dict[str, Any]:
+    """The ``ClientPort`` keyword arguments for ``curve`` (none when it is None).
+
+    Transitional: a port takes ``curve=Curve(...)`` directly; this also turns the old
+    ``(server, public, secret)`` tuple into that keyword.
+    """
     if curve is None:
         return {}
+    if isinstance(curve, Curve):
+        return {"curve": curve}
     server_key, public_key, secret_key = curve
-    return {
-        "curve_server_key": server_key,
-        "curve_public_key": public_key,
-        "curve_secret_key": secret_key,
-    }
+    return {"curve": Curve(server_key, public_key, secret_key)}
 
 
 class CurveAuthenticator:

@@ -60,9 +60,12 @@ use linger 0.
 Threads. Like the zmq sockets under them, ports are not thread-safe: use each port from
 one thread at a time. Sockets are created only by the port constructors, never at import.
 
-Security. ``ServerPort(curve_secret_key=...)`` turns on CURVE (``ClientPort`` then needs
-``curve_server_key`` and its own key pair). Which clients may connect is decided by a ZAP
-handler: :func:`~zio_spark.transport.curve.start_authenticator` runs pyzmq's
+Security. ``ServerPort(curve=...)`` turns on CURVE (``ClientPort`` then needs a
+``curve`` naming the server's public key and its own key pair): one
+:class:`~zio_spark.options.Curve` each, built from keys in any accepted form by
+:func:`~zio_spark.transport.curve.server_curve` /
+:func:`~zio_spark.transport.curve.client_curve`. Which clients may connect is decided by
+a ZAP handler: :func:`~zio_spark.transport.curve.start_authenticator` runs pyzmq's
 ``ThreadAuthenticator`` with an allow-list of client public keys. Without an
 authenticator any client that knows the server's public key is accepted. Keys and the
 authenticator live in :mod:`zio_spark.transport.curve`.
@@ -98,12 +101,15 @@ from zio_spark.errors import (
     TransportError,
     check_count,
 )
+from zio_spark.options import Curve
 from zio_spark.protocol.message import DatCodec, Message, encode_frames
 from zio_spark.transport.curve import (
     apply_client,
     apply_server,
-    curve_key,
-    key_pair,
+    client_curve,
+    client_keys,
+    server_curve,
+    server_keys,
 )
 from zio_spark.transport.wire import (
     PeerId,
@@ -201,6 +207,10 @@ def _check_timeout(timeout_ms: float, option: str = "timeout_ms") -> float:
     if not timeout_ms >= 0:  # also rejects NaN
         raise ConfigError(option, timeout_ms, "a number of milliseconds >= 0")
     return float(timeout_ms)
+
+
+def _both_curve_forms(old: str) -> ConfigError:
+    return ConfigError("curve", "<given>", f"either curve or {old}, not both")
 
 
 class PortOptions(TypedDict, total=False):
@@ -687,9 +697,12 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
     on_bad_message
         ``"return"`` a :class:`BadMessage` from ``recv`` (default) or ``"raise"``
         :class:`~zio_spark.errors.RemoteProtocolError`.
+    curve
+        Turns on CURVE as server: our key pair, and our public key as ``server_key`` (see
+        :func:`~zio_spark.transport.curve.server_curve`).
     curve_secret_key, curve_public_key
-        Turn on CURVE as server. Z85 text or 32 raw bytes; the public key is derived from
-        the secret key when omitted.
+        The older form of ``curve`` (either, not both): Z85 text or 32 raw bytes; the
+        public key is derived from the secret key when omitted.
     zap_domain
         ZAP domain of the socket (see :func:`~zio_spark.transport.curve.start_authenticator`).
 
@@ -708,16 +721,21 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
+        curve: Curve | None = None,
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
         zap_domain: str | None = None,
         **options: Unpack[PortOptions],
     ) -> None:
-        keys: tuple[bytes, bytes] | None = None
-        if curve_secret_key is not None:
-            keys = key_pair(curve_secret_key, curve_public_key)
-        elif curve_public_key is not None:
-            raise ConfigError("curve_secret_key", None, "a key whenever curve_public_key is set")
+        if curve_secret_key is not None or curve_public_key is not None:
+            if curve is not None:
+                raise _both_curve_forms("curve_secret_key/curve_public_key")
+            if curve_secret_key is None:
+                raise ConfigError(
+                    "curve_secret_key", None, "a key whenever curve_public_key is set"
+                )
+            curve = server_curve(curve_secret_key, curve_public_key)
+        keys = server_keys(curve)
         self.curve_public_key = keys[1] if keys else None
         super().__init__(
             ctx, functools.partial(apply_server, keys=keys, zap_domain=zap_domain), **options
@@ -816,11 +834,13 @@ class ClientPort(_Port[Message, list[bytes]]):
     ----------
     ctx, mode, linger_ms, sndhwm, rcvhwm, send_timeout_ms, on_bad_message
         As for :class:`ServerPort`.
-    curve_server_key
-        The server's public key: turns on CURVE as client. Z85 text or 32 raw bytes.
-    curve_secret_key, curve_public_key
-        This client's key pair (required with ``curve_server_key``; the public key is
-        derived when omitted). The server's authenticator checks the public key.
+    curve
+        Turns on CURVE as client: the server's public key (``server_key``) and this
+        client's key pair, which the server's authenticator checks (see
+        :func:`~zio_spark.transport.curve.client_curve`).
+    curve_server_key, curve_secret_key, curve_public_key
+        The older form of ``curve`` (either, not both): Z85 text or 32 raw bytes; the
+        secret key is required with the server key, the public key derived when omitted.
 
     Raises
     ------
@@ -835,26 +855,31 @@ class ClientPort(_Port[Message, list[bytes]]):
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
+        curve: Curve | None = None,
         curve_server_key: str | bytes | None = None,
         curve_secret_key: str | bytes | None = None,
         curve_public_key: str | bytes | None = None,
         **options: Unpack[PortOptions],
     ) -> None:
-        secure: Callable[[zmq.Socket[bytes]], None] | None = None
-        self.curve_public_key = None
         if curve_server_key is not None:
+            if curve is not None:
+                raise _both_curve_forms("curve_server_key/curve_secret_key/curve_public_key")
             if curve_secret_key is None:
                 raise ConfigError(
                     "curve_secret_key", None, "the client's secret key with curve_server_key"
                 )
-            keys = key_pair(curve_secret_key, curve_public_key)
-            server_key = curve_key(curve_server_key, "curve_server_key")
-            secure = functools.partial(apply_client, server_key=server_key, keys=keys)
-            self.curve_public_key = keys[1]
+            curve = client_curve(curve_server_key, curve_secret_key, curve_public_key)
         elif curve_secret_key is not None or curve_public_key is not None:
             raise ConfigError(
                 "curve_server_key", None, "the server's public key whenever a client key is set"
             )
+        secure: Callable[[zmq.Socket[bytes]], None] | None = None
+        self.curve_public_key = None
+        keys = client_keys(curve)
+        if keys is not None:
+            server_key, pair = keys
+            secure = functools.partial(apply_client, server_key=server_key, keys=pair)
+            self.curve_public_key = pair[1]
         super().__init__(ctx, secure, **options)
 
     def connect(self, endpoint: str) -> str:

@@ -79,6 +79,7 @@ from zio_spark.errors import (
     LocalProtocolError,
     TransportError,
 )
+from zio_spark.options import ZreOptions
 from zio_spark.protocol.zio_ports import (
     ZioEndpoint,
     group_zio_endpoints,
@@ -209,6 +210,13 @@ class ZreNode(ZreIo):
     ----------
     name
         Public name sent in HELLO (default: the first 6 hex digits of the UUID).
+    zre
+        Where the node talks and the group it is in: the user's ZRE options
+        (:class:`~zio_spark.options.ZreOptions`: ``beacon_port``, ``broadcast``,
+        ``interface``, ``interval``), and the node joins ``zre.group`` (before
+        :meth:`start`, so it goes out in the HELLO). None: the defaults below, no group.
+        The four keywords that follow are the older form of the same settings (either
+        ``zre`` or them, not both).
     headers
         HELLO headers (name -> value); see also :meth:`set_header`, :meth:`advertise_port`.
     beacon_port
@@ -264,11 +272,12 @@ class ZreNode(ZreIo):
         self,
         name: str | None = None,
         *,
+        zre: ZreOptions | None = None,
         headers: Mapping[str, str] | None = None,
-        beacon_port: int = DISCOVERY_PORT,
+        beacon_port: int | None = None,
         broadcast: str | None = None,
         interface_addr: str | None = None,
-        interval: float = 1.0,
+        interval: float | None = None,
         evasive_after: float = EVASIVE_AFTER,
         expired_after: float = EXPIRED_AFTER,
         max_peers: int = MAX_PEERS,
@@ -283,6 +292,20 @@ class ZreNode(ZreIo):
         self._name = _check_text(
             self._uuid.hex[:6] if name is None else name, "name", allow_empty=True
         )
+        if zre is not None:
+            given = {
+                "beacon_port": beacon_port,
+                "broadcast": broadcast,
+                "interface_addr": interface_addr,
+                "interval": interval,
+            }
+            both = [k for k, v in given.items() if v is not None]
+            if both:
+                raise ConfigError(both[0], given[both[0]], "either zre or this keyword, not both")
+            beacon_port, broadcast = zre.beacon_port, zre.broadcast
+            interface_addr, interval = zre.interface, zre.interval
+        beacon_port = DISCOVERY_PORT if beacon_port is None else beacon_port
+        interval = 1.0 if interval is None else interval
         if isinstance(beacon_port, bool) or not isinstance(beacon_port, int):
             raise ConfigError("beacon_port", beacon_port, "a UDP port number in 1..65535")
         if not 0 < beacon_port <= 0xFFFF:
@@ -358,6 +381,8 @@ class ZreNode(ZreIo):
         self._bad_message_log = _Throttle()
         self._send_error_log = _Throttle()
         self._event_drop_log = _Throttle()
+        if zre is not None:
+            self.join(zre.group)
 
     # -- properties --------------------------------------------------------------------
 
