@@ -17,9 +17,10 @@ from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.storage import sink_folder as staging_mod
 from zio_spark.sink.client import CommandError, StagingWriter, send_command
 from zio_spark.sink.consumer import Consumer, ConsumerStateError
+from zio_spark.storage import sink_folder as staging_mod
+from zio_spark.storage.sink_folder import CommittedLog
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
@@ -250,10 +251,11 @@ def test_crash_repairs_are_deterministic(ctx, make_consumer, tmp_path):
     send_command(c.endpoint, "commit", "s", 1, [(0, 0, 1)], ctx=ctx)
     c.close()
     log_path = path / "committed.log"
-    lines = log_path.read_bytes().splitlines(keepends=True)
-    assert len(lines) == 2
-    # Crash after batch 1's rename, before its log line: only a torn line is left.
-    log_path.write_bytes(lines[0] + lines[1][:10])
+    assert [e["batch"] for e in CommittedLog.read(log_path)] == [0, 1]
+    # Crash after batch 1's rename, before its log record: only a torn record is left.
+    data = log_path.read_bytes()
+    log_path.write_bytes(data[:-10])
+    assert [e["batch"] for e in CommittedLog.read(log_path)] == [0]
     # Crash in the middle of publishing batch 2 (before the rename).
     tmp_dir = path / "published" / "s" / f"{3:020d}-{2:020d}.tmp"
     tmp_dir.mkdir()
@@ -265,7 +267,7 @@ def test_crash_repairs_are_deterministic(ctx, make_consumer, tmp_path):
     assert not tmp_dir.exists() and not part.exists()
     assert c2.published() == [("s", 0), ("s", 1)]  # batch 1 rolled forward
     assert c2.is_committed("s", 1) and not c2.is_committed("s", 2)
-    assert [json.loads(x)["batch"] for x in log_path.read_bytes().splitlines()] == [0, 1]
+    assert [e["batch"] for e in CommittedLog.read(log_path)] == [0, 1]
     # Batch 2's staged partition survived; its commit now succeeds.
     send_command(c2.endpoint, "commit", "s", 2, [(0, 0, 1)], ctx=ctx)
     assert _values(c2, "s", 2) == [b"c"]

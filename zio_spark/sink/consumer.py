@@ -124,7 +124,16 @@ from zio_spark.codec.records import decode_payload, decode_plain
 from zio_spark.errors import ConfigError, RemoteProtocolError, ZioSparkError
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived
 from zio_spark.protocol.sink import BatchId, error_reply, parse_command, parse_data_bot
-from zio_spark.storage.sink_folder import ConsumerRecord, ConsumerStateError, SinkFolder, Stage
+from zio_spark.storage.sink_folder import (
+    Aborted,
+    AlreadyCommitted,
+    CommitOutcome,
+    CommitRefused,
+    ConsumerRecord,
+    ConsumerStateError,
+    SinkFolder,
+    Stage,
+)
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
 
@@ -391,7 +400,7 @@ class Consumer:
         self._active: dict[tuple[str, BatchId, int, int], _DataHandler] = {}
         self._closed = False
         self._zre: ZreNode | None = None
-        self.folder = SinkFolder(path, fsync=fsync, stats=self.stats, fault_hook=fault_hook)
+        self.folder = SinkFolder(path, fsync=fsync, fault_hook=fault_hook)
         self.root = self.folder.root
         try:
             port = ServerPort(
@@ -537,7 +546,8 @@ class Consumer:
             cmd = parse_command(attrs)
             if cmd.command == "commit":
                 return self._commit(cmd.stream, cmd.batch, cmd.partitions, cmd.query)
-            return self.folder.abort(cmd.stream, cmd.batch)
+            self.stats["aborts"] += 1
+            return abort_reply(self.folder.abort(cmd.stream, cmd.batch))
         except RemoteProtocolError as e:
             self.stats["commit_errors"] += 1
             return error_reply(str(e))
@@ -555,5 +565,33 @@ class Consumer:
         parts: Sequence[tuple[int, int, int]],
         query: str | None,
     ) -> dict[str, Any]:
-        """Every commit, a command's or a plain flow's (a subclass may watch them)."""
-        return self.folder.commit(stream, batch, parts, query)
+        """Every commit, a command's or a plain flow's (a subclass may watch them): the
+        folder's outcome as the command's reply; disk trouble and the fault hook's
+        exceptions propagate."""
+        try:
+            outcome = self.folder.commit(stream, batch, parts, query)
+        except CommitRefused as e:
+            self.stats["commit_errors"] += 1
+            return error_reply(e.reason)
+        if isinstance(outcome, AlreadyCommitted):
+            self.stats["duplicate_commits"] += 1
+        else:
+            self.stats["commits"] += 1
+            if outcome.published:
+                self.stats["published"] += 1
+            self.folder.fault("after_publish", stream, batch)
+        return commit_reply(outcome)
+
+
+def commit_reply(outcome: CommitOutcome) -> dict[str, Any]:
+    """The wire reply to a commit that succeeded (``result: ok``)."""
+    if isinstance(outcome, AlreadyCommitted):
+        return {"result": "ok", "published": False, "reason": "already committed"}
+    return {"result": "ok", "published": outcome.published, "rows": outcome.rows}
+
+
+def abort_reply(outcome: Aborted) -> dict[str, Any]:
+    """The wire reply to an abort (always ``result: ok``)."""
+    if not outcome.discarded:
+        return {"result": "ok", "reason": "already committed; nothing to discard"}
+    return {"result": "ok"}

@@ -1,5 +1,5 @@
-"""The consumer's durable state, no sockets: staged partitions, published batches, and
-the committed batch ids with their log.
+"""The sink consumer's durable state, no sockets: staged partitions, published batches,
+and the committed batch ids with their log.
 
 Layout (the full story, with crash repair, is in :mod:`zio_spark.sink.consumer`)::
 
@@ -7,13 +7,23 @@ Layout (the full story, with crash repair, is in :mod:`zio_spark.sink.consumer`)
     <path>/staging/<stream>/<batch>/<p>-<a>.part  being written (a :class:`Stage`)
     <path>/staging/<stream>/<batch>/<p>-<a>.arrow complete-staged partition
     <path>/published/<stream>/<seq>-<batch>/      a committed batch: part-<p>.arrow, _MANIFEST.json
-    <path>/committed.log, committed.json          committed ids: log lines, snapshot
+    <path>/committed.log, committed.json          committed ids: log records, snapshot
     <path>/trash/                                 acked batches being deleted
 
 :class:`SinkFolder` owns all of it; the consumer's flow handlers write :class:`Stage`
 files, its command handler calls :meth:`SinkFolder.commit` and :meth:`SinkFolder.abort`,
 the application the read/ack methods. Files are Arrow IPC files of
 :data:`~zio_spark.codec.schema.SINK_SCHEMA`.
+
+Commands return typed outcomes (:class:`Committed`, :class:`AlreadyCommitted`,
+:class:`Aborted`) or raise :class:`CommitRefused`; the consumer
+(:mod:`zio_spark.sink.consumer`) turns them into its wire replies.
+
+``committed.log`` (:class:`CommittedLog`) starts with :data:`LOG_MAGIC`, then one
+CRC-framed record per commit (:func:`~zio_spark.storage.files.frame`): a type byte
+(:data:`_T_ENTRY`) and the entry as JSON (``seq``, ``stream``, ``batch``, ``rows``,
+``query``). A log of an earlier version (JSON lines, no magic) is read and rewritten in
+this format when the folder is opened.
 """
 
 from __future__ import annotations
@@ -31,21 +41,35 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import pyarrow as pa
 
 from zio_spark.codec.schema import SINK_SCHEMA
-from zio_spark.errors import LocalProtocolError, ZioSparkError
-from zio_spark.protocol.sink import BatchId, error_reply
-from zio_spark.storage.files import atomic_write, lock_folder
-from zio_spark.storage.files import fsync_dir as _fsync_dir
-from zio_spark.storage.files import fsync_file as _fsync_file
+from zio_spark.errors import LocalProtocolError, StorageError, ZioSparkError
+from zio_spark.protocol.sink import BatchId
+from zio_spark.storage.files import (
+    RECORD_HEAD,
+    atomic_write,
+    frame,
+    fsync_dir,
+    fsync_file,
+    lock_folder,
+    read_record,
+    write_all,
+)
 
 __all__ = [
     "COMPACT_EVERY",
+    "LOG_MAGIC",
     "STRING_IDS_KEPT",
+    "Aborted",
+    "AlreadyCommitted",
+    "CommitOutcome",
+    "CommitRefused",
+    "Committed",
     "CommittedIds",
+    "CommittedLog",
     "ConsumerRecord",
     "ConsumerStateError",
     "Published",
@@ -64,8 +88,64 @@ _RECORD_FLUSH_BYTES = 4 << 20
 _MANIFEST = "_MANIFEST.json"
 
 
-class ConsumerStateError(ZioSparkError):
+LOG_MAGIC: Final = b"ZIOSINK\x01"
+"""The first bytes of a ``committed.log`` in the framed format (version 1)."""
+_T_ENTRY: Final = b"J"  # a framed record's type byte: the entry as JSON follows
+
+
+class ConsumerStateError(StorageError):
     """The consumer's folder is inconsistent in a way that cannot be repaired safely."""
+
+
+class CommitRefused(ZioSparkError):
+    """A commit that cannot be done: a partition is not staged as the commit says, or
+    the batch id was committed by another query. Nothing changed on disk.
+
+    ``reason`` is the whole message (the consumer sends it as its error reply).
+    """
+
+    def __init__(self, stream: str, batch: BatchId, reason: str) -> None:
+        self.stream = stream
+        self.batch = batch
+        self.reason = reason
+        super().__init__(reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A commit that recorded its batch id now. ``seq`` is the published folder's commit
+    number, None when the batch had no rows (the id is recorded, nothing published)."""
+
+    stream: str
+    batch: BatchId
+    rows: int
+    seq: int | None
+
+    @property
+    def published(self) -> bool:
+        return self.seq is not None
+
+
+@dataclass(frozen=True, slots=True)
+class AlreadyCommitted:
+    """A commit of a batch id that was committed before: nothing published again."""
+
+    stream: str
+    batch: BatchId
+
+
+CommitOutcome = Committed | AlreadyCommitted
+"""What :meth:`SinkFolder.commit` returns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """An abort: ``discarded`` False when the batch was already committed (nothing to
+    discard), True when its staging (if any) was deleted."""
+
+    stream: str
+    batch: BatchId
+    discarded: bool
 
 
 class ConsumerRecord(NamedTuple):
@@ -174,10 +254,10 @@ class Stage:
         self._file.close()
         self._writer = self._file = None
         if self.sync:
-            _fsync_file(self.part)
+            fsync_file(self.part)
         os.rename(self.part, self.final)
         if self.sync:
-            _fsync_dir(self.final.parent)
+            fsync_dir(self.final.parent)
         return self.rows
 
     def discard(self) -> None:
@@ -260,6 +340,183 @@ class Published:
     path: Path
 
 
+# ------------------------------------------------------------------------ committed log
+
+
+def _entry(obj: object) -> dict[str, Any] | str:
+    """A committed-log entry checked (``stream`` str, ``batch`` an id, ``seq`` int or
+    None), or what is wrong with it."""
+    if not isinstance(obj, dict):
+        return f"an entry is a JSON object, got {obj!r}"
+    stream, batch, seq = obj.get("stream"), obj.get("batch"), obj.get("seq")
+    if not isinstance(stream, str):
+        return f"stream must be a string, got {stream!r}"
+    if isinstance(batch, bool) or not isinstance(batch, int | str):
+        return f"batch must be an int or a string, got {batch!r}"
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
+        return f"seq must be an int or null, got {seq!r}"
+    return obj
+
+
+def _decode(text: bytes) -> dict[str, Any] | str:
+    try:
+        obj = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"not JSON ({e})"
+    return _entry(obj)
+
+
+def _record(entry: Mapping[str, Any]) -> bytes:
+    payload = _T_ENTRY + json.dumps(dict(entry)).encode("utf-8")
+    return frame(payload) + payload
+
+
+class CommittedLog:
+    """``committed.log``: one record per commit, appended and (with ``fsync``) synced
+    before the commit is answered. See the module docstring for the format.
+
+    Open it with :meth:`open`, which replays it. The tail rule: the last append, torn by
+    a crash (never synced, so never acknowledged), is cut off; corruption anywhere else
+    raises :class:`ConsumerStateError`, since forgetting committed ids would publish
+    duplicates. A log in the earlier JSON-lines format is read by the same rule (a torn
+    last line) and rewritten framed.
+    """
+
+    def __init__(self, path: Path, fsync: bool) -> None:
+        self.path = path
+        self.fsync = fsync
+        self.count = 0
+        """Records in the file (compaction resets it)."""
+        self._fd = -1
+
+    @classmethod
+    def open(
+        cls, path: str | os.PathLike[str], *, fsync: bool
+    ) -> tuple[CommittedLog, list[dict[str, Any]]]:
+        """The log at ``path`` (created if missing) and its entries, in order.
+
+        Raises
+        ------
+        ConsumerStateError
+            If a record other than the last append is corrupt.
+        """
+        log_ = cls(Path(path), fsync)
+        entries = log_._replay()
+        log_._fd = os.open(log_.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        return log_, entries
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+        """The entries of the log at ``path``, either format, changing nothing (a torn
+        last append is left out).
+
+        Raises
+        ------
+        ConsumerStateError
+            If a record other than the last append is corrupt.
+        """
+        log_ = cls(Path(path), False)
+        data = log_.path.read_bytes()
+        if LOG_MAGIC.startswith(data):
+            return []
+        if data.startswith(LOG_MAGIC):
+            return log_._read_framed(data)[0]
+        return log_._read_lines(data)
+
+    def _replay(self) -> list[dict[str, Any]]:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        if LOG_MAGIC.startswith(data):  # new, or its creation never finished
+            atomic_write(self.path, LOG_MAGIC, sync=self.fsync)
+            return []
+        if data.startswith(LOG_MAGIC):
+            entries, good = self._read_framed(data)
+            if good != len(data):
+                log.warning("consumer: cutting a torn last record off %s", self.path)
+                with open(self.path, "r+b") as f:
+                    f.truncate(good)
+                    if self.fsync:
+                        os.fsync(f.fileno())
+            self.count = len(entries)
+            return entries
+        entries = self._read_lines(data)
+        log.info("consumer: %s is JSON lines (an earlier version); rewriting it framed", self.path)
+        self.rewrite(entries)
+        return entries
+
+    def _read_framed(self, data: bytes) -> tuple[list[dict[str, Any]], int]:
+        entries: list[dict[str, Any]] = []
+        pos, size = len(LOG_MAGIC), len(data)
+        while pos < size:
+            got = read_record(data, pos, size)
+            if isinstance(got, str):
+                if self._torn(data, pos):
+                    break
+                raise ConsumerStateError(
+                    f"{self.path} record {len(entries) + 1} at byte {pos} is corrupt: {got}"
+                )
+            payload, end = got
+            entry = _decode(payload[1:]) if payload[:1] == _T_ENTRY else "unknown record type"
+            if isinstance(entry, str):
+                raise ConsumerStateError(
+                    f"{self.path} record {len(entries) + 1} at byte {pos} is corrupt: {entry}"
+                )
+            entries.append(entry)
+            pos = end
+        return entries, pos
+
+    @staticmethod
+    def _torn(data: bytes, pos: int) -> bool:
+        """Whether the bad record at ``pos`` is a torn last append: a header cut short,
+        a length past the end, a CRC failing on the very last record, or only zeroes
+        left (space a file system allocated before the crash)."""
+        size = len(data)
+        if pos + RECORD_HEAD.size > size or not data[pos:].strip(b"\0"):
+            return True
+        length: int = RECORD_HEAD.unpack_from(data, pos)[0]
+        return length > 0 and pos + RECORD_HEAD.size + length >= size
+
+    def _read_lines(self, data: bytes) -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = []
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            last = i == len(lines) - 1
+            if last and not line:
+                break
+            final = last or (i == len(lines) - 2 and not lines[-1])
+            entry = "no newline" if last else _decode(line)  # no newline: a torn append
+            if isinstance(entry, str):
+                if final:  # the last append, never acknowledged: cut it off
+                    log.warning("consumer: cutting a torn last line off %s (%s)", self.path, entry)
+                    break
+                raise ConsumerStateError(f"{self.path} line {i + 1} is corrupt: {entry}")
+            entries.append(entry)
+        return entries
+
+    def append(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``entries`` in one write, synced (with ``fsync``)."""
+        write_all(self._fd, b"".join(_record(e) for e in entries))
+        if self.fsync:
+            os.fsync(self._fd)
+        self.count += len(entries)
+
+    def rewrite(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the log by one holding ``entries`` (``[]``: after a compaction)."""
+        atomic_write(self.path, LOG_MAGIC + b"".join(_record(e) for e in entries), sync=self.fsync)
+        self.count = len(entries)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+
 # ---------------------------------------------------------------------------- folder
 
 
@@ -267,8 +524,7 @@ class SinkFolder:
     """The consumer's folder (see the module docstring): takes its lock, repairs it
     (:meth:`_recover`), and keeps the committed ids and published batches in memory.
 
-    ``stats`` is the consumer's counter dict (this class counts commits, aborts and
-    their errors in it); ``fault_hook`` is the consumer's test hook.
+    ``fault_hook`` is the consumer's test hook (see :meth:`commit`).
 
     Raises
     ------
@@ -281,29 +537,28 @@ class SinkFolder:
         path: str | os.PathLike[str],
         *,
         fsync: bool,
-        stats: dict[str, int],
         fault_hook: Callable[[str, str, BatchId], None] | None = None,
     ) -> None:
         self.root = Path(path)
         self.fsync = fsync
-        self.stats = stats
         self.fault_hook = fault_hook
         self._lock = threading.RLock()
         self._ids: dict[str, CommittedIds] = {}
         self._published: dict[tuple[str, BatchId], Published] = {}
         self._next_seq = 1
-        self._log_lines = 0
+        self._log: CommittedLog | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
         try:
             self._recover()
-            self._log = open(self.root / "committed.log", "ab")  # noqa: SIM115 - kept open
         except BaseException:
+            if self._log is not None:
+                self._log.close()
             os.close(self._lock_fd)
             raise
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
+        if self._log is not None:
             self._log.close()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
@@ -391,7 +646,7 @@ class SinkFolder:
             trash = self.root / "trash" / uuid.uuid4().hex
             os.rename(pub.path, trash)
             if self.fsync:
-                _fsync_dir(pub.path.parent)
+                fsync_dir(pub.path.parent)
         shutil.rmtree(trash, ignore_errors=True)
 
     def _lookup(self, stream: str, batch: BatchId) -> Published:
@@ -413,10 +668,20 @@ class SinkFolder:
         batch: BatchId,
         parts: Sequence[tuple[int, int, int]],
         query: str | None,
-    ) -> dict[str, Any]:
-        """Publish the staged ``(partition, attempt, rows)`` of a batch once, record its
-        id; returns the command's reply (see :mod:`zio_spark.sink.consumer`). Disk
-        trouble and the fault hook's exceptions propagate."""
+    ) -> CommitOutcome:
+        """Publish the staged ``(partition, attempt, rows)`` of a batch once and record
+        its id (see :mod:`zio_spark.sink.consumer`, "Commands").
+
+        The fault hook is called at ``"before_publish"`` (nothing changed yet; the
+        consumer calls it at ``"after_publish"``); its exceptions propagate, as does
+        disk trouble (``OSError``).
+
+        Raises
+        ------
+        CommitRefused
+            A listed partition with rows is not complete-staged, or has another row
+            count; or the batch id was committed by another query.
+        """
         with self._lock:
             ids = self._ids.setdefault(stream, CommittedIds())
             staging = self.staging_dir(stream, batch)
@@ -427,16 +692,16 @@ class SinkFolder:
                     and ids.query is not None
                     and query != ids.query
                 ):
-                    self.stats["commit_errors"] += 1
-                    return error_reply(
+                    raise CommitRefused(
+                        stream,
+                        batch,
                         f"batch {batch} of stream {stream!r} was already committed "
                         f"by another query ({ids.query}; this is {query}): a new checkpoint "
                         "must write to a new stream name, or its batches would be dropped "
-                        "as duplicates"
+                        "as duplicates",
                     )
-                self.stats["duplicate_commits"] += 1
                 self._drop_staging(staging)
-                return {"result": "ok", "published": False, "reason": "already committed"}
+                return AlreadyCommitted(stream, batch)
             files: list[tuple[int, Path]] = []
             total = 0
             for p, a, rows in parts:
@@ -444,28 +709,31 @@ class SinkFolder:
                     continue
                 f = staging / f"{p}-{a}.arrow"
                 if not f.exists():
-                    self.stats["commit_errors"] += 1
-                    return error_reply(
+                    raise CommitRefused(
+                        stream,
+                        batch,
                         f"partition {p} attempt {a} of batch {batch!r} (stream "
-                        f"{stream!r}) is not staged: no complete staging file"
+                        f"{stream!r}) is not staged: no complete staging file",
                     )
                 n = _count_rows(f)
                 if n != rows:
-                    self.stats["commit_errors"] += 1
-                    return error_reply(
+                    raise CommitRefused(
+                        stream,
+                        batch,
                         f"partition {p} attempt {a} of batch {batch!r} has {n} "
-                        f"staged rows, the commit says {rows}"
+                        f"staged rows, the commit says {rows}",
                     )
                 files.append((p, f))
                 total += rows
-            self._fault("before_publish", stream, batch)
+            self.fault("before_publish", stream, batch)
             seq: int | None = None
             if files:
                 seq = self._next_seq
                 self._publish(stream, batch, seq, files, total, query)
                 self._next_seq += 1
-            self._append_log(
-                {"seq": seq, "stream": stream, "batch": batch, "rows": total, "query": query}
+            assert self._log is not None
+            self._log.append(
+                [{"seq": seq, "stream": stream, "batch": batch, "rows": total, "query": query}]
             )
             ids.add(batch)
             if query is not None and isinstance(batch, int):
@@ -473,15 +741,12 @@ class SinkFolder:
             if seq is not None:
                 path = self.published_dir(stream) / f"{seq:020d}-{_batch_key(batch)}"
                 self._published[stream, batch] = Published(stream, batch, seq, total, path)
-                self.stats["published"] += 1
-            self.stats["commits"] += 1
             self._drop_staging(staging)
             if isinstance(batch, int):
                 self._drop_older_staging(stream, batch)
-            if self._log_lines >= COMPACT_EVERY:
+            if self._log.count >= COMPACT_EVERY:
                 self._compact()
-        self._fault("after_publish", stream, batch)
-        return {"result": "ok", "published": seq is not None, "rows": total}
+        return Committed(stream, batch, total, seq)
 
     def _publish(
         self,
@@ -505,7 +770,7 @@ class SinkFolder:
             except OSError:
                 shutil.copyfile(f, target)
                 if self.fsync:
-                    _fsync_file(target)
+                    fsync_file(target)
         manifest = {
             "stream": stream,
             "batch": batch,
@@ -517,23 +782,23 @@ class SinkFolder:
         mpath = tmp / _MANIFEST
         mpath.write_text(json.dumps(manifest))
         if self.fsync:
-            _fsync_file(mpath)
-            _fsync_dir(tmp)
+            fsync_file(mpath)
+            fsync_dir(tmp)
         os.rename(tmp, parent / name)  # the commit point
         if self.fsync:
-            _fsync_dir(parent)
+            fsync_dir(parent)
 
-    def abort(self, stream: str, batch: BatchId) -> dict[str, Any]:
-        """Discard a batch's staging (nothing once it is committed); the reply."""
+    def abort(self, stream: str, batch: BatchId) -> Aborted:
+        """Discard a batch's staging (nothing once it is committed). Idempotent."""
         with self._lock:
-            self.stats["aborts"] += 1
             ids = self._ids.get(stream)
             if ids is not None and batch in ids:
-                return {"result": "ok", "reason": "already committed; nothing to discard"}
+                return Aborted(stream, batch, discarded=False)
             self._drop_staging(self.staging_dir(stream, batch))
-        return {"result": "ok"}
+        return Aborted(stream, batch, discarded=True)
 
-    def _fault(self, point: str, stream: str, batch: BatchId) -> None:
+    def fault(self, point: str, stream: str, batch: BatchId) -> None:
+        """Call the fault hook (a test hook) at ``point``, if there is one."""
         if self.fault_hook is not None:
             self.fault_hook(point, stream, batch)
 
@@ -567,13 +832,6 @@ class SinkFolder:
 
     # -- committed log ---------------------------------------------------------------
 
-    def _append_log(self, entry: Mapping[str, Any]) -> None:
-        self._log.write(json.dumps(entry).encode("utf-8") + b"\n")
-        self._log.flush()
-        if self.fsync:
-            os.fsync(self._log.fileno())
-        self._log_lines += 1
-
     def _apply(self, entry: Mapping[str, Any]) -> None:
         stream = entry["stream"]
         batch = entry["batch"]
@@ -596,11 +854,8 @@ class SinkFolder:
             sync=self.fsync,
             tmp=self.root / "committed.json.tmp",
         )
-        self._log.truncate(0)
-        self._log.seek(0)
-        if self.fsync:
-            os.fsync(self._log.fileno())
-        self._log_lines = 0
+        assert self._log is not None
+        self._log.rewrite([])
 
     # -- recovery --------------------------------------------------------------------
 
@@ -619,7 +874,9 @@ class SinkFolder:
                     self._ids[s] = CommittedIds.restore(obj)
             except (ValueError, TypeError, AttributeError) as e:
                 raise ConsumerStateError(f"{snap_path} is corrupt: {e}") from e
-        self._replay_log(root / "committed.log")
+        self._log, entries = CommittedLog.open(root / "committed.log", fsync=self.fsync)
+        for item in entries:
+            self._apply(item)
         roll_forward: list[dict[str, Any]] = []
         for sdir in sorted((root / "published").iterdir()):
             stream = _stream_from_dir(sdir.name)
@@ -657,20 +914,15 @@ class SinkFolder:
                     stream, batch, seq, int(manifest["rows"]), entry
                 )
         if roll_forward:
-            with open(root / "committed.log", "ab") as out:
-                for line in sorted(roll_forward, key=lambda x: int(x["seq"])):
-                    log.warning(
-                        "consumer: batch %r of stream %r was published but not logged; "
-                        "rolled forward",
-                        line["batch"],
-                        line["stream"],
-                    )
-                    out.write(json.dumps(line).encode("utf-8") + b"\n")
-                    self._apply(line)
-                    self._log_lines += 1
-                out.flush()
-                if self.fsync:
-                    os.fsync(out.fileno())
+            roll_forward.sort(key=lambda x: int(x["seq"]))
+            for line in roll_forward:
+                log.warning(
+                    "consumer: batch %r of stream %r was published but not logged; rolled forward",
+                    line["batch"],
+                    line["stream"],
+                )
+                self._apply(line)
+            self._log.append(roll_forward)
         for sdir in sorted((root / "staging").iterdir()):
             stream = _stream_from_dir(sdir.name)
             ids = self._ids.get(stream)
@@ -685,33 +937,3 @@ class SinkFolder:
                     continue
                 for part in bdir.glob("*.part"):
                     part.unlink()
-
-    def _replay_log(self, path: Path) -> None:
-        if not path.exists():
-            return
-        data = path.read_bytes()
-        lines = data.split(b"\n")
-        good_end = 0
-        for i, line in enumerate(lines):
-            last = i == len(lines) - 1
-            if last and not line:
-                break
-            final = last or (i == len(lines) - 2 and not lines[-1])
-            try:
-                if last:  # no newline: a torn append
-                    raise ValueError("no newline")
-                entry = json.loads(line)
-                self._apply(entry)
-            except (ValueError, KeyError, TypeError) as e:
-                if final:  # the last append, never acknowledged: cut it off
-                    log.warning("consumer: cutting a torn last line off %s (%s)", path, e)
-                    break
-                raise ConsumerStateError(f"{path} line {i + 1} is corrupt: {e}") from e
-            good_end += len(line) + 1
-            self._log_lines += 1
-        if good_end != len(data):
-            with open(path, "r+b") as f:
-                f.truncate(good_end)
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
