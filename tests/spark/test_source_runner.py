@@ -1,5 +1,6 @@
-"""The stream reader's runner side without a Spark session: partitions split per
-producer, background sealing, the first ``latestOffset``, and SIGTERM in the runner."""
+"""The stream reader's runner side without a Spark session: background sealing, the
+first ``latestOffset``, and SIGTERM in the runner (the partition planning's own suite is
+tests/unit/test_plan.py)."""
 
 from __future__ import annotations
 
@@ -17,42 +18,9 @@ from zio_spark.errors import ConfigError
 from zio_spark.options import parse_source_options
 from zio_spark.source.sealer import Sealer
 from zio_spark.spark import source as source_mod
-from zio_spark.spark.source import _pack, _pieces
 from zio_spark.storage.spool import Record, Spool
 
 # -- partitions ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("start", "end", "step", "want"),
-    [
-        (1, 1, 10, []),
-        (1, 11, 10, [(1, 11)]),
-        (1, 12, 10, [(1, 6), (6, 12)]),  # near equal, not 10 + 1
-        (5, 8, 1, [(5, 6), (6, 7), (7, 8)]),
-        (1, 1001, 300, [(1, 251), (251, 501), (501, 751), (751, 1001)]),
-    ],
-)
-def test_pieces_cover_the_range_once_in_near_equal_parts(start, end, step, want):
-    got = _pieces(start, end, step)
-    assert got == want
-    assert all(e - s <= step for s, e in got)
-
-
-def test_small_ranges_of_several_producers_share_a_partition_up_to_the_step():
-    ranges = {f"c{i}": (1, 1001) for i in range(8)}  # 8 clients, 1000 records each
-    assert _pack(ranges, 250_000) == [tuple((f"c{i}", 1, 1001) for i in range(8))]
-    # A big producer is cut; small ones fill partitions up to the step, in id order.
-    packed = _pack({"big": (1, 501), "s1": (1, 101), "s2": (11, 111)}, 250)
-    assert packed == [(("big", 1, 251),), (("big", 251, 501),), (("s1", 1, 101), ("s2", 11, 111))]
-    assert _pack({"a": (5, 5)}, 10) == []  # nothing to read: no partition
-    # Every record of every producer, once.
-    for step in (1, 7, 100, 10_000):
-        got = sorted(
-            (p, s) for group in _pack(ranges, step) for p, a, b in group for s in range(a, b)
-        )
-        assert got == sorted((p, s) for p, (a, b) in ranges.items() for s in range(a, b))
-        assert all(sum(b - a for _, a, b in g) <= step for g in _pack(ranges, step))
 
 
 def test_max_records_per_partition_option_is_checked():

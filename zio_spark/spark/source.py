@@ -13,7 +13,6 @@ JSON strings): every record of that producer with ``seq < next_seq`` is covered.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from pyspark.sql.types import StructType
 from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions
+from zio_spark.source import plan
 from zio_spark.source.receiver import PeerStatus, Receiver
 from zio_spark.source.sealer import Sealer
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
@@ -76,7 +76,8 @@ def _columns(schema: StructType | None) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ZioPartition(InputPartition):  # type: ignore[misc]
     """Ranges ``(producer, start, end)`` to read in one task, and how executors reach
-    the spool. Small ranges of several producers share a task (:func:`_pack`)."""
+    the spool. Small ranges of several producers share a task
+    (:func:`~zio_spark.source.plan.pack`)."""
 
     ranges: tuple[tuple[str, int, int], ...]
     spool_path: str
@@ -110,31 +111,6 @@ def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
                 end,
                 producer,
             )
-
-
-def _pack(ranges: dict[str, tuple[int, int]], step: int) -> list[tuple[tuple[str, int, int], ...]]:
-    """The ranges of one micro-batch as the ranges of its Spark partitions.
-
-    A producer's range is cut into near-equal pieces of at most ``step`` records
-    (:func:`_pieces`), so one producer's batch uses several cores; pieces of several
-    producers then share a partition up to ``step`` records, so many small producers do
-    not cost a task each (8 plain clients: ~60 ms of worker CPU per task and batch, 18 us
-    per record, was the largest cost of a bound source).
-    """
-    out: list[tuple[tuple[str, int, int], ...]] = []
-    group: list[tuple[str, int, int]] = []
-    size = 0
-    for producer in sorted(ranges):
-        start, end = ranges[producer]
-        for s, e in _pieces(start, end, step):
-            if group and size + (e - s) > step:
-                out.append(tuple(group))
-                group, size = [], 0
-            group.append((producer, s, e))
-            size += e - s
-    if group:
-        out.append(tuple(group))
-    return out
 
 
 class _Inlet:
@@ -263,9 +239,6 @@ class _Runtime:
             self.spool.close()
 
 
-# availableNow: records waiting beyond the last batch that make a batch of their own
-# while the producers are still sending (see ZioStreamReader._available).
-_STEP = 1_000_000
 # The most a query's first latestOffset waits for the first records (_wait_first).
 _FIRST_WAIT = 1.0
 
@@ -323,20 +296,6 @@ class _RunState:
             if self._progress_at:
                 log.info("zio source: waiting for %s", "; ".join(awaited))
             self._progress_at = now
-
-
-def _dump(offsets: dict[str, int]) -> dict[str, int]:
-    return dict(sorted(offsets.items()))
-
-
-def _pieces(start: int, end: int, step: int) -> list[tuple[int, int]]:
-    """``[start, end)`` cut into ranges of at most ``step`` sequence numbers, of near
-    equal size (a 260k range with step 250k is two of 130k, not 250k and 10k)."""
-    if end <= start:
-        return []
-    n = -(-(end - start) // step)
-    bounds = [start + (end - start) * i // n for i in range(n + 1)]
-    return list(itertools.pairwise(bounds))
 
 
 class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
@@ -399,16 +358,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         if rt.receiver.error is not None:
             raise rt.receiver.error
 
-    def _base(self, rt: _Runtime, producer: str, start: dict[str, int]) -> int:
-        if producer in start:
-            return int(start[producer])
-        return max(rt.spool.committed().get(producer, 1), 1)
-
     # -- Spark hooks -----------------------------------------------------------------
 
     def initialOffset(self) -> dict[str, int]:
         rt = self._runtime()
-        return _dump(rt.spool.committed())
+        return plan.sorted_offsets(rt.spool.committed())
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.opts.max_records_per_trigger is not None:
@@ -429,7 +383,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         The run's end is what is stored once every producer has given what it held when
         the run started (:meth:`_awaited`): a zio-spark producer states its position in
         its BOT reply, a plain giver cannot and is taken as done after
-        ``plainGiverQuiet`` without records. Until then, once ``_STEP`` records wait
+        ``plainGiverQuiet`` without records. Until then, once ``plan.STEP`` records wait
         beyond the last batch, or maxBacklog holds a producer back, what is stored is a
         batch of its own: Spark processes it while the rest arrives, and its commit
         frees the backlog.
@@ -440,12 +394,13 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             if not awaited:
                 break
             waiting = sum(rt.spool.backlog().values())
-            if waiting >= _STEP or (waiting and rt.receiver.held_back()):
+            if plan.is_step(waiting, waiting > 0 and bool(rt.receiver.held_back())):
                 return rt.spool.seal()  # a step on the way, not the end
             self._run_state.say(awaited)
             time.sleep(0.02)  # the runner waits for producers; not a test wait
         self._target = rt.spool.seal()
-        log.info("zio source: availableNow run complete at %s", _dump(self._target))
+        done = plan.sorted_offsets(self._target)
+        log.info("zio source: availableNow run complete at %s", done)
         return dict(self._target)
 
     def _awaited(
@@ -679,22 +634,13 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 self._first_waited = True
                 self._wait_first(rt)
             ends = rt.spool.seal()
-        out = {p: max(int(v), ends.get(p, 0)) for p, v in start.items()}
-        for p, e in ends.items():
-            out[p] = max(out.get(p, 0), e, self._base(rt, p, start))
-        if isinstance(limit, ReadMaxRows):
-            budget = limit.max_rows
-            for p in sorted(out):
-                base = self._base(rt, p, start)
-                take = max(0, min(out[p] - base, budget))
-                out[p] = base + take
-                budget -= take
-        return _dump(out)
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return plan.latest_end(start, ends, rt.spool.committed(), max_rows)
 
     def _wait_first(self, rt: _Runtime) -> None:
         """A run's first ``latestOffset`` (no availableNow preparation): wait until each
         producer that states its position has given what it held at connect
-        (:meth:`_awaited`), or maxBacklog holds it back, or ``_STEP`` records wait.
+        (:meth:`_awaited`), or maxBacklog holds it back, or ``plan.STEP`` records wait.
 
         Spark 4.0/4.1 run an availableNow query as this one batch (no
         ``prepareForTriggerAvailableNow``): there the wait covers plain givers too
@@ -722,7 +668,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             if not awaited:
                 break
             waiting = sum(rt.spool.backlog().values())
-            if waiting >= _STEP or (waiting and rt.receiver.held_back()):
+            if plan.is_step(waiting, waiting > 0 and bool(rt.receiver.held_back())):
                 return
             self._run_state.say(awaited)
             time.sleep(0.01)  # the runner waits for producers; not a test wait
@@ -753,7 +699,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         rt = self._runtime()
-        ranges = {p: (self._base(rt, p, start), int(end[p])) for p in end}
+        ranges = plan.partition_ranges(start, end, rt.spool.committed())
         return [
             ZioPartition(
                 group,
@@ -765,7 +711,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 self.columns,
                 rt.server_keys(),
             )
-            for group in _pack(ranges, self.opts.max_records_per_partition)
+            for group in plan.pack(ranges, self.opts.max_records_per_partition)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -834,12 +780,10 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
             _raise_failed(recv, timeout)
             ends = spool.seal()
             budget = opts.max_records
-            starts = {p: max(spool.committed().get(p, 1), 1) for p in ends}
+            committed = spool.committed()
+            starts = {p: plan.base(p, {}, committed) for p in ends}
             if budget is not None:
-                for p in sorted(ends):
-                    take = max(0, min(ends[p] - starts[p], budget))
-                    ends[p] = starts[p] + take
-                    budget -= take
+                ends, budget = plan.take_rows(starts, ends, budget)
             # The records stay in this private spool for read(); only the producers hear
             # that they are safe (an ack), so ack-capable ones can forget them. Acks go
             # on open flows: before the EOTs.
@@ -855,7 +799,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
                     "zio batch read failed: the receiver did not end the flows within "
                     f"{recv.stop_bound():.0f} s, so what arrived meanwhile cannot be sealed"
                 )
-            _take_plain(recv, spool, starts, ends, budget, opts.max_records)
+            starts, ends = _take_plain(recv, spool, starts, ends, budget, opts.max_records)
         finally:
             if ended is None:
                 ended = inlet.stop()
@@ -872,7 +816,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
                 opts.fail_on_data_loss,
                 self.columns,
             )
-            for group in _pack(ranges, opts.max_records_per_partition)
+            for group in plan.pack(ranges, opts.max_records_per_partition)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -894,33 +838,25 @@ def _take_plain(
     ends: dict[str, int],
     budget: int | None,
     max_records: int | None,
-) -> None:
-    """A batch read's flows have ended: extend ``ends`` of plain givers (no acks) to all
-    they gave, within ``budget`` (what ``maxRecords`` leaves).
+) -> tuple[dict[str, int], dict[str, int]]:
+    """A batch read's flows have ended: ``(starts, ends)`` with the ends of plain givers
+    (no acks) extended to all they gave, within ``budget`` (what ``maxRecords`` leaves;
+    :func:`~zio_spark.source.plan.extend_plain`).
 
     A plain giver has no acks: what reached the spool is confirmed to it (by our credit,
     then the echo of our EOT), so it is in the result or (beyond ``maxRecords``) logged
     as not taken: the giver does not keep it."""
     plain = {st.producer for st in recv.status() if st.producer and not st.ack_capable}
-    sealed = spool.seal()
-    for p in sorted(sealed):
-        if p not in plain:
-            continue
-        start = starts.setdefault(p, max(spool.committed().get(p, 1), 1))
-        end = ends.get(p, start)
-        more = max(0, sealed[p] - end)
-        take = more if budget is None else min(more, budget)
-        if budget is not None:
-            budget -= take
-        ends[p] = end + take
-        if more > take:
-            log.warning(
-                "zio batch read: %d records of plain giver %s are beyond maxRecords %s: "
-                "not in the result, and a plain giver does not keep them",
-                more - take,
-                p,
-                max_records,
-            )
+    taken = plan.extend_plain(plain, spool.seal(), spool.committed(), starts, ends, budget)
+    for p, left in sorted(taken.left.items()):
+        log.warning(
+            "zio batch read: %d records of plain giver %s are beyond maxRecords %s: "
+            "not in the result, and a plain giver does not keep them",
+            left,
+            p,
+            max_records,
+        )
+    return taken.starts, taken.ends
 
 
 def _raise_failed(recv: Receiver, timeout: float) -> None:
