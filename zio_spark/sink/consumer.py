@@ -122,6 +122,7 @@ import zmq
 
 from zio_spark.codec.records import decode_payload, decode_plain
 from zio_spark.errors import ConfigError, RemoteProtocolError, ZioSparkError
+from zio_spark.protocol.credit import QuarterWindow
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived
 from zio_spark.protocol.sink import BatchId, error_reply, parse_command, parse_data_bot
 from zio_spark.storage.sink_folder import (
@@ -160,6 +161,7 @@ class _DataHandler(FlowHandler):
         self.plain = False
         self.plain_rows = 0
         self.dead: str | None = None
+        self.pay_rule: QuarterWindow | None = None
 
     # -- BOT -------------------------------------------------------------------------
 
@@ -181,7 +183,9 @@ class _DataHandler(FlowHandler):
             conn.reject(error_reply(str(e)))
             return
         cap = c.credit if self.format == "arrow" else c.record_credit
-        conn.accept(min(bot.credit, cap), reply)
+        window = min(bot.credit, cap)
+        self.pay_rule = QuarterWindow(window)
+        conn.accept(window, reply)
         conn.pay()
 
     def _open(self, attrs: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -238,9 +242,10 @@ class _DataHandler(FlowHandler):
         if self.plain and stage.pending >= self.consumer.plain_batch_rows:
             self._roll()
         # The DAT is in the page cache: its credit may go back (backpressure point).
-        held = conn.flow.credit
-        if held >= max(1, conn.flow.total_credit // 4):
-            conn.pay(held)
+        assert self.pay_rule is not None
+        pay = self.pay_rule.to_pay(conn.flow.credit)
+        if pay:
+            conn.pay(pay)
 
     def on_tick(self, conn: ServerFlow, now: float) -> None:
         stage = self.stage
