@@ -152,26 +152,6 @@ def bridge_message_id(stream: str, batch: BatchId, n: int) -> bytes:
 # ------------------------------------------------------------------ the flow server
 
 
-class _InlineFlowServer(FlowServer):
-    """A :class:`FlowServer` driven from the broker's loop instead of its own thread."""
-
-    def process(self, limit: int = 1000) -> None:
-        """Dispatch up to ``limit`` waiting messages without blocking."""
-        for _ in range(limit):
-            got = self.port.recv(0)
-            if got is None:
-                return
-            self._dispatch(got)
-
-    def tick_all(self) -> None:
-        self._tick()
-
-    def close(self) -> None:
-        for conn, handler in list(self.flows.values()):
-            self._remove(conn, handler, "queue stopped")
-        self.port.close()
-
-
 def _check_endpoint(option: str, value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ConfigError(option, value, "an endpoint string")
@@ -277,7 +257,8 @@ class FlowProducerPort:
             plain_refusal="the queue's flow port gives only to ack-capable takers "
             "(BOT ack: true): messages leave the queue when the taker acks them",
         )
-        self._server = _InlineFlowServer(
+        # Driven inline by the broker's loop: process() and tick(), no thread of its own.
+        self._server = FlowServer(
             port, lambda: GiverHandler(self, policy), ctx=ctx, name="queue flow producer"
         )
 
@@ -339,7 +320,7 @@ class FlowProducerPort:
 
     def pump(self) -> None:
         """Send what the taker has credit for; keep the side log bounded (broker thread)."""
-        self._server.tick_all()
+        self._server.tick()
         store = self.store
         if (
             self._log.size > LOG_REWRITE_BYTES
@@ -365,7 +346,7 @@ class FlowProducerPort:
 
     def close(self) -> None:
         try:
-            self._server.close()
+            self._server.close("queue stopped")
         finally:
             self._log.close()
 

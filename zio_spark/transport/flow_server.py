@@ -7,9 +7,24 @@ EOT exchange completes, when it breaks the protocol (the violation is logged wit
 peer, counted in ``stats["dropped"]``, and no other flow notices), or when it has been
 silent for ``idle_timeout`` seconds.
 
-Everything runs in one thread that owns the socket. Other threads talk to the loop with
-:meth:`FlowServer.call_soon` (a :class:`~zio_spark.transport.loop.Waker` interrupts the
-poll), so handlers never need locks for flow state.
+Everything runs in one thread that owns the socket, so handlers never need locks for
+flow state. Two ways to run it:
+
+- **Own thread**: :meth:`FlowServer.start` runs it on a :class:`~.loop.Loop` in a thread of
+  its own; :meth:`FlowServer.stop` ends it and closes the port. Other threads reach it
+  with :meth:`FlowServer.call_soon` (the loop's waker interrupts the poll).
+- **Inline**, from another loop's thread (the queue broker, the receiver): the server is
+  a :class:`~.loop.LoopPart`. Either ``loop.add(server)`` on a shared
+  :class:`~.loop.Loop` (then :meth:`~FlowServer.call_soon` goes through that loop: pass
+  ``loop=`` or call :meth:`FlowServer.attach`), or drive it by hand: poll
+  :meth:`~FlowServer.sockets`, then call :meth:`~FlowServer.process` (dispatch what
+  arrived, never blocks) and :meth:`~FlowServer.tick` (idle removal, handlers'
+  ``on_tick``, queued calls) every turn, at least every ``tick`` seconds; end with
+  :meth:`~FlowServer.close`.
+
+In either mode :meth:`FlowServer.poke` runs one flow's ``on_tick`` at once (a giver with
+new records to send) and :meth:`FlowServer.remove` ends one flow; a handler error, a
+protocol violation or a failed send ends that flow only.
 """
 
 from __future__ import annotations
@@ -18,7 +33,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import zmq
@@ -34,7 +49,7 @@ from zio_spark.protocol.flow import (
     Role,
 )
 from zio_spark.protocol.message import DatCodec, Message
-from zio_spark.transport.loop import Waker
+from zio_spark.transport.loop import Loop
 from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
 
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
@@ -154,6 +169,7 @@ class FlowServer:
         origin: int = 0,
         name: str = "flow-server",
         send_timeout: float = 0.2,
+        loop: Loop | None = None,
     ) -> None:
         if isinstance(send_timeout, bool) or not (
             isinstance(send_timeout, (int, float)) and 0 <= send_timeout <= 3600
@@ -164,17 +180,20 @@ class FlowServer:
         self.port = port
         self.handler_factory = handler_factory
         self.idle_timeout = idle_timeout
-        self.tick = tick
+        self.tick_s = tick
         self.origin = origin
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.flows: dict[PeerId, tuple[ServerFlow, FlowHandler]] = {}
         self.stats: collections.Counter[str] = collections.Counter()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._waker: Waker | None = None  # made by start(): an inline server has none
+        self._loop: Loop | None = None  # the loop driving it (own or shared), if any
+        self._own_loop = False
+        self._closed = False
         self.error: BaseException | None = None
+        if loop is not None:
+            self.attach(loop)
 
     @property
     def endpoint(self) -> str:
@@ -186,23 +205,33 @@ class FlowServer:
     # -- lifecycle -----------------------------------------------------------------
 
     def start(self) -> FlowServer:
-        self._waker = Waker()
+        """Run the server in a thread of its own (see the module docstring)."""
+        if self._loop is not None:
+            raise TransportError(f"{self.name} is already driven by a loop")
+        loop = Loop(tick=self.tick_s, name=self.name, stats=self.stats)
+        self.attach(loop)
+        self._own_loop = True
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """True while the server's own thread runs (:meth:`start`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the loop and close the port (idempotent)."""
-        self._stop.set()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TransportError(f"{self.name} did not stop within {timeout} s")
-            self._thread = None
-        if self._waker is not None:
-            self._waker.close()
-        self.port.close()
+        """Stop the own thread (if any), end every flow and close the port (idempotent)."""
+        loop = self._loop
+        if self._own_loop and loop is not None:
+            loop.stop()
+            if self._thread is not None:
+                self._thread.join(timeout)
+                if self._thread.is_alive():
+                    raise TransportError(f"{self.name} did not stop within {timeout} s")
+                self._thread = None
+            loop.close()
+        self.close()
 
     def __enter__(self) -> FlowServer:
         return self.start()
@@ -210,35 +239,78 @@ class FlowServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` in the server thread at the next loop turn (thread-safe)."""
-        self._calls.append(fn)
-        self._wake()
+    def attach(self, loop: Loop) -> None:
+        """Be driven by ``loop`` (a part of it); :meth:`call_soon` then goes through it."""
+        self._loop = loop
+        loop.add(self)
 
-    def _wake(self) -> None:
-        if self._waker is not None:
-            self._waker.wake()
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the server's thread at the next turn (thread-safe).
+
+        Driven by hand (no loop), the call runs at the next :meth:`tick`.
+        """
+        if self._loop is not None:
+            self._loop.call_soon(fn)
+        else:
+            self._calls.append(fn)
+
+    # -- driving it inline -----------------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        """The socket to poll for input (empty once closed)."""
+        return [] if self._closed else [self.port.socket]
+
+    def process(self, ready: Collection[object] | None = None, now: float | None = None) -> None:
+        """Dispatch what arrived, without blocking (server thread).
+
+        ``ready``: the poll's events; the socket is read only if it is among them (None:
+        read it regardless). At most ``1000`` messages a call, so ticks still run.
+        """
+        if self._closed or (ready is not None and self.port.socket not in ready):
+            return
+        for got in self.port.recv_many(1000, 0):
+            self._dispatch(got)
+
+    def tick(self, now: float | None = None) -> float:
+        """Run queued calls, remove idle clients and run every open flow's ``on_tick``
+        (server thread). Returns the most seconds until the next tick is due."""
+        while self._calls:
+            self._run_call(self._calls.popleft())
+        self._tick(time.monotonic() if now is None else now)
+        return self.tick_s
+
+    def poke(self, conn: ServerFlow) -> None:
+        """Run ``conn``'s handler ``on_tick`` now, if its flow is still served (server
+        thread); its errors end that flow only."""
+        entry = self.flows.get(conn.peer)
+        if entry is not None and entry[0] is conn:
+            self.tick_flow(conn, entry[1], time.monotonic())
+
+    def remove(self, conn: ServerFlow, reason: str) -> None:
+        """End ``conn``'s flow here (no EOT is sent): its handler's ``on_close`` runs."""
+        entry = self.flows.get(conn.peer)
+        if entry is not None and entry[0] is conn:
+            self._remove(conn, entry[1], reason)
+
+    def close(self, reason: str = "server stopped") -> None:
+        """End every flow (``on_close`` with ``reason``) and close the port (idempotent;
+        server thread, or any thread once the loop has ended)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            self._loop.remove(self)
+        for conn, handler in list(self.flows.values()):
+            self._remove(conn, handler, reason)
+        self.port.close()
 
     # -- the loop ------------------------------------------------------------------
 
     def _run(self) -> None:
-        waker = self._waker
-        assert waker is not None
-        poller = zmq.Poller()
-        poller.register(self.port.socket, zmq.POLLIN)
-        poller.register(waker, zmq.POLLIN)
+        loop = self._loop
+        assert loop is not None
         try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(self.tick * 1000))
-                if waker.fd in events:
-                    waker.drain()
-                if self.port.socket in events:
-                    # Bounded, so ticks and calls still run; one call for what is queued.
-                    for got in self.port.recv_many(1000, 0):
-                        self._dispatch(got)
-                while self._calls:
-                    self._run_call(self._calls.popleft())
-                self._tick()
+            loop.run()
         except BaseException as e:  # pragma: no cover - reported, never silent
             self.error = e
             log.exception("%s: loop failed", self.name)
@@ -306,8 +378,7 @@ class FlowServer:
             if handler is not None:
                 self._remove(conn, handler, f"handler error: {e!r}")
 
-    def _tick(self) -> None:
-        now = time.monotonic()
+    def _tick(self, now: float) -> None:
         for conn, handler in list(self.flows.values()):
             if self.idle_timeout is not None and now - conn.last_seen > self.idle_timeout:
                 self.stats["idle_removed"] += 1

@@ -290,7 +290,7 @@ class GiverHandler(FlowHandler):
             if other is not conn and isinstance(handler, GiverHandler) and handler.giving:
                 # The old flow ends now instead of lingering in the server (forever
                 # without an idle timeout) for a client that is gone.
-                server._remove(other, handler, "replaced by a new taker")
+                server.remove(other, "replaced by a new taker")
         attrs: dict[str, Any] = {"producer": policy.producer_id, "stream": stream, "ack": True}
         if giving.arrow:
             attrs["encoding"] = ENCODING

@@ -54,6 +54,7 @@ __all__ = [
     "choose_mode",
     "drafts_available",
     "make_wire",
+    "silent_peer_hint",
     "socket_type_name",
 ]
 
@@ -171,6 +172,35 @@ def socket_type_name(kind: PortKind | str, mode: SocketMode | str) -> str:
     except ValueError:
         raise ConfigError("mode", mode, "'clientserver' or 'routerdealer'") from None
     return _SOCKET_NAMES[k, m]
+
+
+def silent_peer_hint(endpoint: str, kind: PortKind | str, mode: SocketMode | str) -> str:
+    """What to say when a peer at ``endpoint`` never answers: name both socket kinds and
+    the fix (libzmq connects a mismatched pair and then delivers nothing, silently).
+
+    ``kind`` and ``mode`` are *our* port's; the hint names the socket the other side
+    must have for this to work, and the one that would explain the silence.
+    """
+    ours = socket_type_name(kind, mode)
+    other_kind = PortKind.CLIENT if PortKind(kind) is PortKind.SERVER else PortKind.SERVER
+    mode = SocketMode(mode)
+    other_mode = (
+        SocketMode.ROUTERDEALER if mode is SocketMode.CLIENTSERVER else SocketMode.CLIENTSERVER
+    )
+    works = socket_type_name(other_kind, mode)
+    silent = socket_type_name(other_kind, other_mode)
+    fix = (
+        f"if the peer has a {silent} socket, use {other_mode.value} on this side "
+        f"(--socket {other_mode.value}, or mode={other_mode.value!r} in Python)"
+    )
+    if other_mode is SocketMode.CLIENTSERVER:
+        fix += ", which needs a draft-enabled pyzmq (scripts/build-draft-pyzmq.sh)"
+    return (
+        f"nothing answered at {endpoint}: this side is a {ours} socket "
+        f"({mode.value}), which talks only to a {works} peer; a {silent} peer "
+        f"({other_mode.value}) connects and then delivers nothing, silently. Fix: {fix}; "
+        "otherwise check that the peer runs at that endpoint"
+    )
 
 
 def drafts_available() -> bool:
