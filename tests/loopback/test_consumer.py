@@ -17,7 +17,7 @@ from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.message import Message, encode_frames
-from zio_spark.sink.client import CommandError, StagingWriter, send_command
+from zio_spark.sink.client import CommandError, StagingWriter, run_command, send_command
 from zio_spark.sink.consumer import Consumer, ConsumerStateError
 from zio_spark.storage import sink_folder as staging_mod
 from zio_spark.storage.sink_folder import CommittedLog
@@ -145,6 +145,24 @@ def test_commit_of_unstaged_or_miscounted_partition_is_an_error(ctx, consumer):
     assert consumer.published() == [] and not consumer.is_committed("s", 3)
     send_command(consumer.endpoint, "commit", "s", 3, [(0, 0, 2)], ctx=ctx)
     assert consumer.published() == [("s", 3)]
+
+
+def test_run_command_answers_with_a_typed_reply_refusals_included(ctx, consumer):
+    """The wire replies, exactly (the driver<->consumer protocol), as typed replies."""
+    _stage(ctx, consumer, 0, 0, [b"a"])
+    ep = consumer.endpoint
+    refused = run_command(ep, "commit", "s", 0, [(0, 0, 5)], ctx=ctx, timeout=5)
+    assert not refused.ok
+    assert refused.reason == "partition 0 attempt 0 of batch 0 has 1 staged rows, the commit says 5"
+    done = run_command(ep, "commit", "s", 0, [(0, 0, 1)], ctx=ctx, timeout=5)
+    assert done.ok and done.reason is None
+    assert dict(done.attrs) == {"result": "ok", "published": True, "rows": 1}
+    again = run_command(ep, "commit", "s", 0, [(0, 0, 1)], ctx=ctx, timeout=5)
+    assert dict(again.attrs) == {"result": "ok", "published": False, "reason": "already committed"}
+    late = run_command(ep, "abort", "s", 0, ctx=ctx, timeout=5)
+    assert dict(late.attrs) == {"result": "ok", "reason": "already committed; nothing to discard"}
+    assert dict(run_command(ep, "abort", "s", 1, ctx=ctx, timeout=5).attrs) == {"result": "ok"}
+    assert consumer.stats["commit_errors"] == 1 and consumer.stats["aborts"] == 2
 
 
 def test_empty_batch_records_the_id_and_publishes_nothing(ctx, consumer):

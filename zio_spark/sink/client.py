@@ -1,5 +1,12 @@
 """The sink's client side, what Spark executors and the driver run: :class:`StagingWriter`
-(the giver of one task's data flow) and :func:`send_command` (the driver's commit/abort).
+(the giver of one task's data flow) and :func:`run_command` (the driver's commit/abort:
+the consumer's answer, ``ok`` or a refusal, as a typed
+:class:`~zio_spark.protocol.sink.CommandReply`); :func:`send_command` is the same with a
+refusal raised as :class:`CommandError`.
+
+On the wire a command's answer is the consumer's EOT, a flow rejection whatever the
+outcome (:mod:`zio_spark.protocol.sink`); here that rejection is the normal path and
+comes back as a value, not an exception.
 
 The protocol is :mod:`zio_spark.protocol.sink`; the consumer's side is
 :mod:`zio_spark.sink.consumer`. This module needs neither the consumer nor its folder,
@@ -23,21 +30,23 @@ from zio_spark.errors import (
     TransportError,
     ZioSparkError,
 )
+from zio_spark.options import Curve
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.protocol.negotiate import client_terms
 from zio_spark.protocol.sink import (
     WRITER_FORMATS,
     BatchId,
+    CommandReply,
     command_bot,
     data_bot,
     parse_reply,
     parse_staged,
 )
-from zio_spark.transport.curve import client_kwargs
+from zio_spark.transport.curve import ClientCurve, client_kwargs
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
-__all__ = ["CommandError", "StagingWriter", "send_command"]
+__all__ = ["CommandError", "CommandReply", "StagingWriter", "run_command", "send_command"]
 
 
 class CommandError(ZioSparkError):
@@ -54,7 +63,7 @@ def _client_port(
     ctx: zmq.Context[zmq.Socket[bytes]] | None,
     endpoint: str,
     mode: str | None,
-    curve: tuple[bytes, bytes, bytes] | None,
+    curve: Curve | ClientCurve | None,
     timeout: float,
 ) -> ClientPort:
     kw = client_kwargs(curve)
@@ -74,7 +83,17 @@ def _client_port(
     return port
 
 
-def send_command(
+def _answer(ep: FlowEndpoint, attrs: Mapping[str, Any], timeout: float) -> Mapping[str, Any] | None:
+    """Send a command's BOT; the consumer's answer (its EOT's attributes), or None if
+    the peer accepted the BOT (it is no zio-spark consumer)."""
+    try:
+        ep.connect(Direction.EXTRACT, 1, attrs, timeout=timeout)
+    except FlowRejected as e:  # the consumer's answer, ok or not
+        return e.attrs
+    return None
+
+
+def run_command(
     endpoint: str,
     command: str,
     stream: str,
@@ -84,36 +103,37 @@ def send_command(
     query: str | None = None,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     mode: str | None = None,
-    curve: tuple[bytes, bytes, bytes] | None = None,
+    curve: Curve | ClientCurve | None = None,
     timeout: float = 30.0,
-) -> dict[str, Any]:
-    """Send ``commit`` or ``abort`` to a consumer and return its ``ok`` reply.
+) -> CommandReply:
+    """Send ``commit`` or ``abort`` to a consumer and return its answer: ``ok`` True
+    (``attrs`` has the rest: ``published``, ``rows``, ...) or ``ok`` False with the
+    consumer's ``reason``.
 
-    ``curve`` is ``(server public key, our public key, our secret key)``.
+    ``curve``: a :class:`~zio_spark.transport.curve.Curve`, or the tuple ``(server public
+    key, our public key, our secret key)``.
 
     Raises
     ------
     CommandError
-        If the consumer answers ``result: error``, or is not a zio-spark consumer (it
-        accepted the command's BOT).
+        If the peer is not a zio-spark consumer: it accepted the command's BOT, or its
+        answer is not a consumer's reply.
     TransportError
-        If no reply came within ``timeout`` (names the endpoint).
+        If no answer came within ``timeout`` (names the endpoint).
     """
     attrs = command_bot(command, stream, batch, partitions, query)
     port = _client_port(ctx, endpoint, mode, curve, timeout)
     try:
         ep = FlowEndpoint(port, Role.CLIENT)
         try:
-            ep.connect(Direction.EXTRACT, 1, attrs, timeout=timeout)
-        except FlowRejected as e:
-            reply = e.attrs
+            reply = _answer(ep, attrs, timeout)
         except TransportError as e:
             raise TransportError(
                 f"consumer did not answer {command} of batch {batch!r} (stream {stream!r}) "
                 f"within {timeout:g} s",
                 endpoint=endpoint,
             ) from e
-        else:
+        if reply is None:
             with contextlib.suppress(ZioSparkError):
                 ep.send_eot(timeout=min(timeout, 2.0))
             raise CommandError(
@@ -125,9 +145,45 @@ def send_command(
     finally:
         port.close(linger_ms=0)
     try:
-        got = parse_reply(reply)
+        return parse_reply(reply)
     except RemoteProtocolError as e:
         raise CommandError(endpoint, command, f"not a consumer's reply ({e}): {reply}") from e
+
+
+def send_command(
+    endpoint: str,
+    command: str,
+    stream: str,
+    batch: BatchId,
+    partitions: Iterable[tuple[int, int, int]] = (),
+    *,
+    query: str | None = None,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    mode: str | None = None,
+    curve: Curve | ClientCurve | None = None,
+    timeout: float = 30.0,
+) -> dict[str, Any]:
+    """:func:`run_command`, with a refusal raised: returns the ``ok`` reply's attributes.
+
+    Raises
+    ------
+    CommandError
+        If the consumer answers ``result: error``, or is not a zio-spark consumer.
+    TransportError
+        If no reply came within ``timeout`` (names the endpoint).
+    """
+    got = run_command(
+        endpoint,
+        command,
+        stream,
+        batch,
+        partitions,
+        query=query,
+        ctx=ctx,
+        mode=mode,
+        curve=curve,
+        timeout=timeout,
+    )
     if not got.ok:
         raise CommandError(endpoint, command, str(got.reason))
     return dict(got.attrs)
@@ -188,7 +244,7 @@ class StagingWriter:
         timeout: float = 30.0,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         mode: str | None = None,
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        curve: Curve | ClientCurve | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         if format not in WRITER_FORMATS:
