@@ -97,7 +97,10 @@ def test_quickstart_block_has_no_fixed_port_or_root_paths() -> None:
 
 def test_docs_never_install_from_pypi() -> None:
     notebook = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
-    sources = {"README.md": README.read_text(encoding="utf-8")} | {
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    pages += [ROOT / d / "README.md" for d in ("bench", "notebooks", "scripts", "tests")]
+    assert (ROOT / "docs" / "running.md") in pages, "the install page is not checked"
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in pages} | {
         f"notebooks/quickstart.ipynb cell {i}": "".join(c["source"])
         for i, c in enumerate(notebook["cells"])
     }
