@@ -10,16 +10,20 @@ error that lists the known ones: a typo must fail before the query starts.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Final, TypeVar
 
-from zio_spark.errors import ConfigError
+from zio_spark.errors import ConfigError, check_count
 
 __all__ = [
+    "Curve",
+    "QueueOptions",
     "SinkOptions",
     "SourceOptions",
     "ZreOptions",
@@ -708,3 +712,181 @@ def parse_sink_options(raw: Mapping[str, str]) -> SinkOptions:
     opts = _parse(raw, SINK_OPTIONS, "sink")
     _exactly_one(opts, {"endpoint": "a consumer endpoint", "group": "a ZRE group"})
     return SinkOptions(**_fields(opts, _SINK_FIELDS), zre=_zre(opts), curve=_curve(opts))
+
+
+# -- the queue server (zio-spark queue, QueueBroker) ------------------------------------
+
+QUEUE_RECEIVE: Final = "tcp://127.0.0.1:11131"
+"""The command's receive endpoint (PZQ's port; loopback only unless told otherwise)."""
+QUEUE_SEND: Final = "tcp://127.0.0.1:11132"
+"""The command's send endpoint."""
+QUEUE_MONITOR: Final = "tcp://127.0.0.1:11133"
+"""The command's monitor endpoint."""
+ANY_LOOPBACK_PORT: Final = "tcp://127.0.0.1:*"
+"""A :class:`QueueOptions` endpoint's default: a free loopback port (tests, embedding)."""
+SEND_MODES: Final = ("dealer", "router")
+"""Kinds of send socket: ``dealer`` (the default, first; serves any PZQ consumer) or
+``router``."""
+DEDUP_RULES: Final = ("resend", "global", "off")
+"""Duplicate rules for producer ids: ``resend`` (the default, first), ``global``, ``off``."""
+DEFAULT_ACK_TIMEOUT: Final = 5.0
+"""Default consumer ack timeout, seconds."""
+MAX_ACK_TIMEOUT_S: Final = 86400.0
+"""Longest ack timeout accepted (a day): anything longer is a unit mistake."""
+DEFAULT_DEDUP_GRACE: Final = 60.0
+"""Default ``dedup_grace``, seconds after start during which ids found on disk count as
+possibly unacked (their producers may resend them)."""
+MAX_DEDUP_GRACE_S: Final = 7 * 86400.0
+"""Longest ``dedup_grace`` accepted (a week)."""
+DEFAULT_HWM: Final = 10_000
+"""Default high-water mark of the receive and send sockets, messages per peer."""
+DEFAULT_INFLIGHT: Final = 1000
+"""Default most unacked deliveries per consumer."""
+DEFAULT_ACK_BACKLOG: Final = 10_000
+"""Default most acks kept for one producer whose pipe is full."""
+DEFAULT_QUEUE_DEDUP_WINDOW: Final = 100_000
+"""Default message ids the queue's store remembers (the store's own default too; a unit
+test keeps the two equal, as this module may not import the store)."""
+DEFAULT_QUEUE_SEGMENT_BYTES: Final = 64 << 20
+"""Default size of one store segment file (the store's own default too)."""
+DEFAULT_QUEUE_FLOW_WINDOW: Final = 100_000
+"""Default most messages given to the flow producer port and not yet acknowledged (the
+flow producer port's own default too)."""
+
+
+def _endpoint_or_none(option: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            option, value, "an endpoint string or None" if optional else "an endpoint string"
+        )
+
+
+def _seconds(option: str, value: object, *, low: float, high: float, zero: bool) -> float:
+    """``value`` as seconds in ``low < value <= high`` (``low <= value`` with ``zero``)."""
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and (low <= value if zero else low < value)
+        and value <= high
+    )
+    if not ok:
+        if zero:
+            raise ConfigError(option, value, f"seconds, {low:g} to {high:g}")
+        raise ConfigError(option, value, f"a number of seconds > {low:g}, at most {high:g}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _curve_secret(value: object) -> str | bytes | None:
+    """A CURVE secret key's form: Z85 text (40 characters) or 32 raw bytes. Whether it is
+    a key libzmq accepts is checked when the sockets are made (that needs libzmq)."""
+    if value is None:
+        return None
+    if isinstance(value, bytes) and len(value) == 32:
+        return value
+    text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    if isinstance(text, str) and _Z85_KEY.match(text):
+        return value  # type: ignore[return-value]
+    raise ConfigError(
+        "curve_secret_key", "<redacted>", "a Z85 CURVE key (40 characters) or 32 raw bytes"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueOptions:
+    """The queue server's settings, checked once, here: what ``zio-spark queue`` parses
+    from its flags and :class:`~zio_spark.pzq.broker.QueueBroker` runs with.
+
+    Each default is written once, on the field (the command's own endpoint defaults are
+    :data:`QUEUE_RECEIVE`, :data:`QUEUE_SEND`, :data:`QUEUE_MONITOR`). Every bad value is
+    a :class:`~zio_spark.errors.ConfigError` naming the field, the value and what would be
+    accepted; :class:`~zio_spark.pzq.broker.QueueBroker` documents what each one does.
+
+    Fields
+    ------
+    store_path
+        Folder of the durable store (a :class:`~pathlib.Path` once checked).
+    receive, send, monitor
+        Endpoints to bind (``monitor=None``: no monitor socket).
+    ack_timeout
+        Seconds a consumer has to ack a delivery (> 0, at most :data:`MAX_ACK_TIMEOUT_S`).
+    hwm, ack_backlog, inflight, max_batch, linger_ms
+        Counts: >= 0, >= 1, >= 1, >= 1, >= 0.
+    curve_secret_key
+        Z85 text (40 characters) or 32 raw bytes; None: no CURVE.
+    queue_id
+        The send socket's routing id: 1 to 255 bytes, not starting with a 0 byte (None:
+        the id kept in the store).
+    dedup_window, segment_bytes, sync
+        The store's: >= 0 ids, >= 4096 bytes, fdatasync or not.
+    flow_producer, flow_consumer, flow_window
+        The ZIO flow ports' endpoints (None: off) and the producer port's window (>= 1).
+    send_mode, dedup
+        One of :data:`SEND_MODES`, one of :data:`DEDUP_RULES`.
+    dedup_grace
+        Seconds, 0 to :data:`MAX_DEDUP_GRACE_S`.
+    """
+
+    store_path: Path
+    receive: str = ANY_LOOPBACK_PORT
+    send: str = ANY_LOOPBACK_PORT
+    monitor: str | None = ANY_LOOPBACK_PORT
+    ack_timeout: float = DEFAULT_ACK_TIMEOUT
+    hwm: int = DEFAULT_HWM
+    ack_backlog: int = DEFAULT_ACK_BACKLOG
+    inflight: int = DEFAULT_INFLIGHT
+    curve_secret_key: str | bytes | None = None
+    queue_id: bytes | None = None
+    max_batch: int = 4096
+    dedup_window: int = DEFAULT_QUEUE_DEDUP_WINDOW
+    segment_bytes: int = DEFAULT_QUEUE_SEGMENT_BYTES
+    sync: bool = True
+    linger_ms: int = 500
+    flow_producer: str | None = None
+    flow_consumer: str | None = None
+    flow_window: int = DEFAULT_QUEUE_FLOW_WINDOW
+    send_mode: str = SEND_MODES[0]
+    dedup: str = DEDUP_RULES[0]
+    dedup_grace: float = DEFAULT_DEDUP_GRACE
+
+    def __post_init__(self) -> None:
+        def put(field: str, value: object) -> None:
+            object.__setattr__(self, field, value)
+
+        if not isinstance(self.store_path, str | os.PathLike) or not os.fspath(self.store_path):
+            raise ConfigError("store_path", self.store_path, "a folder path")
+        put("store_path", Path(self.store_path))
+        put(
+            "ack_timeout",
+            _seconds("ack_timeout", self.ack_timeout, low=0.0, high=MAX_ACK_TIMEOUT_S, zero=False),
+        )
+        if self.send_mode not in SEND_MODES:
+            raise ConfigError("send_mode", self.send_mode, "one of " + ", ".join(SEND_MODES))
+        if self.dedup not in DEDUP_RULES:
+            raise ConfigError("dedup", self.dedup, "one of " + ", ".join(DEDUP_RULES))
+        put(
+            "dedup_grace",
+            _seconds("dedup_grace", self.dedup_grace, low=0.0, high=MAX_DEDUP_GRACE_S, zero=True),
+        )
+        _endpoint_or_none("receive", self.receive, optional=False)
+        _endpoint_or_none("send", self.send, optional=False)
+        for option in ("monitor", "flow_producer", "flow_consumer"):
+            _endpoint_or_none(option, getattr(self, option), optional=True)
+        q = self.queue_id
+        if q is not None and (not isinstance(q, bytes) or not 0 < len(q) <= 255 or q[0] == 0):
+            raise ConfigError("queue_id", q, "1 to 255 bytes, not starting with a 0 byte")
+        for option, minimum in (
+            ("hwm", 0),
+            ("ack_backlog", 1),
+            ("inflight", 1),
+            ("max_batch", 1),
+            ("linger_ms", 0),
+            ("dedup_window", 0),
+            ("segment_bytes", 4096),
+            ("flow_window", 1),
+        ):
+            check_count(option, getattr(self, option), minimum)
+        put("sync", bool(self.sync))
+        put("curve_secret_key", _curve_secret(self.curve_secret_key))

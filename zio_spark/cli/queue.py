@@ -19,19 +19,25 @@ from pathlib import Path
 
 from zio_spark.cli.common import HelpFormatter, duration, unknown_arguments
 from zio_spark.errors import ConfigError, TransportError
-from zio_spark.pzq.broker import (
+from zio_spark.options import (
     DEDUP_RULES,
     DEFAULT_ACK_BACKLOG,
+    DEFAULT_ACK_TIMEOUT,
     DEFAULT_DEDUP_GRACE,
-    DEFAULT_MONITOR,
-    DEFAULT_RECEIVE,
-    DEFAULT_SEND,
+    DEFAULT_HWM,
+    DEFAULT_INFLIGHT,
+    DEFAULT_QUEUE_DEDUP_WINDOW,
+    DEFAULT_QUEUE_FLOW_WINDOW,
     MAX_ACK_TIMEOUT_S,
+    MAX_DEDUP_GRACE_S,
+    QUEUE_MONITOR,
+    QUEUE_RECEIVE,
+    QUEUE_SEND,
     SEND_MODES,
-    QueueBroker,
+    QueueOptions,
 )
-from zio_spark.pzq.flow_ports import DEFAULT_FLOW_WINDOW
-from zio_spark.storage.store import DEFAULT_DEDUP_WINDOW, StoreError
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.storage.store import StoreError
 
 __all__ = ["main", "run_queue"]
 
@@ -44,42 +50,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     # PZQ's own option names are accepted as aliases (--receive-dsn, ...).
     p.add_argument(
-        "--receive", "--receive-dsn", default=DEFAULT_RECEIVE, metavar="EP",
+        "--receive", "--receive-dsn", default=QUEUE_RECEIVE, metavar="EP",
         help="producers' endpoint",
     )  # fmt: skip
     p.add_argument(
-        "--send", "--send-dsn", default=DEFAULT_SEND, metavar="EP", help="consumers' endpoint"
+        "--send", "--send-dsn", default=QUEUE_SEND, metavar="EP", help="consumers' endpoint"
     )
     p.add_argument(
-        "--monitor", "--monitor-dsn", default=DEFAULT_MONITOR, metavar="EP",
+        "--monitor", "--monitor-dsn", default=QUEUE_MONITOR, metavar="EP",
         help="monitor endpoint ('none': off)",
     )  # fmt: skip
     p.add_argument("--store", "--database", required=True, metavar="PATH", help="store folder")
     p.add_argument(
-        "--ack-timeout", default="5s", metavar="DURATION",
+        "--ack-timeout", default=f"{DEFAULT_ACK_TIMEOUT:g}s", metavar="DURATION",
         type=duration("--ack-timeout", bare="us", minimum=1e-3, maximum=MAX_ACK_TIMEOUT_S),
         help="consumer ack timeout: 5s, 500ms, 5000000us; a bare number is microseconds, "
-        "as PZQ reads it (default 5s)",
+        f"as PZQ reads it (default {DEFAULT_ACK_TIMEOUT:g}s)",
     )  # fmt: skip
     p.add_argument(
-        "--send-mode", choices=SEND_MODES, default="dealer",
+        "--send-mode", choices=SEND_MODES, default=SEND_MODES[0],
         help="send socket: dealer (serves every PZQ consumer; default) or router "
         "(exact per-consumer limits; consumers must announce themselves)",
     )  # fmt: skip
     p.add_argument(
-        "--dedup", choices=DEDUP_RULES, default="resend",
+        "--dedup", choices=DEDUP_RULES, default=DEDUP_RULES[0],
         help="which repeated producer ids are acked and not stored again, always only "
         "with the body stored under that id: resend (only what can be a resend of a "
         "missed ack; default), global (any id in the window, across restarts), off",
     )  # fmt: skip
     p.add_argument(
         "--dedup-grace", default=f"{DEFAULT_DEDUP_GRACE:g}s", metavar="DURATION",
-        type=duration("--dedup-grace", maximum=7 * 86400, zero=True),
+        type=duration("--dedup-grace", maximum=MAX_DEDUP_GRACE_S, zero=True),
         help="under --dedup resend: how long after start ids found on disk count as "
-        "resends (default 60s; a bare number is seconds)",
+        f"resends (default {DEFAULT_DEDUP_GRACE:g}s; a bare number is seconds)",
     )  # fmt: skip
-    p.add_argument("--hwm", type=int, default=10_000, metavar="N", help="socket high-water mark")
-    p.add_argument("--inflight", type=int, default=1000, metavar="N", help="per-consumer limit")
+    p.add_argument(
+        "--hwm", type=int, default=DEFAULT_HWM, metavar="N", help="socket high-water mark"
+    )
+    p.add_argument(
+        "--inflight", type=int, default=DEFAULT_INFLIGHT, metavar="N", help="per-consumer limit"
+    )
     p.add_argument(
         "--ack-backlog", type=int, default=DEFAULT_ACK_BACKLOG, metavar="N",
         help="most acks kept for a producer that reads none (older ones are dropped)",
@@ -90,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         help="CURVE secret key (Z85), or @FILE to read it from a file (keeps it out of ps)",
     )
     p.add_argument(
-        "--dedup-window", type=int, default=DEFAULT_DEDUP_WINDOW, metavar="N",
+        "--dedup-window", type=int, default=DEFAULT_QUEUE_DEDUP_WINDOW, metavar="N",
         help="message ids remembered to drop duplicates",
     )  # fmt: skip
     p.add_argument("--queue-id", metavar="ID", help="routing id consumers see (default: stored)")
@@ -103,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
         help="ZIO flow consumer port for Spark sinks (default: off)",
     )  # fmt: skip
     p.add_argument(
-        "--flow-window", type=int, default=DEFAULT_FLOW_WINDOW, metavar="N",
+        "--flow-window", type=int, default=DEFAULT_QUEUE_FLOW_WINDOW, metavar="N",
         help="most messages given to the flow producer port and not yet acked",
     )  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -148,8 +158,8 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
     try:
         if secret is not None and secret.startswith("@"):
             secret = Path(secret[1:]).read_text("ascii").strip()
-        broker = QueueBroker(
-            args.store,
+        options = QueueOptions(
+            Path(args.store),
             receive=args.receive,
             send=args.send,
             monitor=None if args.monitor.lower() == "none" else args.monitor,
@@ -167,6 +177,7 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             flow_consumer=args.flow_consumer,
             flow_window=args.flow_window,
         )
+        broker = QueueBroker(options)
     except (ConfigError, OSError) as e:
         print(f"zio-spark queue: {e}", file=sys.stderr)
         return 2

@@ -89,11 +89,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import zmq
 
-from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError, check_count
+from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.options import QueueOptions
 from zio_spark.protocol.pzq import (
     MONITOR_KEYS,
     REFERENCE_MONITOR_KEYS,
@@ -101,17 +102,14 @@ from zio_spark.protocol.pzq import (
     encode_monitor_reply,
 )
 from zio_spark.pzq.flow_ports import (
-    DEFAULT_FLOW_WINDOW,
     FlowConsumerPort,
     FlowProducerPort,
     QueueFlows,
 )
-from zio_spark.pzq.receive import DEFAULT_ACK_BACKLOG, ReceiveSide
+from zio_spark.pzq.receive import ReceiveSide
 from zio_spark.pzq.send import SendSide
 from zio_spark.pzq.wire import POLLIN, POLLOUT, now_us
 from zio_spark.storage.store import (
-    DEFAULT_DEDUP_WINDOW,
-    DEFAULT_SEGMENT_BYTES,
     CommitTicket,
     MessageStore,
     StoreError,
@@ -119,35 +117,16 @@ from zio_spark.storage.store import (
 from zio_spark.transport.curve import apply_server, key_pair
 from zio_spark.transport.loop import Waker
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
-    "DEDUP_RULES",
-    "DEFAULT_ACK_BACKLOG",
-    "DEFAULT_MONITOR",
-    "DEFAULT_RECEIVE",
-    "DEFAULT_SEND",
     "EXTRA_MONITOR_KEYS",
-    "SEND_MODES",
     "QueueBroker",
+    "QueueSettings",
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_RECEIVE: Final = "tcp://127.0.0.1:11131"
-"""Default receive endpoint (PZQ's port; loopback only unless told otherwise)."""
-DEFAULT_SEND: Final = "tcp://127.0.0.1:11132"
-"""Default send endpoint."""
-DEFAULT_MONITOR: Final = "tcp://127.0.0.1:11133"
-"""Default monitor endpoint."""
-
-SEND_MODES: Final = ("dealer", "router")
-"""Kinds of send socket: ``dealer`` (default; serves any PZQ consumer) or ``router``."""
-DEDUP_RULES: Final = ("resend", "global", "off")
-"""Duplicate rules for producer ids: ``resend`` (default), ``global``, ``off``."""
-DEFAULT_DEDUP_GRACE: Final = 60.0
-"""Default ``dedup_grace``, seconds after start during which ids found on disk count as
-possibly unacked (their producers may resend them)."""
-MAX_ACK_TIMEOUT_S: Final = 86400.0
-"""Longest ack timeout accepted (a day): anything longer is a unit mistake."""
 
 EXTRA_MONITOR_KEYS: Final = (
     "delivered",
@@ -183,19 +162,50 @@ _TICK_S: Final = 0.1  # refresh stats() and retry consumers whose pipes were ful
 _IDLE_S: Final = 1.0  # no producer message for this long: tidy the store
 
 
+class QueueSettings(TypedDict, total=False):
+    """:class:`QueueBroker`'s keywords: the fields of
+    :class:`~zio_spark.options.QueueOptions` after ``store_path`` (defaults there)."""
+
+    receive: str
+    send: str
+    monitor: str | None
+    ack_timeout: float
+    hwm: int
+    ack_backlog: int
+    inflight: int
+    curve_secret_key: str | bytes | None
+    queue_id: bytes | None
+    max_batch: int
+    dedup_window: int
+    segment_bytes: int
+    sync: bool
+    linger_ms: int
+    flow_producer: str | None
+    flow_consumer: str | None
+    flow_window: int
+    send_mode: str
+    dedup: str
+    dedup_grace: float
+
+
 class QueueBroker:
     """The PZQ-style queue server (see the module docstring). A context manager.
+
+    The settings are one :class:`~zio_spark.options.QueueOptions`, checked there: pass
+    it, or the store folder and any of its fields as keywords (:class:`QueueSettings`;
+    the defaults are the dataclass's).
 
     Parameters
     ----------
     store_path
-        Folder of the durable store (created if missing; one broker per folder).
+        Folder of the durable store (created if missing; one broker per folder), or the
+        whole :class:`~zio_spark.options.QueueOptions` (then no keywords but ``context``).
     receive, send, monitor
         Endpoints to bind (``tcp://127.0.0.1:*`` picks a free port; ``monitor=None``
         disables the monitor socket).
     ack_timeout
         Seconds a consumer has to ack a delivery before it is requeued (> 0, at most
-        :data:`MAX_ACK_TIMEOUT_S`). Deliveries carry it in microseconds.
+        :data:`~zio_spark.options.MAX_ACK_TIMEOUT_S`). Deliveries carry it in microseconds.
     hwm
         High-water mark, messages per peer, of the receive and send sockets (0: none).
     ack_backlog
@@ -261,83 +271,37 @@ class QueueBroker:
 
     def __init__(
         self,
-        store_path: str | os.PathLike[str],
+        store_path: str | os.PathLike[str] | QueueOptions,
         *,
-        receive: str = "tcp://127.0.0.1:*",
-        send: str = "tcp://127.0.0.1:*",
-        monitor: str | None = "tcp://127.0.0.1:*",
-        ack_timeout: float = 5.0,
-        hwm: int = 10_000,
-        ack_backlog: int = DEFAULT_ACK_BACKLOG,
-        inflight: int = 1000,
-        curve_secret_key: str | bytes | None = None,
-        queue_id: bytes | None = None,
-        max_batch: int = 4096,
-        dedup_window: int = DEFAULT_DEDUP_WINDOW,
-        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-        sync: bool = True,
-        linger_ms: int = 500,
-        flow_producer: str | None = None,
-        flow_consumer: str | None = None,
-        flow_window: int = DEFAULT_FLOW_WINDOW,
-        send_mode: str = "dealer",
-        dedup: str = "resend",
-        dedup_grace: float = DEFAULT_DEDUP_GRACE,
         context: zmq.Context[Any] | None = None,
+        **settings: Unpack[QueueSettings],
     ) -> None:
-        if (
-            isinstance(ack_timeout, bool)
-            or not isinstance(ack_timeout, (int, float))
-            or not 0 < ack_timeout <= MAX_ACK_TIMEOUT_S
-        ):
-            raise ConfigError(
-                "ack_timeout",
-                ack_timeout,
-                f"a number of seconds > 0, at most {MAX_ACK_TIMEOUT_S:g}",
-            )
-        if send_mode not in SEND_MODES:
-            raise ConfigError("send_mode", send_mode, "one of " + ", ".join(SEND_MODES))
-        if dedup not in DEDUP_RULES:
-            raise ConfigError("dedup", dedup, "one of " + ", ".join(DEDUP_RULES))
-        if (
-            isinstance(dedup_grace, bool)
-            or not isinstance(dedup_grace, (int, float))
-            or not 0 <= dedup_grace <= 7 * 86400
-        ):
-            raise ConfigError("dedup_grace", dedup_grace, "seconds, 0 to 604800")
-        self._send_mode = send_mode
-        self._dedup = dedup
-        self._dedup_grace = float(dedup_grace)
-        for option, value in (("receive", receive), ("send", send)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(option, value, "an endpoint string")
-        if monitor is not None and (not isinstance(monitor, str) or not monitor):
-            raise ConfigError("monitor", monitor, "an endpoint string or None")
-        for option, flow_ep in (("flow_producer", flow_producer), ("flow_consumer", flow_consumer)):
-            if flow_ep is not None and (not isinstance(flow_ep, str) or not flow_ep):
-                raise ConfigError(option, flow_ep, "an endpoint string or None")
-        self._flow_wanted = (flow_producer, flow_consumer)
-        self._flow_window = check_count("flow_window", flow_window, 1)
+        if isinstance(store_path, QueueOptions):
+            if settings:
+                first, value = next(iter(settings.items()))
+                raise ConfigError(first, value, "in the QueueOptions given, not as a keyword too")
+            options = store_path
+        else:
+            options = QueueOptions(Path(store_path), **settings)
+        self.options: Final = options
+        """The settings, checked (:class:`~zio_spark.options.QueueOptions`)."""
+        self._send_mode = options.send_mode
+        self._dedup = options.dedup
+        self._dedup_grace = options.dedup_grace
+        self._flow_wanted = (options.flow_producer, options.flow_consumer)
+        self._flow_window = options.flow_window
         self._flows: QueueFlows | None = None
-        if queue_id is not None and (
-            not isinstance(queue_id, bytes) or not 0 < len(queue_id) <= 255 or queue_id[0] == 0
-        ):
-            raise ConfigError("queue_id", queue_id, "1 to 255 bytes, not starting with a 0 byte")
-        self._store_path = Path(store_path)
-        self._endpoints_wanted = (receive, send, monitor)
-        self._ack_timeout_us = max(1, round(ack_timeout * 1e6))
-        self._hwm = check_count("hwm", hwm, 0)
-        self._ack_backlog = check_count("ack_backlog", ack_backlog, 1)
-        self._inflight_limit = check_count("inflight", inflight, 1)
-        self._max_batch = check_count("max_batch", max_batch, 1)
-        self._linger = check_count("linger_ms", linger_ms, 0)
-        self._curve = key_pair(curve_secret_key) if curve_secret_key is not None else None
-        self._queue_id_wanted = queue_id
-        self._store_options = {
-            "dedup_window": check_count("dedup_window", dedup_window, 0),
-            "segment_bytes": check_count("segment_bytes", segment_bytes, 4096),
-            "sync": bool(sync),
-        }
+        self._store_path = options.store_path
+        self._endpoints_wanted = (options.receive, options.send, options.monitor)
+        self._ack_timeout_us = max(1, round(options.ack_timeout * 1e6))
+        self._hwm = options.hwm
+        self._ack_backlog = options.ack_backlog
+        self._inflight_limit = options.inflight
+        self._max_batch = options.max_batch
+        self._linger = options.linger_ms
+        secret = options.curve_secret_key
+        self._curve = key_pair(secret) if secret is not None else None
+        self._queue_id_wanted = options.queue_id
         self._given_ctx = context
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -472,7 +436,13 @@ class QueueBroker:
         self._sync_q: queue.SimpleQueue[CommitTicket | None] = queue.SimpleQueue()
         try:
             try:
-                store = MessageStore(self._store_path, **self._store_options)  # type: ignore[arg-type]
+                opts = self.options
+                store = MessageStore(
+                    self._store_path,
+                    segment_bytes=opts.segment_bytes,
+                    dedup_window=opts.dedup_window,
+                    sync=opts.sync,
+                )
                 self.queue_id = self._queue_id_wanted or store.queue_id
                 self._store = store
                 self._open_sockets(ctx, sockets)
@@ -575,7 +545,7 @@ class QueueBroker:
         if producer_ep is None and consumer_ep is None:
             return
         curve = self._curve[0] if self._curve is not None else None
-        sync = bool(self._store_options["sync"])
+        sync = self.options.sync
         producer: FlowProducerPort | None = None
         consumer: FlowConsumerPort | None = None
         try:
@@ -633,7 +603,7 @@ class QueueBroker:
             store,
             self.counters,
             dedup=self._dedup,
-            dedup_window=int(self._store_options["dedup_window"]),
+            dedup_window=self.options.dedup_window,
             dedup_grace=self._dedup_grace,
             ack_backlog=self._ack_backlog,
             max_batch=self._max_batch,

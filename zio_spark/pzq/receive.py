@@ -52,12 +52,10 @@ from zio_spark.storage.store import (
     body_digest,
 )
 
-__all__ = ["DEFAULT_ACK_BACKLOG", "MAX_BACKLOG_PRODUCERS", "MAX_BACKLOG_TOTAL", "ReceiveSide"]
+__all__ = ["MAX_BACKLOG_PRODUCERS", "MAX_BACKLOG_TOTAL", "ReceiveSide"]
 
 log = logging.getLogger("zio_spark.pzq.broker")
 
-DEFAULT_ACK_BACKLOG: Final = 10_000
-"""Default ``ack_backlog``: most acks kept for one producer whose pipe is full."""
 # Bounds over all producers' ack backlogs (memory, and the cost of one retry round):
 # past either, the producer whose backlog is oldest loses its oldest ack.
 MAX_BACKLOG_TOTAL: Final = 1_000_000

@@ -11,7 +11,7 @@ objects, whose ``more`` is read at receive time.)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final
 
 import zmq
@@ -22,7 +22,8 @@ _backend_send = zmq.backend.Socket.send
 _backend_recv = zmq.backend.Socket.recv
 _NOBLOCK: Final = int(zmq.NOBLOCK)
 _MORE_NOBLOCK: Final = int(zmq.SNDMORE | zmq.NOBLOCK)
-_backend_get = zmq.backend.Socket.get
+# ZMQ_EVENTS reads as an int (the stubs' ``get`` returns ``int | bytes`` for any option).
+_backend_get: Callable[[zmq.Socket[bytes], int], int] = zmq.backend.Socket.get  # type: ignore[assignment]
 _EVENTS: Final = int(zmq.EVENTS)
 # Plain ints: ``revents & zmq.POLLIN`` with the enum costs an enum construction per test.
 POLLIN: Final = int(zmq.POLLIN)
