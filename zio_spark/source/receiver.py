@@ -85,6 +85,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from zio_spark.codec.records import DAT_RECORDS, ENCODING
 from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
+from zio_spark.protocol.credit import BacklogCredit, dat_records_for, echoes_offer, pays
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
@@ -109,6 +110,7 @@ from zio_spark.source.receiver_spool import SpoolWriting
 from zio_spark.storage.files import atomic_write
 from zio_spark.storage.spool import Spool
 from zio_spark.transport.curve import client_kwargs
+from zio_spark.transport.loop import Waker
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -172,12 +174,13 @@ class Receiver(BoundFlows, SpoolWriting):
         self.spool = spool
         self.credit = credit
         self.max_backlog = max_backlog
-        # Records per DAT we accept. Credit is paid only while backlog + DATs in flight x
-        # per-DAT records <= max_backlog, so that bound holds exactly whatever the size;
-        # at most an eighth of max_backlog, so a partly full backlog still has room for
-        # DATs. Large DATs cost far less per record (4096 against 1000: the runner's CPU
-        # per record halved, 574k -> 783k rows/s steady, bench_steady).
-        self.batch = max(1, min(DAT_RECORDS, max_backlog // 8))
+        # Records per DAT we accept: maxBacklog's second mechanism (dat_records_for).
+        # Credit is paid only while backlog + DATs in flight x per-DAT records <=
+        # max_backlog (BacklogCredit), so that bound holds exactly whatever the size.
+        # Large DATs cost far less per record (4096 against 1000: the runner's CPU per
+        # record halved, 574k -> 783k rows/s steady, bench_steady).
+        self.batch = dat_records_for(max_backlog, DAT_RECORDS)
+        self._credit_rule = BacklogCredit(max_backlog, self.batch)
         self.stream = stream
         self.connect_timeout = connect_timeout
         self.mode = mode
@@ -223,6 +226,9 @@ class Receiver(BoundFlows, SpoolWriting):
         self._open_path = os.path.join(str(spool.path), "plain_flows.json")
         self._left_open: dict[str, str] = self._load_open() if reconnect else {}
         self._open_now: dict[str, str] = {}
+        # Wakes the loop's poll at once for a queued call, a commit's ack or a stop.
+        self._waker = Waker()
+        self._ran = False
         for ep in endpoints:
             self._add(ep)
         try:
@@ -231,11 +237,13 @@ class Receiver(BoundFlows, SpoolWriting):
         except BaseException:
             for b in self._bound:
                 b.port.close(linger_ms=0)
+            self._waker.close()
             raise
 
     # -- public (any thread) -----------------------------------------------------------
 
     def start(self) -> Receiver:
+        self._ran = True
         self._thread = threading.Thread(target=self._run, name="zio-receiver", daemon=True)
         self._thread.start()
         return self
@@ -253,8 +261,11 @@ class Receiver(BoundFlows, SpoolWriting):
         even that: leave the spool open (its lock goes with the process).
         """
         self._stop.set()
+        self._waker.wake()
         thread = self._thread
         if thread is None:
+            if not self._ran:
+                self._waker.close()  # never started: nothing else closes it
             return True
         bound = self.stop_bound() if timeout is None else timeout
         thread.join(bound)
@@ -297,6 +308,7 @@ class Receiver(BoundFlows, SpoolWriting):
             for producer, end in offsets.items():
                 if end > self._committed.get(producer, 0):
                     self._committed[producer] = end
+        self._waker.wake()  # the ack goes on the loop's next turn, now
 
     def flush_acks(self, timeout: float = 5.0) -> bool:
         """Wait until every connected producer that takes acks was sent the latest
@@ -377,6 +389,7 @@ class Receiver(BoundFlows, SpoolWriting):
 
     def _call(self, fn: Callable[[], None]) -> None:
         self._calls.append(fn)
+        self._waker.wake()
 
     # -- peers ---------------------------------------------------------------------------
 
@@ -639,6 +652,7 @@ class Receiver(BoundFlows, SpoolWriting):
                 if b.monitor is not None:
                     b.monitor.close(0)
                 b.port.close(linger_ms=100)
+            self._waker.close()
 
     def _end_with_eot(self) -> None:
         """Stop: send an EOT on every open flow and take what arrives until each echo
@@ -711,9 +725,10 @@ class Receiver(BoundFlows, SpoolWriting):
             poller.register(b.port.socket, zmq.POLLIN)
             if b.monitor is not None:
                 poller.register(b.monitor, zmq.POLLIN)
-        ready = dict(poller.poll(50)) if poller.sockets else {}
-        if not poller.sockets:
-            self._stop.wait(0.05)
+        poller.register(self._waker, zmq.POLLIN)
+        ready: dict[Any, int] = dict(poller.poll(50))
+        if ready.pop(self._waker.fd, None) is not None:
+            self._waker.drain()  # what woke us (a call, an ack, stop) runs this turn
         looked = self.clock()
         if ready:
             self._quiet_since = None
@@ -876,8 +891,9 @@ class Receiver(BoundFlows, SpoolWriting):
         # our offer returns) and announces our whole credit may be echoing that too, its
         # real window unknown and possibly smaller: credit goes to it as PAYs of 1. A
         # giver that wrote its own BOT states its own credit.
-        echoed = all(bot.attrs.get(k) == v for k, v in peer.sent.items())
-        peer.pay_one = not terms.profile and echoed and bot.credit >= self.credit
+        peer.pay_one = echoes_offer(
+            peer.sent, bot.attrs, announced=bot.credit, offered=self.credit, profile=terms.profile
+        )
         if terms.profile:
             self._on_state(peer, bot.attrs)
         if self._known_ids.get(peer.endpoint) != peer.producer:
@@ -932,41 +948,32 @@ class Receiver(BoundFlows, SpoolWriting):
                 self._blocked_ms[peer.producer] = state.blocked_ms
 
     def _pay(self, peer: Peer, now: float, out: dict[str | None, int]) -> None:
+        """Pay ``peer``'s flow what the maxBacklog rule allows, with the latest ack
+        (:mod:`~zio_spark.protocol.credit`); ``out``: credit out per producer."""
         flow = peer.flow
         assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
             return
         committed = self._committed.get(peer.producer, 1)
         ack = committed - 1
-        held = flow.credit
         n = 0
-        if held > 0:
-            backlog = self.spool.backlog().get(peer.producer, 0)
-            # Records a DAT may carry: up to ``batch`` (or what the producer was seen to
-            # send) in Arrow, exactly one in a plain DAT.
-            per_dat = max(self.batch, peer.dat_rows) if peer.arrow else 1
-            room = (self.max_backlog - backlog) // per_dat - out[peer.producer]
-            if room <= 0 and out[peer.producer] == 0:
-                # It holds no credit and maxBacklog lets us pay none: held back.
+        if flow.credit > 0:
+            decided = self._credit_rule.pay(
+                held=flow.credit,
+                backlog=self.spool.backlog().get(peer.producer, 0),
+                outstanding=out[peer.producer],
+                flow_outstanding=flow.outstanding,
+                arrow=peer.arrow,
+                seen=peer.dat_rows,
+            )
+            n = decided.amount
+            if decided.held_back:
                 self._held_now.add(peer.producer)
-            if peer.arrow and peer.dat_rows == 0:
-                room = min(room, 1 - flow.outstanding)  # probe: how big are its DATs?
-            n = max(0, min(held, room))
-        # ``ack`` only to a giver that stated it keeps records for acks; a PAY of 0 only
-        # with an ``ack`` (a C++ reference giver blocked in put() throws on one).
+        # ``ack`` only to a giver that stated it keeps records for acks (pay_attrs).
         attrs = pay_attrs(peer.terms, ack, peer.acked)
-        if n == 0 and attrs is None:
-            return
         try:
-            if peer.pay_one and n > 1:
-                # A giver's real window may be smaller than its BOT said (a C++
-                # reference server echoes our offer): a PAY beyond it is dropped, or kills
-                # a giver blocked for credit. A reference giver takes one message per
-                # DAT it sends, so PAYs of 1 keep it holding at most 1: always valid.
-                for _ in range(n):
-                    self._send(peer, flow.pay(1))
-            else:
-                self._send(peer, flow.pay(n, attrs))
+            for credit, with_ack in pays(n, attrs, in_ones=peer.pay_one):
+                self._send(peer, flow.pay(credit, with_ack))
         except TransportError as e:
             self._fail(peer, f"cannot send PAY: {e}", now)
             return
