@@ -36,12 +36,13 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from zio_spark.codec.schema import SINK_SCHEMA, WIRE_SCHEMA
+from zio_spark.codec.schema import SINK_SCHEMA, WAL_SCHEMA, WIRE_SCHEMA
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError
 from zio_spark.protocol.message import join_single
 
@@ -61,6 +62,7 @@ __all__ = [
     "encode_stream",
     "plain_attrs",
     "plain_value",
+    "wire_to_wal",
 ]
 
 ENCODING = "arrow"
@@ -220,6 +222,53 @@ def decode_batch(data: bytes, expected_first: int | None = None) -> pa.RecordBat
             value=first,
         )
     return batch
+
+
+_U64 = 1 << 64
+_WAL_TIMESTAMP: Final = WAL_SCHEMA.field("timestamp").type
+
+
+def wire_to_wal(batch: pa.RecordBatch, *, origin: int, timestamp_us: int) -> pa.RecordBatch:
+    """A decoded Arrow DAT (:data:`WIRE_SCHEMA`, from :func:`decode_batch`) as the
+    spool's :data:`~zio_spark.codec.schema.WAL_SCHEMA` columns, each taken by name.
+
+    ``value``, ``key``, ``seq`` and ``headers`` are the wire's (no copy); ``granule``
+    too, a null read as 0; ``origin`` (the DAT's, uint64 on the wire) is stored as its
+    int64 two's complement; ``timestamp`` is ``timestamp_us`` (when the receiver took
+    the DAT), the same for every record. Records the spool already holds are its to
+    drop (:meth:`~zio_spark.storage.spool.Spool.append_batch`).
+
+    Raises
+    ------
+    LocalProtocolError
+        ``field="schema"`` if ``batch`` is not of :data:`WIRE_SCHEMA`, ``field="origin"``
+        if ``origin`` is outside ``[-2**63, 2**64)``.
+    """
+    if not batch.schema.equals(WIRE_SCHEMA):
+        raise LocalProtocolError(
+            f"wire_to_wal needs a batch of {WIRE_SCHEMA}, got {batch.schema}", field="schema"
+        )
+    if not -(1 << 63) <= origin < _U64:
+        raise LocalProtocolError(
+            f"origin {origin} is outside [-2**63, 2**64)", field="origin", value=origin
+        )
+    n = batch.num_rows
+    signed = origin - _U64 if origin >= 1 << 63 else origin
+    granule = batch.column("granule")
+    if granule.null_count:
+        granule = pc.fill_null(granule, 0)
+    columns = {
+        "value": batch.column("value"),
+        "key": batch.column("key"),
+        "seq": batch.column("seq"),
+        "origin": pa.repeat(pa.scalar(signed, pa.int64()), n),
+        "granule": granule,
+        "timestamp": pa.repeat(pa.scalar(timestamp_us, _WAL_TIMESTAMP), n),
+        "headers": batch.column("headers"),
+    }
+    return pa.RecordBatch.from_arrays(
+        [columns[name] for name in WAL_SCHEMA.names], schema=WAL_SCHEMA
+    )
 
 
 def _increasing_by_one(seq: pa.Array) -> bool:

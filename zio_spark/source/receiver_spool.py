@@ -1,8 +1,9 @@
 """The receiver's writing side: DATs into the spool.
 
 :class:`SpoolWriting` turns what a flow delivers into spool records: an Arrow DAT
-(:func:`~zio_spark.codec.records.decode_batch`) into the spool's WAL columns, records the
-spool already holds dropped (a producer resending after ``resume``); a plain DAT into
+(:func:`~zio_spark.codec.records.decode_batch`) into the spool's WAL columns
+(:func:`~zio_spark.codec.records.wire_to_wal`; records the spool already holds, a
+producer resending after ``resume``, are dropped by the spool); a plain DAT into
 one record, its label attributes as headers. What one drain took in per producer is
 appended in one go (:meth:`SpoolWriting._append_pending`). A mixin of
 :class:`~zio_spark.source.receiver.Receiver`: it runs in the receiver's thread.
@@ -13,9 +14,8 @@ from __future__ import annotations
 import logging
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from zio_spark.codec.records import decode_batch, decode_plain
+from zio_spark.codec.records import decode_batch, decode_plain, wire_to_wal
 from zio_spark.errors import DataLossError, RemoteProtocolError
 from zio_spark.protocol.flow import (
     Data,
@@ -24,13 +24,11 @@ from zio_spark.protocol.message import (
     Message,
 )
 from zio_spark.source.receiver_peers import Peer, ReceiverParts
-from zio_spark.storage.spool import WAL_SCHEMA, Record
+from zio_spark.storage.spool import Record
 
 __all__ = ["SpoolWriting"]
 
 log = logging.getLogger("zio_spark.source")
-
-_U64 = 1 << 64
 
 
 class SpoolWriting(ReceiverParts):
@@ -128,11 +126,9 @@ class SpoolWriting(ReceiverParts):
             first = int(batch.column(0)[0].as_py())
             if held == 0 and first > 1 and producer not in self.spool.producers():
                 held = self._start_at(producer, first)
-            wal = _wal_batch(batch, held, origin, ts)
-            if wal is None:
-                peer.status.duplicates += batch.num_rows
-                self.stats["duplicate_dats"] += 1
-                return
+            # Records the spool holds already (a resend) are dropped there, counted by
+            # _append_pending as duplicates.
+            wal = wire_to_wal(batch, origin=origin, timestamp_us=ts)
             pend.batches.append(wal)
             pend.bytes += wal.nbytes
             pend.dats += 1
@@ -159,29 +155,3 @@ class SpoolWriting(ReceiverParts):
         with self._lock:
             self._committed[producer] = max(self._committed.get(producer, 0), first)
         return self.spool.next_seq(producer) - 1
-
-
-def _wal_batch(batch: pa.RecordBatch, held: int, origin: int, ts: int) -> pa.RecordBatch | None:
-    """Turn a wire batch into the spool's columns, dropping records already held."""
-    first = batch.column(0)[0].as_py()
-    skip = max(0, held + 1 - first)
-    if skip >= batch.num_rows:
-        return None
-    b = batch.slice(skip) if skip else batch
-    n = b.num_rows
-    signed_origin = origin - _U64 if origin >= 1 << 63 else origin
-    granule = b.column(3)
-    if granule.null_count:
-        granule = pc.fill_null(granule, 0)
-    return pa.RecordBatch.from_arrays(
-        [
-            b.column(1),
-            b.column(2),
-            b.column(0),
-            pa.repeat(pa.scalar(signed_origin, pa.int64()), n),
-            granule,
-            pa.repeat(pa.scalar(ts, pa.timestamp("us", tz="UTC")), n),
-            b.column(4),
-        ],
-        schema=WAL_SCHEMA,
-    )
