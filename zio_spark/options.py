@@ -355,13 +355,24 @@ def parse_curve_key(name: str, value: str) -> bytes:
     return v.encode("ascii")
 
 
+ZRE_BROADCAST: Final = "255.255.255.255"
+"""Where beacons go when neither ``zreBroadcast`` nor ``$ZIO_ZRE_BROADCAST`` says."""
+
+
 @dataclass(frozen=True, slots=True)
 class ZreOptions:
-    """ZRE discovery settings."""
+    """ZRE discovery settings, as a :class:`~zio_spark.transport.zre_node.ZreNode` takes
+    them (``ZreNode(zre=...)``: the node joins ``group``).
+
+    ``broadcast`` None and ``interface`` None are the node's defaults
+    (``$ZIO_ZRE_BROADCAST``, else :data:`ZRE_BROADCAST`; the address the kernel sends
+    from towards ``broadcast``). Parsed Spark options fill ``broadcast`` on the driver,
+    so executors beacon where the driver was told to.
+    """
 
     group: str
     beacon_port: int = 5670
-    broadcast: str = "255.255.255.255"
+    broadcast: str | None = None
     interface: str | None = None
     interval: float = 1.0
 
@@ -614,8 +625,8 @@ def _zre(opts: dict[str, Any]) -> ZreOptions | None:
                 raise ConfigError(k, opts[k], "to be used together with the 'group' option")
         return None
     given = _fields(opts, _ZRE_FIELDS)
-    if "broadcast" not in given and "ZIO_ZRE_BROADCAST" in os.environ:
-        given["broadcast"] = os.environ["ZIO_ZRE_BROADCAST"]
+    if "broadcast" not in given:
+        given["broadcast"] = os.environ.get("ZIO_ZRE_BROADCAST", ZRE_BROADCAST)
     return ZreOptions(group=opts["group"], **given)
 
 

@@ -77,7 +77,8 @@ def test_given_options_reach_their_fields() -> None:
 
 def test_zre_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ZIO_ZRE_BROADCAST", raising=False)
-    assert parse_sink_options({"group": "g"}).zre == ZreOptions("g")
+    assert parse_sink_options({"group": "g"}).zre == ZreOptions("g", broadcast="255.255.255.255")
+    assert ZreOptions("g").broadcast is None  # built directly: the node's default
     monkeypatch.setenv("ZIO_ZRE_BROADCAST", "10.0.0.255")
     assert parse_sink_options({"group": "g"}).zre == ZreOptions("g", broadcast="10.0.0.255")
     given = parse_sink_options({"group": "g", "zreBroadcast": "127.255.255.255"}).zre

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from zio_spark.options import ZreOptions
 from zio_spark.protocol.zio_ports import advertised_ports
 from zio_spark.transport.zre_node import ZreNode
 
@@ -35,12 +36,13 @@ def run_peers(args: argparse.Namespace) -> int:
     from rich.live import Live
     from rich.table import Table
 
-    node = ZreNode(
+    zre = ZreOptions(
+        group=args.group,
         beacon_port=args.beacon_port,
         broadcast=args.broadcast,
-        interface_addr=args.interface_addr,
+        interface=args.interface_addr,
     )
-    node.join(args.group)
+    node = ZreNode(zre=zre)  # joins the group
     node.start()
     console = Console(stderr=True)
 
