@@ -11,6 +11,10 @@ draft API (CLIENT/SERVER). It is skipped without one, unless ``ZIO_REQUIRE_DRAFT
 then it fails, so the CI pass meant to cover CLIENT/SERVER (on ``.venv-draft``) cannot
 pass by silently skipping.
 
+``ctx``: a zmq context per test, suite-wide (:func:`tests.support.tracked_context`): it
+keeps every socket it made, and a socket left open or a context that will not terminate
+fails the test. A folder or file needs no ``ctx`` fixture of its own.
+
 ``netns``: a factory of private network namespaces (``ip netns``), deleted at teardown.
 Only ``lo`` is up inside, plus, on request, a veth pair whose *both* ends stay in the
 namespace (for peers that insist on a non-loopback interface with a broadcast address,
@@ -25,6 +29,7 @@ import secrets
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -48,6 +53,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if os.environ.get("ZIO_REQUIRE_DRAFT") == "1":
         pytest.fail(f"ZIO_REQUIRE_DRAFT=1 but this test {reason}", pytrace=False)
     pytest.skip(reason)
+
+
+@pytest.fixture
+def ctx() -> Iterator[Any]:
+    """A zmq context that must terminate at teardown; a socket left open fails the test.
+    (Imported here, not above: the environment above is set before anything imports zmq.)"""
+    from tests.support import tracked_context
+
+    yield from tracked_context()
 
 
 def _unavailable(reason: str) -> None:

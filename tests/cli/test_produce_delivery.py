@@ -8,24 +8,15 @@ summary on stdout; endpoints are 127.0.0.1 random ports; every wait has a deadli
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import zmq
 
 from tests.cli_support import Run, free_endpoint, last_json
 from tests.peers.zio_reference import ReferenceClientTaker, ReferenceServer
-from tests.support import TrackingContext, tracked_context
 from zio_spark.cli.main import main
 
 WAIT = 30.0
 HAVE_DRAFT = bool(zmq.has("draft") and zmq.DRAFT_API)
-
-
-@pytest.fixture
-def ctx() -> Iterator[TrackingContext]:
-    """A context that must terminate at teardown: a socket left open fails the test."""
-    yield from tracked_context()
 
 
 @pytest.mark.parametrize("wait_ack", [False, True], ids=["default", "wait-ack"])

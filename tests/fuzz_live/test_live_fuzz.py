@@ -24,7 +24,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import pytest
 import zmq
 
 from tests.fuzz_live.live_fuzz_support import durations, mutate, report
-from tests.support import TrackingContext, tracked_context, wait_until
+from tests.support import wait_until
 from zio_spark.errors import TransportError
 from zio_spark.protocol import message as zio_message
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, Role
@@ -143,12 +143,6 @@ class Sampler:
         self._stop.set()
         self._thread.join(5)
         return self.max
-
-
-@pytest.fixture
-def ctx() -> Iterator[TrackingContext]:
-    """A context that must terminate at teardown: a socket left open fails the test."""
-    yield from tracked_context()
 
 
 def _drain(sock: zmq.Socket[bytes]) -> None:

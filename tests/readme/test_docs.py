@@ -114,3 +114,15 @@ def test_readme_paths_exist() -> None:
         p for p in paths if "<" not in p and not (ROOT / p).exists() and not (PACKAGE / p).exists()
     )
     assert not gone, f"README.md names paths that do not exist: {gone}"
+
+
+def test_tests_readme_maps_every_loopback_file() -> None:
+    """tests/README.md says which module each tests/loopback/test_*.py covers, for every
+    file there and no file that is gone."""
+    text = (ROOT / "tests" / "README.md").read_text(encoding="utf-8")
+    at = text.index("## Which module each loopback file covers")
+    end = text.find("\n## ", at + 1)
+    mapped = set(re.findall(r"^\| `(test_\w+\.py)` \|", text[at:end], re.MULTILINE))
+    files = {p.name for p in (ROOT / "tests" / "loopback").glob("test_*.py")}
+    assert not files - mapped, f"tests/README.md does not map: {sorted(files - mapped)}"
+    assert not mapped - files, f"tests/README.md maps files that are gone: {sorted(mapped - files)}"
