@@ -569,17 +569,17 @@ def test_an_ids_snap_of_version_1_still_opens_and_its_ids_count_as_new_bodies(
     st.commit()
     crash(st)
     snap = tmp_path / "ids.snap"
-    _, last_seq, first, old_ids, digests = store_format._decode_snapshot(snap.read_bytes())
+    _, last_seq, first, old_ids, digests = store_format.decode_snapshot(snap.read_bytes())
     assert len(old_ids) == len(digests) and all(len(d) == 16 for d in digests)
-    next_no = store_format._decode_snapshot(snap.read_bytes())[0]
-    snap.write_bytes(store_format._encode_snapshot(next_no, last_seq, first, old_ids, version=1))
+    next_no = store_format.decode_snapshot(snap.read_bytes())[0]
+    snap.write_bytes(store_format.encode_snapshot(next_no, last_seq, first, old_ids, version=1))
     assert snap.read_bytes()[4:6] == (1).to_bytes(2, "little"), "a version 1 file"
     with MessageStore(tmp_path, segment_bytes=SMALL) as again:
         assert again.stats().dedup_ids >= 500
         assert again.put(b"m000001", [b"d" * 400]) is not None, "body unknown: stored"
         assert again.put(b"live", [b"kept"]) is None, "digest derived from its record"
         again.commit()
-    _, _, _, _, after = store_format._decode_snapshot(snap.read_bytes())
+    _, _, _, _, after = store_format.decode_snapshot(snap.read_bytes())
     assert snap.read_bytes()[4:6] == (1).to_bytes(2, "little"), "not rewritten yet"
     assert after == [b""] * len(after)
 

@@ -17,6 +17,7 @@ import struct
 from pathlib import Path
 from typing import Final
 
+from zio_spark.errors import CorruptRecordError
 from zio_spark.storage.files import atomic_write, frame, read_record, write_all
 
 __all__ = ["FlowLog"]
@@ -87,7 +88,7 @@ class FlowLog:
             payload, end = got
             try:
                 self._apply(payload, first=pos == 0)
-            except (struct.error, ValueError):
+            except (struct.error, CorruptRecordError):
                 break
             pos = good = end
         if good != len(data):
@@ -106,13 +107,15 @@ class FlowLog:
     def _apply(self, payload: bytes, *, first: bool) -> None:
         kind = payload[0]
         if first != (kind == _T_BASE):
-            raise ValueError("BASE must come first, and only first")
+            raise CorruptRecordError("BASE must come first, and only first", path=self.path)
         if kind == _T_BASE:
             _, self.next_seq, self.acked = _BASE.unpack(payload)
         elif kind == _T_ASSIGN:
             _, seq, count = _ASSIGN.unpack_from(payload, 0)
             if len(payload) != _ASSIGN.size + 8 * count:
-                raise ValueError("bad ASSIGN length")
+                raise CorruptRecordError(
+                    f"ASSIGN of {count} keys is {len(payload)} bytes", path=self.path
+                )
             keys = struct.unpack_from(f"<{count}Q", payload, _ASSIGN.size)
             for i, key in enumerate(keys):
                 self.assigned[seq + i] = key
@@ -122,7 +125,7 @@ class FlowLog:
         elif kind == _T_NEXT:
             self.next_seq = max(self.next_seq, _NEXT.unpack(payload)[1])
         else:
-            raise ValueError(f"unknown record type {kind}")
+            raise CorruptRecordError(f"unknown record type {kind}", path=self.path)
 
     def _append(self, payload: bytes) -> None:
         self._buf += (frame(payload), payload)

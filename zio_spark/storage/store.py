@@ -110,25 +110,31 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zio_spark.errors import ConfigError, check_count
-from zio_spark.storage.files import atomic_write, frame, fsync_dir, lock_folder, write_all
+from zio_spark.storage.files import (
+    RECORD_HEAD,
+    atomic_write,
+    frame,
+    fsync_dir,
+    lock_folder,
+    write_all,
+)
 from zio_spark.storage.store_format import (
-    _A,
-    _F,
-    _LIVE,
-    _M,
-    _MAX_SEGMENT_BYTES,
-    _MAX_SLOTS,
-    _P,
-    _PART1,
-    _PUT,
-    _REC,
-    _SNAP_NAME,
-    _T_PUT,
-    _U,
     DEFAULT_DEDUP_WINDOW,
     DEFAULT_SEGMENT_BYTES,
+    LIVE_STATES,
     MAX_BODY_BYTES,
     MAX_ID_BYTES,
+    MAX_SEGMENT_BYTES,
+    MAX_SLOTS,
+    PART1_STRUCT,
+    PUT_STRUCT,
+    SNAP_NAME,
+    STATE_ACKED,
+    STATE_IN_FLIGHT,
+    STATE_MOVED,
+    STATE_PENDING,
+    STATE_UNCOMMITTED,
+    T_PUT,
     CommitTicket,
     LogFile,
     MessageRejected,
@@ -136,11 +142,11 @@ from zio_spark.storage.store_format import (
     StoreError,
     StoreLockedError,
     StoreStats,
-    _ack_payload,
-    _encode_snapshot,
-    _message_payload,
-    _record,
+    ack_payload,
     body_digest,
+    encode_snapshot,
+    framed_record,
+    message_payload,
 )
 from zio_spark.storage.store_index import StoreIndex
 from zio_spark.storage.store_recovery import Replay
@@ -213,8 +219,8 @@ class MessageStore(StoreIndex):
         preallocate: bool = True,
     ) -> None:
         self._segment_bytes = check_count("segment_bytes", segment_bytes, 4096)
-        if self._segment_bytes > _MAX_SEGMENT_BYTES:
-            raise ConfigError("segment_bytes", segment_bytes, f"at most {_MAX_SEGMENT_BYTES}")
+        if self._segment_bytes > MAX_SEGMENT_BYTES:
+            raise ConfigError("segment_bytes", segment_bytes, f"at most {MAX_SEGMENT_BYTES}")
         self._window_size = check_count("dedup_window", dedup_window, 0)
         if (
             isinstance(compact_ratio, bool)
@@ -408,9 +414,9 @@ class MessageStore(StoreIndex):
             digests.get(mid, b"") if seqs.get(mid) == seq else b""
             for seq, mid in zip(itertools.count(self._window_first), ids)
         ]
-        data = _encode_snapshot(self._next_no, self._durable_seq, self._window_first, ids, known)
+        data = encode_snapshot(self._next_no, self._durable_seq, self._window_first, ids, known)
         # The caller syncs the directory after unlinking the segments.
-        atomic_write(self._root / _SNAP_NAME, data, sync=self._sync, sync_dir=False)
+        atomic_write(self._root / SNAP_NAME, data, sync=self._sync, sync_dir=False)
 
     def _reclaim(self) -> None:
         """Delete dead segments, oldest first (never the active one or one being written)."""
@@ -453,9 +459,9 @@ class MessageStore(StoreIndex):
         moves = []  # (head, slot, state)
         for head in heads:
             for slot, state in enumerate(head.state):
-                if state in _LIVE:
+                if state in LIVE_STATES:
                     _, seq, message_id, body = self._read(head, slot)
-                    payload = _message_payload(seq, message_id, body, head.no << 32 | slot)
+                    payload = message_payload(seq, message_id, body, head.no << 32 | slot)
                     self._append_record(active, payload, state)
                     moves.append((head, slot, state))
         if moves:
@@ -471,11 +477,11 @@ class MessageStore(StoreIndex):
             self._buf.clear()
             self._buf_first = len(active.state)
         for new_slot, (head, slot, state) in enumerate(moves):
-            head.state[slot] = _M
+            head.state[slot] = STATE_MOVED
             head.live -= 1
-            if state != _P:  # held by a caller (in flight) or queued: forward the key
+            if state != STATE_PENDING:  # held by a caller (in flight) or queued: forward the key
                 self._forward[head.no << 32 | slot] = active.no << 32 | new_slot
-            if state == _F:  # a MOVE record is longer than the PUT it copies
+            if state == STATE_IN_FLIGHT:  # a MOVE record is longer than the PUT it copies
                 self._in_flight_bytes += active.lengths[new_slot] - head.lengths[slot]
         self._moved += len(moves)
         for head in heads:
@@ -511,7 +517,7 @@ class MessageStore(StoreIndex):
     def _append_record(self, seg: LogFile, payload: bytes, state: int) -> int:
         """Buffer a PUT/MOVE record for ``seg`` (the active one); returns its slot."""
         slot = len(seg.state)
-        if slot >= _MAX_SLOTS - 1:
+        if slot >= MAX_SLOTS - 1:
             raise StoreError("segment slot limit reached", path=self._root)
         length = len(payload)
         self._buf.append(frame(payload))
@@ -520,7 +526,7 @@ class MessageStore(StoreIndex):
         seg.lengths.append(length)
         seg.state.append(state)
         seg.live += 1
-        seg.end += _REC.size + length
+        seg.end += RECORD_HEAD.size + length
         return slot
 
     def put(
@@ -585,7 +591,12 @@ class MessageStore(StoreIndex):
                     f"message of {len(part)} bytes exceeds the limit of {MAX_BODY_BYTES}"
                 )
             payload = b"".join(
-                (_PUT.pack(_T_PUT, seq, id_len), message_id, _PART1.pack(1, len(part)), part)
+                (
+                    PUT_STRUCT.pack(T_PUT, seq, id_len),
+                    message_id,
+                    PART1_STRUCT.pack(1, len(part)),
+                    part,
+                )
             )
         else:
             if not body:
@@ -595,20 +606,20 @@ class MessageStore(StoreIndex):
                 raise MessageRejected(
                     f"message of {size} bytes exceeds the limit of {MAX_BODY_BYTES}"
                 )
-            payload = _message_payload(seq, message_id, body)
+            payload = message_payload(seq, message_id, body)
         active = self._active
         assert active is not None
         # _append_record, inlined (the hot path)
         slot = len(active.state)
-        if slot >= _MAX_SLOTS - 1:
+        if slot >= MAX_SLOTS - 1:
             raise StoreError("segment slot limit reached", path=self._root)
         length = len(payload)
         self._buf += (frame(payload), payload)
         active.offsets.append(active.end)
         active.lengths.append(length)
-        active.state.append(_U)
+        active.state.append(STATE_UNCOMMITTED)
         active.live += 1
-        active.end += _REC.size + length
+        active.end += RECORD_HEAD.size + length
         self._last_seq = seq
         self._buf_puts += 1
         self._buf_seq = seq
@@ -693,7 +704,7 @@ class MessageStore(StoreIndex):
         assert active is not None
         if self._tombstones:
             keys = self._tombstones
-            header, payload = _record(_ack_payload(keys))
+            header, payload = framed_record(ack_payload(keys))
             self._buf += (header, payload)
             active.end += len(header) + len(payload)
             self._tombstones = []
@@ -757,7 +768,7 @@ class MessageStore(StoreIndex):
         end = ticket._first + ticket.puts
         if ticket.puts:
             state = seg.state
-            state[ticket._first : end] = bytes([_P]) * ticket.puts
+            state[ticket._first : end] = bytes([STATE_PENDING]) * ticket.puts
             self._messages += ticket.puts
             self._stored += ticket.puts
         seg.durable = max(seg.durable, end)
@@ -799,8 +810,8 @@ class MessageStore(StoreIndex):
         self._failed = reason
         for seg in self._segments.values():
             for slot in range(seg.durable, len(seg.state)):
-                if seg.state[slot] == _U:
-                    seg.state[slot] = _A
+                if seg.state[slot] == STATE_UNCOMMITTED:
+                    seg.state[slot] = STATE_ACKED
                     seg.live -= 1
         self._buf.clear()
         self._buf_puts = 0

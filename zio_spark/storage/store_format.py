@@ -61,9 +61,13 @@ among the segment's PUT/MOVE records.
 
 Also here: the store's errors and result types, :class:`LogFile` (one segment file:
 creating and preallocating it, truncating it when closed, its in-memory index columns)
-and :class:`CommitTicket` (one group commit). The underscore names are shared by the
-store's modules (:mod:`~zio_spark.storage.store`, :mod:`~zio_spark.storage.store_index`,
-:mod:`~zio_spark.storage.store_recovery`) and are nobody else's business.
+and :class:`CommitTicket` (one group commit). The record layouts (``*_STRUCT``, ``T_*``),
+slot states (``STATE_*``) and record codecs (:func:`parse_head`, :func:`parse_message`,
+:func:`message_payload`, :func:`ack_payload`, :func:`encode_snapshot`, ...) are public
+names for the store's modules (:mod:`~zio_spark.storage.store`,
+:mod:`~zio_spark.storage.store_index`, :mod:`~zio_spark.storage.store_recovery`); other
+packages use :mod:`~zio_spark.storage.store`. Malformed bytes raise
+:class:`~zio_spark.errors.CorruptRecordError`.
 """
 
 from __future__ import annotations
@@ -82,16 +86,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
-from zio_spark.errors import ZioSparkError
-from zio_spark.storage.files import RECORD_HEAD, frame, fsync_dir, write_all
+from zio_spark.errors import (
+    CorruptRecordError,
+    FormatVersionError,
+    StorageError,
+    StorageInputError,
+)
+from zio_spark.storage.files import frame, fsync_dir, write_all
 
 __all__ = [
+    "ACK_STRUCT",
     "DEFAULT_DEDUP_WINDOW",
     "DEFAULT_SEGMENT_BYTES",
     "DIGEST_BYTES",
     "FORMAT_VERSION",
+    "HEADER_STRUCT",
+    "LIVE_STATES",
     "MAX_BODY_BYTES",
     "MAX_ID_BYTES",
+    "MAX_SEGMENT_BYTES",
+    "MAX_SLOTS",
+    "MOVE_STRUCT",
+    "PART1_STRUCT",
+    "PENDING_BYTE",
+    "PUT_STRUCT",
+    "SEGMENT_MAGIC",
+    "SEGMENT_NAME_RE",
+    "SNAP_NAME",
+    "SNAP_VERSION",
+    "STATE_ACKED",
+    "STATE_IN_FLIGHT",
+    "STATE_MOVED",
+    "STATE_PENDING",
+    "STATE_QUEUED",
+    "STATE_REQUEUED",
+    "STATE_UNCOMMITTED",
+    "T_ACK",
+    "T_HEADER",
+    "T_MOVE",
+    "T_PUT",
     "CommitTicket",
     "LogFile",
     "MessageRejected",
@@ -99,7 +132,16 @@ __all__ = [
     "StoreLockedError",
     "StoreStats",
     "StoredMessage",
+    "ack_payload",
     "body_digest",
+    "decode_snapshot",
+    "encode_snapshot",
+    "framed_record",
+    "header_payload",
+    "message_payload",
+    "parse_head",
+    "parse_message",
+    "record_digest",
 ]
 
 
@@ -126,49 +168,50 @@ DIGEST_BYTES: Final = 16
 
 _NO_DIGEST: Final = bytes(DIGEST_BYTES)
 
-_MAGIC: Final = b"ZPQS"
-_T_HEADER: Final = 0
-_T_PUT: Final = 1
-_T_MOVE: Final = 2
-_T_ACK: Final = 3
+SEGMENT_MAGIC: Final = b"ZPQS"
+T_HEADER: Final = 0
+T_PUT: Final = 1
+T_MOVE: Final = 2
+T_ACK: Final = 3
 
-_REC: Final = RECORD_HEAD  # payload length, crc32(payload)
-_HEADER: Final = struct.Struct("<B4sHQ")  # type, magic, version, segment no
-_PUT: Final = struct.Struct("<BQH")  # type, accept seq, id length
-_MOVE: Final = struct.Struct("<BQQH")  # type, original key, accept seq, id length
-_ACK: Final = struct.Struct("<BI")  # type, count
+HEADER_STRUCT: Final = struct.Struct("<B4sHQ")  # type, magic, version, segment no
+PUT_STRUCT: Final = struct.Struct("<BQH")  # type, accept seq, id length
+MOVE_STRUCT: Final = struct.Struct("<BQQH")  # type, original key, accept seq, id length
+ACK_STRUCT: Final = struct.Struct("<BI")  # type, count
 _U32: Final = struct.Struct("<I")
-_PART1: Final = struct.Struct("<II")  # part count (1), its length
+PART1_STRUCT: Final = struct.Struct("<II")  # part count (1), its length
 _SNAP: Final = struct.Struct("<4sHQQQI")  # magic, version, next segment, last seq, first, n
 
-_SEG_RE: Final = re.compile(r"^seg-(\d{10})\.log$")
+SEGMENT_NAME_RE: Final = re.compile(r"^seg-(\d{10})\.log$")
 _SNAP_MAGIC: Final = b"ZPQI"
-_SNAP_NAME: Final = "ids.snap"
-_MAX_SLOTS: Final = 1 << 32
-_MAX_SEGMENT_BYTES: Final = 2 << 30  # record offsets are u32; leave room for one big commit
+SNAP_NAME: Final = "ids.snap"
+MAX_SLOTS: Final = 1 << 32
+MAX_SEGMENT_BYTES: Final = 2 << 30  # record offsets are u32; leave room for one big commit
 
 # Slot states (see "States" in :mod:`zio_spark.storage.store`).
-_U: Final = ord("U")
-_P: Final = ord("P")
-_Q: Final = ord("Q")
-_R: Final = ord("R")
-_F: Final = ord("F")
-_A: Final = ord("A")
-_M: Final = ord("M")
-_LIVE: Final = frozenset((_U, _P, _Q, _R, _F))
-_P_BYTE: Final = b"P"
+STATE_UNCOMMITTED: Final = ord("U")
+STATE_PENDING: Final = ord("P")
+STATE_QUEUED: Final = ord("Q")
+STATE_REQUEUED: Final = ord("R")
+STATE_IN_FLIGHT: Final = ord("F")
+STATE_ACKED: Final = ord("A")
+STATE_MOVED: Final = ord("M")
+LIVE_STATES: Final = frozenset(
+    (STATE_UNCOMMITTED, STATE_PENDING, STATE_QUEUED, STATE_REQUEUED, STATE_IN_FLIGHT)
+)
+PENDING_BYTE: Final = b"P"
 _NO_FALLOCATE: Final = frozenset((errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS))
 
 
-class StoreError(ZioSparkError):
+class StoreError(StorageError):
     """The store cannot do what was asked: it failed, was closed, or misused.
 
     ``path`` is the store folder.
     """
 
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
-        self.path = None if path is None else str(path)
         super().__init__(f"{message} (store {path})" if path is not None else message)
+        self.path = None if path is None else str(path)
 
 
 class StoreLockedError(StoreError):
@@ -305,7 +348,7 @@ class LogFile:
         """
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            header = b"".join(_record(_header_payload(no)))
+            header = b"".join(framed_record(header_payload(no)))
             write_all(fd, header, 0)
             allocated, supported = _preallocate(fd, preallocate) if preallocate else (0, True)
         except BaseException:
@@ -430,38 +473,54 @@ def _preallocate(fd: int, nbytes: int) -> tuple[int, bool]:
     return nbytes, True
 
 
-def _record(payload: bytes) -> tuple[bytes, bytes]:
+def framed_record(payload: bytes) -> tuple[bytes, bytes]:
     return frame(payload), payload
 
 
-def _parse_head(payload: bytes, kind: int) -> tuple[int, int, bytes]:
+def parse_head(payload: bytes, kind: int) -> tuple[int, int, bytes]:
     """(original key or -1, accept seq, id) of a PUT/MOVE payload, checking its layout.
 
-    Raises ValueError (struct.error) on a malformed payload.
+    Raises
+    ------
+    CorruptRecordError
+        On a malformed payload.
     """
-    if kind == _T_PUT:
-        _, seq, id_len = _PUT.unpack_from(payload, 0)
-        pos = _PUT.size
+    try:
+        return _parse_head(payload, kind)
+    except struct.error as e:
+        raise CorruptRecordError(f"malformed message record: {e}") from e
+
+
+def _parse_head(payload: bytes, kind: int) -> tuple[int, int, bytes]:
+    if kind == T_PUT:
+        _, seq, id_len = PUT_STRUCT.unpack_from(payload, 0)
+        pos = PUT_STRUCT.size
         original = -1
     else:
-        _, original, seq, id_len = _MOVE.unpack_from(payload, 0)
-        pos = _MOVE.size
+        _, original, seq, id_len = MOVE_STRUCT.unpack_from(payload, 0)
+        pos = MOVE_STRUCT.size
     message_id = payload[pos : pos + id_len]
     if len(message_id) != id_len or not id_len:
-        raise ValueError("short or empty id")
+        raise CorruptRecordError("message record with a short or empty id")
     pos += id_len
     (count,) = _U32.unpack_from(payload, pos)
     pos += 4
     lengths = struct.unpack_from(f"<{count}I", payload, pos)
     if not count or pos + 4 * count + sum(lengths) != len(payload):
-        raise ValueError("part lengths do not add up")
+        raise CorruptRecordError("message record whose part lengths do not add up")
     return original, seq, bytes(message_id)
 
 
-def _parse_message(payload: bytes, kind: int) -> tuple[int, int, bytes, tuple[bytes, ...]]:
-    """(original key or -1, accept seq, id, body parts) of a PUT/MOVE payload."""
-    original, seq, message_id = _parse_head(payload, kind)
-    pos = (_PUT.size if kind == _T_PUT else _MOVE.size) + len(message_id)
+def parse_message(payload: bytes, kind: int) -> tuple[int, int, bytes, tuple[bytes, ...]]:
+    """(original key or -1, accept seq, id, body parts) of a PUT/MOVE payload.
+
+    Raises
+    ------
+    CorruptRecordError
+        On a malformed payload.
+    """
+    original, seq, message_id = parse_head(payload, kind)
+    pos = (PUT_STRUCT.size if kind == T_PUT else MOVE_STRUCT.size) + len(message_id)
     (count,) = _U32.unpack_from(payload, pos)
     lengths = struct.unpack_from(f"<{count}I", payload, pos + 4)
     pos += 4 + 4 * count
@@ -472,13 +531,13 @@ def _parse_message(payload: bytes, kind: int) -> tuple[int, int, bytes, tuple[by
     return original, seq, message_id, tuple(parts)
 
 
-def _message_payload(
+def message_payload(
     seq: int, message_id: bytes, body: Sequence[bytes], original: int = -1
 ) -> bytes:
     if original < 0:
-        head = _PUT.pack(_T_PUT, seq, len(message_id))
+        head = PUT_STRUCT.pack(T_PUT, seq, len(message_id))
     else:
-        head = _MOVE.pack(_T_MOVE, original, seq, len(message_id))
+        head = MOVE_STRUCT.pack(T_MOVE, original, seq, len(message_id))
     lengths = struct.pack(f"<I{len(body)}I", len(body), *map(len, body))
     return b"".join((head, message_id, lengths, *body))
 
@@ -491,7 +550,7 @@ def body_digest(body: Sequence[bytes]) -> bytes:
     """
     if len(body) == 1:
         part = body[0]
-        h = hashlib.blake2b(_PART1.pack(1, len(part)), digest_size=DIGEST_BYTES)
+        h = hashlib.blake2b(PART1_STRUCT.pack(1, len(part)), digest_size=DIGEST_BYTES)
         h.update(part)
         return h.digest()
     h = hashlib.blake2b(
@@ -502,23 +561,23 @@ def body_digest(body: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
-def _record_digest(payload: bytes, kind: int, id_len: int) -> bytes:
+def record_digest(payload: bytes, kind: int, id_len: int) -> bytes:
     """:func:`body_digest` of a PUT/MOVE payload's body, from the record's own bytes."""
-    pos = (_PUT.size if kind == _T_PUT else _MOVE.size) + id_len
+    pos = (PUT_STRUCT.size if kind == T_PUT else MOVE_STRUCT.size) + id_len
     return hashlib.blake2b(memoryview(payload)[pos:], digest_size=DIGEST_BYTES).digest()
 
 
-def _header_payload(no: int) -> bytes:
+def header_payload(no: int) -> bytes:
     """The HEADER record's payload of segment ``no``."""
-    return _HEADER.pack(_T_HEADER, _MAGIC, FORMAT_VERSION, no)
+    return HEADER_STRUCT.pack(T_HEADER, SEGMENT_MAGIC, FORMAT_VERSION, no)
 
 
-def _ack_payload(keys: Sequence[int]) -> bytes:
+def ack_payload(keys: Sequence[int]) -> bytes:
     """An ACK record's payload: tombstones for ``keys``."""
-    return _ACK.pack(_T_ACK, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
+    return ACK_STRUCT.pack(T_ACK, len(keys)) + struct.pack(f"<{len(keys)}Q", *keys)
 
 
-def _encode_snapshot(
+def encode_snapshot(
     next_no: int,
     last_seq: int,
     first: int,
@@ -534,24 +593,33 @@ def _encode_snapshot(
     if version >= 2:
         given = digests if digests is not None else [b""] * len(ids)
         if len(given) != len(ids):
-            raise ValueError(f"{len(given)} digests for {len(ids)} ids")
+            raise StorageInputError("digests", len(given), f"one per id ({len(ids)})")
         parts += [d if len(d) == DIGEST_BYTES else _NO_DIGEST for d in given]
     data = b"".join(parts)
     return data + _U32.pack(zlib.crc32(data))
 
 
-def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes], list[bytes]]:
+def decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes], list[bytes]]:
     """(next segment no, last seq, first seq, ids, digests) of ``ids.snap``'s bytes; a
     digest is ``b""`` where unknown (all of a version 1 file's).
 
-    Raises ValueError (struct.error) for damaged bytes.
+    Raises
+    ------
+    CorruptRecordError
+        For damaged bytes (too short, bad magic, CRC or length mismatch).
+    FormatVersionError
+        For a version this code does not read.
     """
+    if len(data) < _SNAP.size + 4:
+        raise CorruptRecordError(f"{SNAP_NAME} is {len(data)} bytes, too short")
     magic, version, next_no, last_seq, first, count = _SNAP.unpack_from(data, 0)
-    if magic != _SNAP_MAGIC or version not in (1, SNAP_VERSION):
-        raise ValueError("bad magic or version")
+    if magic != _SNAP_MAGIC:
+        raise CorruptRecordError(f"{SNAP_NAME} has magic {magic!r}, expected {_SNAP_MAGIC!r}")
+    if version not in (1, SNAP_VERSION):
+        raise FormatVersionError(version, (1, SNAP_VERSION))
     (crc,) = _U32.unpack_from(data, len(data) - 4)
     if zlib.crc32(data[:-4]) != crc:
-        raise ValueError("CRC mismatch")
+        raise CorruptRecordError(f"{SNAP_NAME} CRC mismatch")
     body = data[_SNAP.size : -4]
     ids = []
     pos = count
@@ -565,5 +633,5 @@ def _decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes], list[byte
             digests[i] = b"" if d == _NO_DIGEST else d
             pos += DIGEST_BYTES
     if pos != len(body):
-        raise ValueError("length mismatch")
+        raise CorruptRecordError(f"{SNAP_NAME} length mismatch")
     return next_no, last_seq, first, ids, digests

@@ -17,22 +17,23 @@ from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
+from zio_spark.errors import StorageError
+from zio_spark.storage.files import RECORD_HEAD
 from zio_spark.storage.store_format import (
-    _A,
-    _F,
-    _LIVE,
-    _P,
-    _P_BYTE,
-    _PART1,
-    _PUT,
-    _Q,
-    _R,
-    _REC,
-    _T_PUT,
+    LIVE_STATES,
+    PART1_STRUCT,
+    PENDING_BYTE,
+    PUT_STRUCT,
+    STATE_ACKED,
+    STATE_IN_FLIGHT,
+    STATE_PENDING,
+    STATE_QUEUED,
+    STATE_REQUEUED,
+    T_PUT,
     LogFile,
     StoredMessage,
     StoreError,
-    _parse_message,
+    parse_message,
 )
 
 __all__ = ["StoreIndex"]
@@ -80,23 +81,23 @@ class StoreIndex:
         """(original key or -1, accept seq, id, body) of a slot, read back and CRC-checked."""
         offset = seg.offsets[slot]
         length = seg.lengths[slot]
-        data = os.pread(seg.fd, _REC.size + length, offset)
-        if len(data) != _REC.size + length or _REC.unpack_from(data, 0)[0] != length:
+        data = os.pread(seg.fd, RECORD_HEAD.size + length, offset)
+        if len(data) != RECORD_HEAD.size + length or RECORD_HEAD.unpack_from(data, 0)[0] != length:
             raise StoreError(
                 f"short read of a record in {seg.path.name} at {offset}", path=self._root
             )
-        payload = data[_REC.size :]
-        if zlib.crc32(payload) != _REC.unpack_from(data, 0)[1]:
+        payload = data[RECORD_HEAD.size :]
+        if zlib.crc32(payload) != RECORD_HEAD.unpack_from(data, 0)[1]:
             raise StoreError(
                 f"record in {seg.path.name} at {offset} fails its CRC", path=self._root
             )
-        if payload[0] == _T_PUT:  # single-part fast path
-            _, seq, id_len = _PUT.unpack_from(payload, 0)
-            pos = _PUT.size + id_len
-            count, part_len = _PART1.unpack_from(payload, pos)
+        if payload[0] == T_PUT:  # single-part fast path
+            _, seq, id_len = PUT_STRUCT.unpack_from(payload, 0)
+            pos = PUT_STRUCT.size + id_len
+            count, part_len = PART1_STRUCT.unpack_from(payload, pos)
             if count == 1 and pos + 8 + part_len == length:
-                return -1, seq, payload[_PUT.size : pos], (payload[pos + 8 :],)
-        return _parse_message(payload, payload[0])
+                return -1, seq, payload[PUT_STRUCT.size : pos], (payload[pos + 8 :],)
+        return parse_message(payload, payload[0])
 
     def take(self, *, pin: bool = False) -> StoredMessage | None:
         """Hand out the next deliverable message and mark it in flight.
@@ -135,8 +136,8 @@ class StoreIndex:
             if seg is None or slot >= len(seg.state):
                 continue
             state = seg.state[slot]
-            if state in (_Q, _R):
-                return self._hand_out(seg, slot, key, state == _R)
+            if state in (STATE_QUEUED, STATE_REQUEUED):
+                return self._hand_out(seg, slot, key, state == STATE_REQUEUED)
         segments = self._segments
         while True:
             seg = segments.get(self._cursor_no)
@@ -146,7 +147,7 @@ class StoreIndex:
                     return None
                 self._cursor_no, self._cursor_slot = later[0], 0
                 continue
-            slot = seg.state.find(_P_BYTE, self._cursor_slot)
+            slot = seg.state.find(PENDING_BYTE, self._cursor_slot)
             if slot >= 0:
                 self._cursor_slot = slot + 1
                 return self._hand_out(seg, slot, seg.no << 32 | slot, False)
@@ -161,33 +162,33 @@ class StoreIndex:
         length = seg.lengths[slot]
         try:
             # _read's single-part case, inlined (the hot path); anything else goes there.
-            data = os.pread(seg.fd, _REC.size + length, seg.offsets[slot])
-            stored_length, crc = _REC.unpack_from(data, 0)
-            payload = data[_REC.size :]
+            data = os.pread(seg.fd, RECORD_HEAD.size + length, seg.offsets[slot])
+            stored_length, crc = RECORD_HEAD.unpack_from(data, 0)
+            payload = data[RECORD_HEAD.size :]
             if (
                 stored_length == length
                 and len(payload) == length
-                and payload[0] == _T_PUT
+                and payload[0] == T_PUT
                 and zlib.crc32(payload) == crc
             ):
-                id_end = _PUT.size + _PUT.unpack_from(payload, 0)[2]
-                count, part_len = _PART1.unpack_from(payload, id_end)
+                id_end = PUT_STRUCT.size + PUT_STRUCT.unpack_from(payload, 0)[2]
+                count, part_len = PART1_STRUCT.unpack_from(payload, id_end)
                 if count == 1 and id_end + 8 + part_len == length:
-                    seg.state[slot] = _F
+                    seg.state[slot] = STATE_IN_FLIGHT
                     self._in_flight += 1
                     self._in_flight_bytes += length
                     return StoredMessage(
-                        key, payload[_PUT.size : id_end], (payload[id_end + 8 :],), redelivery
+                        key, payload[PUT_STRUCT.size : id_end], (payload[id_end + 8 :],), redelivery
                     )
             _, _, message_id, body = self._read(seg, slot)
-        except (OSError, StoreError, struct.error, ValueError) as e:
-            seg.state[slot] = _A
+        except (OSError, StorageError, struct.error) as e:
+            seg.state[slot] = STATE_ACKED
             seg.live -= 1
             self._messages -= 1
             raise StoreError(
                 f"message {key:#x} is unreadable and was dropped: {e}", path=self._root
             ) from e
-        seg.state[slot] = _F
+        seg.state[slot] = STATE_IN_FLIGHT
         self._in_flight += 1
         self._in_flight_bytes += seg.lengths[slot]
         return StoredMessage(key, message_id, body, redelivery)
@@ -215,7 +216,11 @@ class StoreIndex:
             raise StoreError("the store is closed", path=self._root)
         seg = self._segments.get(key >> 32)
         slot = key & 0xFFFFFFFF
-        if seg is None or slot >= seg.durable or seg.state[slot] not in (_P, _Q, _R):
+        if (
+            seg is None
+            or slot >= seg.durable
+            or seg.state[slot] not in (STATE_PENDING, STATE_QUEUED, STATE_REQUEUED)
+        ):
             return None
         # A Q/R key stays in the requeue deque; take() skips it once it is no longer Q/R.
         message = self._hand_out(seg, slot, key, True)
@@ -242,7 +247,7 @@ class StoreIndex:
         current = self._current(key) if self._forward else key
         seg = self._segments.get(current >> 32)
         slot = current & 0xFFFFFFFF
-        if seg is None or slot >= len(seg.state) or seg.state[slot] != _F:
+        if seg is None or slot >= len(seg.state) or seg.state[slot] != STATE_IN_FLIGHT:
             return None
         if current != key:
             self._resolve(key)
@@ -280,7 +285,7 @@ class StoreIndex:
         if found is None:
             return False
         seg, slot, current = found
-        seg.state[slot] = _A
+        seg.state[slot] = STATE_ACKED
         seg.live -= 1
         self._messages -= 1
         if not self._failed:
@@ -307,7 +312,7 @@ class StoreIndex:
         if found is None:
             return False
         seg, slot, current = found
-        seg.state[slot] = _R if delivered else _Q
+        seg.state[slot] = STATE_REQUEUED if delivered else STATE_QUEUED
         self._requeue.append(current)
         return True
 
@@ -335,6 +340,6 @@ class StoreIndex:
         """
         for seg in list(self._segments.values()):
             for slot in range(seg.durable):
-                if seg.state[slot] in _LIVE:
+                if seg.state[slot] in LIVE_STATES:
                     _, _, message_id, body = self._read(seg, slot)
                     yield message_id, body

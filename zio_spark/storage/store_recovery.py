@@ -25,29 +25,29 @@ from collections import deque
 from pathlib import Path
 from typing import Final
 
-from zio_spark.storage.files import fsync_dir, read_record
+from zio_spark.errors import CorruptRecordError, FormatVersionError
+from zio_spark.storage.files import RECORD_HEAD, fsync_dir, read_record
 from zio_spark.storage.store_format import (
-    _A,
-    _ACK,
-    _HEADER,
-    _LIVE,
-    _M,
-    _MAGIC,
-    _MAX_SLOTS,
-    _P,
-    _REC,
-    _SEG_RE,
-    _SNAP_NAME,
-    _T_ACK,
-    _T_HEADER,
-    _T_MOVE,
-    _T_PUT,
+    ACK_STRUCT,
     FORMAT_VERSION,
+    HEADER_STRUCT,
+    LIVE_STATES,
+    MAX_SLOTS,
+    SEGMENT_MAGIC,
+    SEGMENT_NAME_RE,
+    SNAP_NAME,
+    STATE_ACKED,
+    STATE_MOVED,
+    STATE_PENDING,
+    T_ACK,
+    T_HEADER,
+    T_MOVE,
+    T_PUT,
     LogFile,
     StoreError,
-    _decode_snapshot,
-    _parse_head,
-    _record_digest,
+    decode_snapshot,
+    parse_head,
+    record_digest,
 )
 
 __all__ = ["Replay"]
@@ -117,7 +117,7 @@ class Replay:
         names = sorted(
             (int(m.group(1)), name)
             for name in os.listdir(self.root)
-            if (m := _SEG_RE.match(name)) is not None
+            if (m := SEGMENT_NAME_RE.match(name)) is not None
         )
         snap = self._read_snapshot()
         # (accept seq, id, digest or b"", key of its record or -1), pruned to ~2 windows
@@ -172,8 +172,8 @@ class Replay:
                 kind = payload[0]
                 try:
                     if pos == 0:
-                        _, magic, version, header_no = _HEADER.unpack(payload)
-                        if kind != _T_HEADER or magic != _MAGIC or header_no != no:
+                        _, magic, version, header_no = HEADER_STRUCT.unpack(payload)
+                        if kind != T_HEADER or magic != SEGMENT_MAGIC or header_no != no:
                             bad = "not a segment header"
                             break
                         if version != FORMAT_VERSION:
@@ -182,33 +182,33 @@ class Replay:
                                 f"expected {FORMAT_VERSION}",
                                 path=self.root,
                             )
-                    elif kind in (_T_PUT, _T_MOVE):
-                        original, seq, message_id = _parse_head(payload, kind)
-                        if len(seg.state) >= _MAX_SLOTS - 1:
+                    elif kind in (T_PUT, T_MOVE):
+                        original, seq, message_id = parse_head(payload, kind)
+                        if len(seg.state) >= MAX_SLOTS - 1:
                             bad = "too many records"
                             break
                         if original >= 0:
-                            self._kill(original, _M)
+                            self._kill(original, STATE_MOVED)
                         seg.offsets.append(pos)
                         seg.lengths.append(length)
-                        seg.state.append(_P)
+                        seg.state.append(STATE_PENDING)
                         seg.live += 1
                         self.messages += 1
                         if seq > max_seq:
                             max_seq = seq
                         if windowed:  # its digest is computed if it ends up in the window
                             seen.append((seq, message_id, b"", no << 32 | len(seg.state) - 1))
-                    elif kind == _T_ACK:
-                        _, count = _ACK.unpack_from(payload, 0)
-                        if _ACK.size + 8 * count != length:
+                    elif kind == T_ACK:
+                        _, count = ACK_STRUCT.unpack_from(payload, 0)
+                        if ACK_STRUCT.size + 8 * count != length:
                             bad = "bad tombstone record"
                             break
-                        for key in struct.unpack_from(f"<{count}Q", payload, _ACK.size):
-                            self._kill(key, _A)
+                        for key in struct.unpack_from(f"<{count}Q", payload, ACK_STRUCT.size):
+                            self._kill(key, STATE_ACKED)
                     else:
                         bad = f"unknown record type {kind}"
                         break
-                except (struct.error, ValueError) as e:
+                except (struct.error, CorruptRecordError) as e:
                     bad = f"malformed record ({e})"
                     break
                 pos = end
@@ -246,7 +246,7 @@ class Replay:
         """Mark slot ``key`` dead (``A`` or ``M``), if it is still there and live."""
         seg = self.segments.get(key >> 32)
         slot = key & 0xFFFFFFFF
-        if seg is None or slot >= len(seg.state) or seg.state[slot] not in _LIVE:
+        if seg is None or slot >= len(seg.state) or seg.state[slot] not in LIVE_STATES:
             return
         seg.state[slot] = state
         seg.live -= 1
@@ -254,16 +254,16 @@ class Replay:
 
     def _read_snapshot(self) -> tuple[int, int, int, list[bytes], list[bytes]] | None:
         """(next segment no, last seq, first seq, ids, digests) from ids.snap, or None."""
-        path = self.root / _SNAP_NAME
+        path = self.root / SNAP_NAME
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
         try:
-            return _decode_snapshot(data)
-        except (struct.error, ValueError) as e:
+            return decode_snapshot(data)
+        except (struct.error, CorruptRecordError, FormatVersionError) as e:
             # Written to a temporary name, synced, then renamed: this is damage, not a crash.
-            log.error("store %s: ignoring damaged %s (%s)", self.root, _SNAP_NAME, e)
+            log.error("store %s: ignoring damaged %s (%s)", self.root, SNAP_NAME, e)
             return None
 
     def _rebuild_window(self, seen: list[tuple[int, bytes, bytes, int]]) -> None:
@@ -315,11 +315,11 @@ class Replay:
         if seg is None or slot >= len(seg.state):
             return b""
         length = seg.lengths[slot]
-        data = os.pread(seg.fd, _REC.size + length, seg.offsets[slot])
-        payload = data[_REC.size :]
+        data = os.pread(seg.fd, RECORD_HEAD.size + length, seg.offsets[slot])
+        payload = data[RECORD_HEAD.size :]
         if len(payload) != length:
             return b""
-        return _record_digest(payload, payload[0], id_len)
+        return record_digest(payload, payload[0], id_len)
 
 
 def _all_zero(mm: mmap.mmap, pos: int, size: int) -> bool:
