@@ -75,6 +75,24 @@ def test_every_bench_script_starts_and_lists_its_options(script):
     assert "--out" in r.stdout, r.stdout
 
 
+def test_the_commit_ack_bench_runs_small(tmp_path):
+    """bench/bench_commit_ack.py (run by hand, not by `zio-spark bench`) still runs and
+    writes the figures its README line quotes."""
+    out = tmp_path / "commit_ack.json"
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "bench_commit_ack.py"), "-n", "20", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,  # hang guard
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(out.read_text(encoding="utf-8"))
+    assert got["n"] == 20, got
+    assert 0 < got["median_ms"] <= got["p95_ms"] <= got["max_ms"], got
+    assert "commit->ack over 20 rounds" in r.stdout, r.stdout
+
+
 def _run_small(python: Path | str, args: list[str], out: Path) -> str:
     r = subprocess.run(
         [str(python), *args, "--out", str(out)],
