@@ -17,10 +17,11 @@ other exception escaping the package is a bug. The split follows h11/h2:
   ``failOnDataLoss`` is true.
 - :class:`StorageError`: trouble with durable state on disk (spool, WAL, queue store,
   sink folder); keeps the path. Its subclasses: :class:`CorruptRecordError` (bytes that
-  fail their checks), :class:`FormatVersionError` (a file written by another format
-  version), :class:`StorageClosedError` (used after ``close``) and
-  :class:`StorageInputError` (a bad argument to a storage call; also a
-  :class:`ValueError` and a :class:`TypeError`, which storage raised before).
+  fail their checks; also a :class:`ValueError`), :class:`FormatVersionError` (a file
+  written by another format version), :class:`StorageClosedError` (used after
+  ``close``) and :class:`StorageInputError` (a bad argument to a storage call; also a
+  :class:`ValueError` and a :class:`TypeError`). The mixins are what storage raised
+  before, so callers that catch those keep working.
 
 Errors carry their facts as attributes (``field``, ``value``, ``peer``, ``credit``) so
 callers and tests need not parse messages, and messages name the field, the value and
@@ -187,10 +188,12 @@ class StorageError(ZioSparkError):
         super().__init__(f"{message} ({self.path})" if self.path is not None else message)
 
 
-class CorruptRecordError(StorageError):
+class CorruptRecordError(StorageError, ValueError):
     """Bytes on disk fail their checks (CRC, length, magic, a field out of range).
 
-    ``offset`` is the byte offset of the bad record in ``path``, when known.
+    ``offset`` is the byte offset of the bad record in ``path``, when known. Also a
+    :class:`ValueError`, which storage raised for these before (a caller that catches
+    ``ValueError`` around a decoder keeps working).
     """
 
     def __init__(

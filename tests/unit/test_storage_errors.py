@@ -26,7 +26,7 @@ def test_storage_error_keeps_the_path_and_names_it() -> None:
 
 def test_corrupt_record_names_offset_and_path() -> None:
     e = CorruptRecordError("CRC mismatch", path="/f", offset=12)
-    assert isinstance(e, StorageError)
+    assert isinstance(e, StorageError) and isinstance(e, ValueError)
     assert (e.path, e.offset) == ("/f", 12)
     assert str(e) == "CRC mismatch at byte 12 (/f)"
 
