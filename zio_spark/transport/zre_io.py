@@ -1,23 +1,24 @@
 """The ZRE node thread's I/O: the beacon socket, the mailbox and the peers' DEALERs.
 
-:class:`ZreIo` is the half of :class:`~zio_spark.transport.zre_node.ZreNode` that runs in
-the node thread: it binds the sockets, runs the poll loop, reads beacons and mailbox
-messages into the pure :class:`~zio_spark.protocol.zre_peers.PeerTable`, and carries out what
-the table answers (connect, drop, ping, deliver events). The public API, the
-configuration and the command plumbing between threads are in :mod:`.zre_node`; read
-its docstring for the theory of operation.
+:class:`ZreIo` is the part of a :class:`~zio_spark.transport.zre_node.ZreNode` that runs in
+the node thread, one object the node makes and owns: it binds the sockets, runs the poll
+loop, reads beacons and mailbox messages into the pure
+:class:`~zio_spark.protocol.zre_peers.PeerTable`, and carries out what the table answers
+(connect, drop, ping; events go back to the node through ``deliver``). The public API,
+the configuration, our HELLO's contents and the command plumbing between threads are
+the node's (:mod:`.zre_node`); read its docstring for the theory of operation.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import random
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 from uuid import UUID
 
@@ -59,7 +60,7 @@ from zio_spark.protocol.zre_peers import (
 )
 from zio_spark.transport.loop import Waker
 
-__all__ = ["AppEvent", "ZreIo"]
+__all__ = ["AppEvent", "ZreIo", "ZreIoConfig"]
 
 log = logging.getLogger("zio_spark.transport")
 
@@ -102,48 +103,92 @@ class _Throttle:
             log.warning(msg + " [occurrence %d]", *args, self.count)
 
 
-class ZreIo:
-    """The node-thread side of a ZRE node (a base of :class:`ZreNode`, not used alone).
+@dataclass(frozen=True, slots=True)
+class ZreIoConfig:
+    """Who the node is and where it talks: what :class:`ZreIo` needs from the node's
+    configuration (checked by :class:`~zio_spark.transport.zre_node.ZreNode`)."""
 
-    Every attribute below is set by ``ZreNode.__init__``; everything here runs in the
-    node thread, which owns the sockets.
+    uuid: UUID
+    name: str
+    beacon_port: int
+    broadcast: str
+    interface_addr: str
+    interval: float
+    expired_after: float
+    linger_ms: int
+
+
+class ZreIo:
+    """The node thread's sockets: a part of a :class:`~zio_spark.transport.zre_node.ZreNode`,
+    made and owned by it; everything here runs in the node thread.
+
+    The seam: the node hands over its configuration, its peer table, its counters, how
+    an application event is delivered (``deliver``) and what our HELLO says (``hello``:
+    groups, status, name and headers belong to the node); the node calls :meth:`open`,
+    :meth:`run` (which runs the node's queued calls between turns), :meth:`close`, and,
+    from those calls, :meth:`send`, :meth:`pump`, :meth:`connected` and :meth:`peers`.
+
+    Parameters
+    ----------
+    config
+        The node's identity and addresses.
+    table
+        The node's peer table (protocol decisions).
+    stats
+        The node's counters, incremented here.
+    deliver
+        Hands one application event to the application (called in the node thread).
+    hello
+        Our HELLO, sent first to each peer connected to (sequence number stamped here).
     """
 
-    _uuid: UUID
-    _name: str
-    _beacon_port: int
-    _broadcast: str
-    _interface_addr: str
-    _interval: float
-    _expired_after: float
-    _linger_ms: int
-    _table: PeerTable
-    _stats: dict[str, int]
-    _ctx: zmq.Context[Any] | None
-    _groups: set[str]
-    _status: int
-    _headers: dict[str, str]
-    _endpoint: str | None
-    _mailbox_port: int
-    _on_event: Callable[[AppEvent], object] | None
-    _events: queue.Queue[AppEvent]
-    _stop_requested: bool
-    _waker: Waker | None
-    _udp: socket.socket | None
-    _router: zmq.Socket[bytes] | None
-    _dealers: dict[UUID, zmq.Socket[bytes]]
-    _pending: deque[Event]
-    _next_beacon: float
-    _bad_beacon_log: _Throttle
-    _bad_message_log: _Throttle
-    _send_error_log: _Throttle
-    _event_drop_log: _Throttle
+    def __init__(
+        self,
+        config: ZreIoConfig,
+        table: PeerTable,
+        stats: dict[str, int],
+        *,
+        deliver: Callable[[AppEvent], None],
+        hello: Callable[[], Hello],
+    ) -> None:
+        self.config = config
+        self.table = table
+        self.stats = stats
+        self._deliver = deliver
+        self._hello = hello
+        self.endpoint: str | None = None
+        """The mailbox endpoint advertised in HELLO, once :meth:`open` bound it."""
+        self.mailbox_port = 0
+        self._udp: socket.socket | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.Context[Any] | None = None
+        self._dealers: dict[UUID, zmq.Socket[bytes]] = {}
+        self._pending: deque[Event] = deque()
+        self._next_beacon = 0.0
+        self._bad_beacon_log = _Throttle()
+        self._bad_message_log = _Throttle()
+        self._send_error_log = _Throttle()
 
-    def _run_commands(self) -> None:
-        raise NotImplementedError  # pragma: no cover - ZreNode runs the queued calls
+    # -- what the node calls -----------------------------------------------------------
 
-    def _setup(self) -> None:
-        assert self._ctx is not None
+    def connected(self, peer: UUID) -> bool:
+        """Whether a DEALER to ``peer`` is open."""
+        return peer in self._dealers
+
+    def peers(self) -> list[UUID]:
+        """The peers a DEALER is open to."""
+        return list(self._dealers)
+
+    def open(self, ctx: zmq.Context[Any]) -> None:
+        """Bind the beacon socket and the mailbox (sets :attr:`endpoint`).
+
+        Raises
+        ------
+        TransportError
+            If a socket cannot be bound (``endpoint`` names it).
+        """
+        c = self.config
+        self._ctx = ctx
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
         self._udp = udp
         try:
@@ -151,39 +196,40 @@ class ZreIo:
             if hasattr(socket, "SO_REUSEPORT"):
                 udp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             udp.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
-            udp.bind(("0.0.0.0", self._beacon_port))
+            udp.bind(("0.0.0.0", c.beacon_port))
             udp.setblocking(False)
         except OSError as e:
             raise TransportError(
-                f"ZRE node {self._name}: cannot bind the beacon socket: {e}",
-                endpoint=f"udp://0.0.0.0:{self._beacon_port}",
+                f"ZRE node {c.name}: cannot bind the beacon socket: {e}",
+                endpoint=f"udp://0.0.0.0:{c.beacon_port}",
             ) from e
 
-        router: zmq.Socket[bytes] = self._ctx.socket(zmq.ROUTER)
+        router: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self._router = router
         router.linger = 0
         router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        bind_base = f"tcp://{self._interface_addr}"
-        port = _bind_in_range(router, bind_base, self._name)
-        self._mailbox_port = port
-        self._endpoint = tcp_endpoint(self._interface_addr, port)
+        bind_base = f"tcp://{c.interface_addr}"
+        port = _bind_in_range(router, bind_base, c.name)
+        self.mailbox_port = port
+        self.endpoint = tcp_endpoint(c.interface_addr, port)
 
-        source = _route_source(self._broadcast, self._beacon_port)
-        if source is not None and source != self._interface_addr:
+        source = _route_source(c.broadcast, c.beacon_port)
+        if source is not None and source != c.interface_addr:
             log.warning(
                 "ZRE node %s: beacons to %s leave from %s but the mailbox is on %s; peers "
                 "that discover us by beacon will connect to %s:%d and fail",
-                self._name,
-                self._broadcast,
+                c.name,
+                c.broadcast,
                 source,
-                self._interface_addr,
+                c.interface_addr,
                 source,
                 port,
             )
 
-    def _loop(self) -> None:
-        waker = self._waker
-        assert self._udp is not None and self._router is not None and waker is not None
+    def run(self, waker: Waker, between: Callable[[], bool]) -> None:
+        """Beacon, poll and serve until ``between`` (run at every turn: the node's
+        queued calls) answers True (stop)."""
+        assert self._udp is not None and self._router is not None
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._udp, zmq.POLLIN)
@@ -191,17 +237,16 @@ class ZreIo:
         udp_fd = self._udp.fileno()
         self._next_beacon = time.monotonic()
         while True:
-            self._run_commands()
-            if self._stop_requested:
+            if between():
                 return
             now = time.monotonic()
             if now >= self._next_beacon:
-                self._send_beacon(self._mailbox_port)
-                self._next_beacon = now + self._interval
-            self._guarded(self._table.tick, now)
-            self._pump()
+                self._send_beacon(self.mailbox_port)
+                self._next_beacon = now + self.config.interval
+            self._guarded(self.table.tick, now)
+            self.pump()
             deadline = self._next_beacon
-            table_deadline = self._table.next_deadline()
+            table_deadline = self.table.next_deadline()
             if table_deadline is not None:
                 deadline = min(deadline, table_deadline)
             timeout_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
@@ -217,14 +262,17 @@ class ZreIo:
         try:
             self._pending.extend(fn(now))
         except Exception:
-            self._stats["internal_errors"] += 1
-            log.exception("ZRE node %s: internal error", self._name)
+            self.stats["internal_errors"] += 1
+            log.exception("ZRE node %s: internal error", self.config.name)
 
-    def _teardown(self, *, send_leaving: bool) -> None:
+    def close(self, *, send_leaving: bool) -> None:
+        """Close every socket (DEALERs with the node's linger), first sending a port-0
+        (leaving) beacon if ``send_leaving``. Idempotent."""
+        c = self.config
         if send_leaving and self._udp is not None:
             self._send_beacon(0)
         for dealer in self._dealers.values():
-            dealer.close(linger=self._linger_ms)
+            dealer.close(linger=c.linger_ms)
         self._dealers.clear()
         if self._router is not None:
             self._router.close(linger=0)
@@ -232,26 +280,26 @@ class ZreIo:
         if self._udp is not None:
             self._udp.close()
             self._udp = None
-        log.info("ZRE node %s (%s) stopped", self._name, self._uuid)
+        log.info("ZRE node %s (%s) stopped", c.name, c.uuid)
 
     # -- node thread: beacons ----------------------------------------------------------
 
     def _send_beacon(self, port: int) -> None:
         assert self._udp is not None
-        data = encode_beacon(Beacon(self._uuid, port))
+        data = encode_beacon(Beacon(self.config.uuid, port))
         try:
-            self._udp.sendto(data, (self._broadcast, self._beacon_port))
+            self._udp.sendto(data, (self.config.broadcast, self.config.beacon_port))
         except OSError as e:
-            self._stats["beacon_send_errors"] += 1
+            self.stats["beacon_send_errors"] += 1
             self._send_error_log(
                 "ZRE node %s: beacon to %s:%d failed: %s",
-                self._name,
-                self._broadcast,
-                self._beacon_port,
+                self.config.name,
+                self.config.broadcast,
+                self.config.beacon_port,
                 e,
             )
         else:
-            self._stats["beacons_sent"] += 1
+            self.stats["beacons_sent"] += 1
 
     def _read_beacons(self) -> None:
         assert self._udp is not None
@@ -261,33 +309,33 @@ class ZreIo:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # e.g. ICMP errors reported on the socket
-                log.debug("ZRE node %s: beacon socket: %s", self._name, e)
+                log.debug("ZRE node %s: beacon socket: %s", self.config.name, e)
                 return
             now = time.monotonic()
             try:
                 beacon = decode_beacon(data)
             except RemoteProtocolError as e:
-                self._stats["bad_beacons"] += 1
+                self.stats["bad_beacons"] += 1
                 self._bad_beacon_log(
                     "ZRE node %s: dropped a bad beacon from %s:%s: %s",
-                    self._name,
+                    self.config.name,
                     addr[0],
                     addr[1],
                     e,
                 )
                 continue
-            if beacon.uuid == self._uuid:
-                self._stats["own_beacons"] += 1
+            if beacon.uuid == self.config.uuid:
+                self.stats["own_beacons"] += 1
                 continue
-            self._stats["beacons_received"] += 1
+            self.stats["beacons_received"] += 1
             try:
-                self._pending.extend(self._table.on_beacon(beacon, addr[0], now))
+                self._pending.extend(self.table.on_beacon(beacon, addr[0], now))
             except Exception:
-                self._stats["internal_errors"] += 1
+                self.stats["internal_errors"] += 1
                 log.exception(
-                    "ZRE node %s: internal error on a beacon from %s", self._name, addr[0]
+                    "ZRE node %s: internal error on a beacon from %s", self.config.name, addr[0]
                 )
-            self._pump()
+            self.pump()
 
     # -- node thread: mailbox ----------------------------------------------------------
 
@@ -310,37 +358,38 @@ class ZreIo:
                         value=cmd.endpoint,
                     )
             except RemoteProtocolError as e:
-                self._stats["bad_messages"] += 1
+                self.stats["bad_messages"] += 1
                 self._bad_message_log(
                     "ZRE node %s: dropped a bad mailbox message from %s (identity 0x%s): %s",
-                    self._name,
+                    self.config.name,
                     _peer_address(frames[0]),
                     raw[0][:32].hex(),
                     e,
                 )
                 continue
-            self._stats["messages_received"] += 1
+            self.stats["messages_received"] += 1
             if isinstance(cmd, PingOk):
-                self._stats["ping_oks_received"] += 1
+                self.stats["ping_oks_received"] += 1
             try:
-                self._pending.extend(self._table.on_message(sender, cmd, now))
+                self._pending.extend(self.table.on_message(sender, cmd, now))
             except Exception:
-                self._stats["internal_errors"] += 1
+                self.stats["internal_errors"] += 1
                 log.exception(
-                    "ZRE node %s: internal error on a message from %s", self._name, sender
+                    "ZRE node %s: internal error on a message from %s", self.config.name, sender
                 )
-            self._pump()
+            self.pump()
 
     # -- node thread: carrying out the table's events ----------------------------------
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
+        """Carry out the table's pending actions and deliver its events."""
         while self._pending:
             event = self._pending.popleft()
             try:
                 self._dispatch(event)
             except Exception:
-                self._stats["internal_errors"] += 1
-                log.exception("ZRE node %s: internal error handling %r", self._name, event)
+                self.stats["internal_errors"] += 1
+                log.exception("ZRE node %s: internal error handling %r", self.config.name, event)
 
     def _dispatch(self, event: Event) -> None:
         if isinstance(event, ConnectAction):
@@ -348,10 +397,10 @@ class ZreIo:
         elif isinstance(event, DropAction):
             self._drop(event)
         elif isinstance(event, SendPingAction):
-            if self._send(event.peer, Ping(0)):
-                self._stats["pings_sent"] += 1
+            if self.send(event.peer, Ping(0)):
+                self.stats["pings_sent"] += 1
         elif isinstance(event, SendPingOkAction):
-            self._send(event.peer, PingOk(0))
+            self.send(event.peer, PingOk(0))
         elif isinstance(event, _APP_EVENTS):
             self._deliver(event)
 
@@ -362,90 +411,63 @@ class ZreIo:
             old.close(linger=0)
         dealer: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
-        dealer.setsockopt(zmq.ROUTING_ID, encode_identity(self._uuid))
-        dealer.sndhwm = max(1000, int(self._expired_after * 100))
+        dealer.setsockopt(zmq.ROUTING_ID, encode_identity(self.config.uuid))
+        dealer.sndhwm = max(1000, int(self.config.expired_after * 100))
         dealer.sndtimeo = 0
         try:
             dealer.connect(endpoint)
         except zmq.ZMQError as e:
             dealer.close(linger=0)
-            self._stats["bad_messages"] += 1
+            self.stats["bad_messages"] += 1
             self._bad_message_log(
                 "ZRE node %s: peer %s gave an endpoint we cannot connect to, %r: %s",
-                self._name,
+                self.config.name,
                 peer,
                 endpoint,
                 e,
             )
-            self._pending.extend(self._table.remove(peer, f"cannot connect to {endpoint}"))
+            self._pending.extend(self.table.remove(peer, f"cannot connect to {endpoint}"))
             return
         self._dealers[peer] = dealer
-        self._stats["peers_connected"] += 1
-        log.debug("ZRE node %s: connected to peer %s at %s", self._name, peer, endpoint)
-        hello = Hello(
-            0,
-            self._endpoint or "",
-            tuple(sorted(self._groups)),
-            self._status,
-            self._name,
-            self._headers,
-        )
-        self._send(peer, hello)
+        self.stats["peers_connected"] += 1
+        log.debug("ZRE node %s: connected to peer %s at %s", self.config.name, peer, endpoint)
+        self.send(peer, self._hello())
 
     def _drop(self, event: DropAction) -> None:
         dealer = self._dealers.pop(event.peer, None)
         if dealer is not None:
             dealer.close(linger=0)
-        self._stats["peers_dropped"] += 1
+        self.stats["peers_dropped"] += 1
         # Coming and going is normal; a broken sequence is the peer's bug.
         level = logging.WARNING if event.reason is DropReason.SEQUENCE else logging.INFO
         log.log(
             level,
             "ZRE node %s: dropped peer %s (%s%s)",
-            self._name,
+            self.config.name,
             event.peer,
             event.reason.value,
             f": {event.detail}" if event.detail else "",
         )
 
-    def _send(self, peer: UUID, cmd: Command) -> bool:
+    def send(self, peer: UUID, cmd: Command) -> bool:
         """Stamp and send ``cmd``; False (and the peer removed) if its queue is full."""
         dealer = self._dealers.get(peer)
-        if dealer is None or peer not in self._table:
+        if dealer is None or peer not in self.table:
             return False
-        frames = encode_command(self._table.stamp(peer, cmd))
+        frames = encode_command(self.table.stamp(peer, cmd))
         try:
             dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            self._stats["send_failures"] += 1
+            self.stats["send_failures"] += 1
             log.warning(
                 "ZRE node %s: peer %s is not responding (send queue full); dropping it",
-                self._name,
+                self.config.name,
                 peer,
             )
-            self._pending.extend(self._table.remove(peer, "send queue full"))
+            self._pending.extend(self.table.remove(peer, "send queue full"))
             return False
-        self._stats["messages_sent"] += 1
+        self.stats["messages_sent"] += 1
         return True
-
-    def _deliver(self, event: AppEvent) -> None:
-        if self._on_event is not None:
-            try:
-                self._on_event(event)
-            except Exception:
-                self._stats["callback_errors"] += 1
-                log.exception("ZRE node %s: on_event callback failed on %r", self._name, event)
-            return
-        try:
-            self._events.put_nowait(event)
-        except queue.Full:
-            self._stats["events_dropped"] += 1
-            self._event_drop_log(
-                "ZRE node %s: event queue full (%d), dropped %s",
-                self._name,
-                self._events.maxsize,
-                event.kind.value,
-            )
 
 
 def _bind_in_range(router: zmq.Socket[bytes], base: str, name: str) -> int:
