@@ -26,9 +26,10 @@ from zio_spark.codec.records import decode_batch
 from zio_spark.errors import ConfigError
 from zio_spark.protocol.flow import BotReceived, Data
 from zio_spark.protocol.negotiate import server_terms
-from zio_spark.source.producer import Producer, silent_peer_hint
+from zio_spark.source.producer import Producer
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
+from zio_spark.transport.wire import silent_peer_hint
 
 # Deadline for what must happen (every wait returns as soon as it does): generous, so a
 # busy machine (a shared CI runner, load 10+) slows these tests down but never fails them.

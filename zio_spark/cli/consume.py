@@ -42,8 +42,8 @@ def _text(field: str, data: bytes | None, out: dict[str, Any]) -> None:
 
 
 def run_consume(args: argparse.Namespace) -> int:
-    from zio_spark.source.producer import silent_peer_hint
     from zio_spark.transport.port import PortKind
+    from zio_spark.transport.wire import silent_peer_hint
 
     mode = socket_mode(getattr(args, "socket", "auto"))
     stop = Stop()

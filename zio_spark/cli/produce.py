@@ -27,8 +27,9 @@ def run_produce(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from zio_spark.source.producer import Producer, silent_peer_hint
+    from zio_spark.source.producer import Producer
     from zio_spark.transport.port import PortKind
+    from zio_spark.transport.wire import silent_peer_hint
 
     if args.connect and args.bind:
         raise ConfigError(

@@ -35,8 +35,10 @@ client's credit in its BOT but may pay less); nothing is sized from a BOT's cred
 
 Where the parts live: the flow's giving side (terms, DAT packing, acks, one taker at a
 time) is :mod:`zio_spark.transport.giver`, shared with the PZQ queue's flow port; the
-retention window and its accounting are :mod:`zio_spark.source.backlog`; client mode's
-connect/reconnect loop is :mod:`zio_spark.source.producer_client`.
+retention window and its accounting are :mod:`zio_spark.source.backlog`; the engines
+are the transport's: a :class:`~zio_spark.transport.flow_server.FlowServer` (server mode)
+or a reconnecting :class:`~zio_spark.transport.flow_client.FlowClient` (client mode),
+each in a thread of its own, with a :class:`~zio_spark.transport.giver.GiverHandler`.
 
 Producer ids must be stable across restarts for exactly-once. A restarted producer
 numbers from 1 again; when a taker's ``resume`` shows it already holds more than this
@@ -59,10 +61,11 @@ from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import Delivery, ProducerBacklog
-from zio_spark.source.producer_client import ClientGiver, silent_peer_hint
+from zio_spark.transport.flow_client import FlowClient
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.giver import GiverHandler, GiverPolicy, Giving
 from zio_spark.transport.port import ServerPort
+from zio_spark.transport.wire import silent_peer_hint
 
 if TYPE_CHECKING:
     from zio_spark.transport.zre_node import ZreNode
@@ -71,6 +74,7 @@ __all__ = ["DEFAULT_WINDOW", "DEFAULT_WINDOW_BYTES", "Delivery", "Producer", "si
 
 log = logging.getLogger("zio_spark.transport")
 
+_CLIENT_QUEUE_SLACK = 16  # client mode's send queue: the credit offered plus this
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
 # The retention window's defaults (see Producer's docstring for the arithmetic).
 DEFAULT_WINDOW = 2_000_000
@@ -199,35 +203,40 @@ class Producer:
         )
         self._zre: ZreNode | None = None  # the discovery node, once advertise() ran
         self._server: FlowServer | None = None
-        self._client: ClientGiver | None = None
+        self._client: FlowClient | None = None
         if connect is not None:
             self.endpoint = connect
             self.producer_id = producer_id or f"{socket.gethostname()}|{connect}"
             self._backlog.producer_id, self._backlog.endpoint = self.producer_id, connect
-            curve: dict[str, Any] = {}
+            # DATs are sent only within paid credit, at most the credit offered: a bound.
+            port_options: dict[str, Any] = {"sndhwm": credit + _CLIENT_QUEUE_SLACK}
             if curve_server_key is not None or curve_secret_key is not None:
-                curve = {
-                    "curve_server_key": curve_server_key,
-                    "curve_secret_key": curve_secret_key,
-                    "curve_public_key": curve_public_key,
-                }
-            self._client = ClientGiver(
-                self,
+                port_options.update(
+                    curve_server_key=curve_server_key,
+                    curve_secret_key=curve_secret_key,
+                    curve_public_key=curve_public_key,
+                )
+            # The first port is made here, so a bad mode or endpoint fails the constructor.
+            client = FlowClient(
                 connect,
+                GiverHandler(
+                    self._backlog, GiverPolicy(self.producer_id, stream, batch), credit=credit
+                ),
                 ctx=self.ctx,
                 mode=mode,
-                credit=credit,
+                port_options=port_options,
                 connect_timeout=float(connect_timeout),
                 reconnect=reconnect,
                 linger_ms=linger_ms,
-                curve=curve,
+                name=f"producer {self.producer_id} -> {connect}",
+                stats=self.stats,
             )
-            self.curve_public_key = (
-                self._client.conn.port.curve_public_key if (self._client.conn is not None) else None
-            )
-            self.mode = self._client.mode
-            self.socket_type = self._client.socket_type
-            self._client.start()
+            self._client = client
+            self.curve_public_key = client.curve_public_key
+            assert client.mode is not None and client.socket_type is not None
+            self.mode = client.mode
+            self.socket_type = client.socket_type
+            client.start()
             return
         if curve_server_key is not None:
             raise ConfigError(
@@ -332,13 +341,9 @@ class Producer:
 
     def _woken(self) -> None:
         g = self._backlog.woken()
-        if g is None:
-            return
-        if self._client is not None:
-            self._client.pump()
-        elif self._server is not None and g.conn is not None and g.handler is not None:
+        if g is not None:
             # As on a tick: a failure (the taker vanished) ends that flow, not the loop.
-            self._server.tick_flow(g.conn, g.handler, 0.0)
+            g.wake()
 
     @property
     def acked(self) -> int:
@@ -430,11 +435,15 @@ class Producer:
             done = threading.Event()
 
             def end() -> None:
-                if self._client is not None:
-                    self._client.send_eot(done)
-                    return
                 g = self._taker
                 conn = None if g is None else g.conn
+                if self._client is not None:
+                    # No new flow after this; the echo (or the flow's end) sets done.
+                    if g is not None:
+                        self._backlog.eot_done = done
+                    if not self._client.send_eot() or g is None:
+                        done.set()
+                    return
                 if conn is not None and conn.flow.state is FlowState.READY:
                     self._backlog.eot_done = done
                     try:
@@ -462,7 +471,7 @@ class Producer:
     def _loop_alive(self) -> bool:
         if self._client is not None:
             return self._client.alive
-        return self._server is not None and self._server._thread is not None
+        return self._server is not None and self._server.running
 
     def __enter__(self) -> Producer:
         return self

@@ -522,6 +522,14 @@ class FlowClient:
             return False
         return True
 
+    def poke(self) -> None:
+        """Run the handler's ``on_tick`` now if a flow is READY or EOT_SENT (a giver with
+        new records); its failure fails that flow only."""
+        conn = self.conn
+        if conn is not None and conn.flow.state in (FlowState.READY, FlowState.EOT_SENT):
+            now = time.monotonic()
+            self._guarded(conn, now, self.handler.on_tick, conn, now)
+
     def give_up(self, why: str) -> None:
         """End the flow (no EOT) and never open another; ``gave_up`` says why."""
         self.gave_up = why

@@ -14,11 +14,17 @@ here; what differs is their backlog:
   to send) and :meth:`Giving.pump`, which sends while the taker's paid credit lasts: one
   Arrow IPC frame per DAT when ``arrow`` is agreed, else one record per DAT with ``seq``,
   ``key``, ``headers`` and ``granule`` in the label (or the reference's bare label).
-- :class:`GiverHandler` serves a taker on a server port (:class:`FlowServer`): it reads
-  the client's BOT (:func:`~zio_spark.protocol.negotiate.server_terms`), refuses a wrong
-  direction, stream or a plain taker where acks are required (:class:`GiverPolicy`),
-  keeps one taker at a time (a new BOT ends the other flows: a restarted taker), applies
-  acks and pumps.
+- :class:`GiverHandler` serves a taker in either topology, applying its acks and pumping.
+  On a server port (a :class:`~.flow_server.FlowServer` handler) it reads the client's
+  BOT (:func:`~zio_spark.protocol.negotiate.server_terms`), refuses a wrong direction,
+  stream or a plain taker where acks are required (:class:`GiverPolicy`), and keeps one
+  taker at a time (a new BOT ends the other flows: a restarted taker). As a client (a
+  :class:`~.flow_client.FlowClient` handler, made with ``credit``) it offers
+  ``BOT{direction: extract, producer, stream, ack: true, encoding: ["arrow"]}`` and reads
+  the server's terms (:func:`~zio_spark.protocol.negotiate.client_terms`): a plain taker
+  (a reference server echoing the BOT) gets bare DATs, one record each.
+- :meth:`Giving.wake` pumps that flow now through its engine (a backlog with new
+  records), its failures ending that flow only.
 
 Credit: a giver spends only what PAYs paid; nothing is sized from a BOT's credit.
 Everything here runs in the thread that owns the port.
@@ -26,7 +32,8 @@ Everything here runs in the thread that owns the port.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,13 +43,15 @@ from zio_spark.errors import RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
+    Data,
     Direction,
     EotReceived,
     Flow,
     FlowState,
     pay_ack,
 )
-from zio_spark.protocol.negotiate import Terms, server_terms
+from zio_spark.protocol.negotiate import Terms, client_terms, server_terms
+from zio_spark.transport.flow_client import ClientFlow, ClientHandler, Offer
 from zio_spark.transport.flow_server import FlowHandler, ServerFlow
 
 __all__ = [
@@ -55,6 +64,8 @@ __all__ = [
     "Taken",
     "plain_attrs",
 ]
+
+log = logging.getLogger("zio_spark.transport")
 
 PLAIN_RUN = 1000
 """Most bare DATs queued in one call (client mode, plain taker)."""
@@ -113,10 +124,15 @@ class Backlog(Protocol):
 
 
 class GiverConn(Protocol):
-    """One flow as a giver sends on it (a :class:`ServerFlow`, or a client connection)."""
+    """One flow as a giver sends on it (a :class:`ServerFlow` or a :class:`ClientFlow`)."""
 
     @property
     def flow(self) -> Flow: ...
+
+    @property
+    def name(self) -> str: ...
+
+    def send_eot(self, attrs: Mapping[str, Any] | None = None) -> None: ...
 
     def send_dat(
         self, payload: tuple[bytes, ...] = (), attrs: Mapping[str, Any] | None = None
@@ -142,7 +158,8 @@ class Giving:
 
     ``batch``: the giver's most records per DAT (lowered to the taker's stated limit;
     1 unless Arrow is agreed). ``bare``: plain DATs carry the reference's bare label
-    (client mode); else a plain taker's DATs carry the profile attributes.
+    (client mode); else a plain taker's DATs carry the profile attributes. ``conn``: the
+    flow; ``wake``: pumps it now through its engine, guarded (see :meth:`wake`).
     """
 
     def __init__(
@@ -152,8 +169,8 @@ class Giving:
         *,
         batch: int,
         bare: bool,
-        conn: ServerFlow | None = None,
-        handler: FlowHandler | None = None,
+        conn: GiverConn | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.backlog = backlog
         self.terms = terms
@@ -164,8 +181,14 @@ class Giving:
         self.next_seq = 1  # next record to send to this taker
         self.records = 0  # records put on the wire on this flow
         self.closed = False
-        self.conn = conn  # server mode: to end the flow when a new taker replaces it
-        self.handler = handler
+        self.conn = conn
+        self._wake = wake
+
+    def wake(self) -> None:
+        """Pump this flow now (loop thread): records arrived for it. A failure ends the
+        flow, not the loop (the engine's guard)."""
+        if self._wake is not None and not self.closed:
+            self._wake()
 
     @property
     def acks(self) -> bool:
@@ -248,20 +271,67 @@ class GiverPolicy:
     plain_refusal: str = "this port gives only to ack-capable takers (BOT ack: true)"
 
 
-class GiverHandler(FlowHandler):
-    """One taker's flow on a giver's server port, over ``backlog``.
+class GiverHandler(FlowHandler, ClientHandler):
+    """One taker's flow over ``backlog``, on a server port or as a client (module doc).
 
-    One taker at a time: an accepted BOT ends every other taker's flow on the server
-    (the old client is dead or about to be; what it did not acknowledge is resent to the
-    new one from its ``resume``).
+    Server: one taker at a time; an accepted BOT ends every other taker's flow on the
+    server (the old client is dead or about to be; what it did not acknowledge is resent
+    to the new one from its ``resume``). Client: ``credit`` is what the BOT offers, and
+    a server stating another stream than ``policy.stream`` fails the flow.
     """
 
-    def __init__(self, backlog: Backlog, policy: GiverPolicy) -> None:
+    def __init__(self, backlog: Backlog, policy: GiverPolicy, *, credit: int = 0) -> None:
         self.backlog = backlog
         self.policy = policy
+        self.credit = credit
         self.giving: Giving | None = None
 
-    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
+    # -- client mode ---------------------------------------------------------------------
+
+    def offer(self, conn: ClientFlow) -> Offer:
+        attrs: dict[str, Any] = {
+            "producer": self.policy.producer_id,
+            "stream": self.policy.stream,
+            "ack": True,
+            "encoding": [ENCODING],
+        }
+        return Offer(Direction.EXTRACT, self.credit, attrs)
+
+    def _on_reply(self, conn: ClientFlow, bot: BotReceived) -> None:
+        policy = self.policy
+        assert conn.offer is not None
+        terms = client_terms("giver", conn.offer.attrs, bot.attrs)
+        if terms.stream is not None and terms.stream != policy.stream:
+            raise RemoteProtocolError(
+                f"the server takes stream {terms.stream!r}; this producer gives {policy.stream!r}",
+                field="stream",
+                value=terms.stream,
+            )
+        giving = Giving(
+            self.backlog,
+            terms,
+            batch=policy.batch,
+            bare=not terms.profile,
+            conn=conn,
+            wake=conn.client.poke,
+        )
+        self.giving = giving
+        giving.next_seq = self.backlog.attach(giving, terms.resume if terms.ack else None)
+        log.info(
+            "producer %s: flow to %s open (%s, encoding %s, credit announced %d)",
+            policy.producer_id,
+            conn.endpoint,
+            f"acks, resume {terms.resume}" if terms.ack else "plain taker, at most once",
+            terms.encoding or "plain",
+            bot.credit,
+        )
+
+    # -- both ----------------------------------------------------------------------------
+
+    def on_bot(self, conn: ServerFlow | ClientFlow, bot: BotReceived) -> None:
+        if isinstance(conn, ClientFlow):
+            self._on_reply(conn, bot)
+            return
         policy = self.policy
         if bot.direction is not Direction.INJECT:
             conn.reject({"reason": "this port is a producer: connect with direction inject"})
@@ -280,12 +350,17 @@ class GiverHandler(FlowHandler):
         if policy.require_ack and not terms.ack:
             conn.reject({"reason": policy.plain_refusal})
             return
+        server = conn.server
         giving = Giving(
-            self.backlog, terms, batch=policy.batch, bare=False, conn=conn, handler=self
+            self.backlog,
+            terms,
+            batch=policy.batch,
+            bare=False,
+            conn=conn,
+            wake=lambda: server.poke(conn),
         )
         self.giving = giving
         giving.next_seq = self.backlog.attach(giving, terms.resume if terms.ack else None)
-        server = conn.server
         for other, handler in list(server.flows.values()):
             if other is not conn and isinstance(handler, GiverHandler) and handler.giving:
                 # The old flow ends now instead of lingering in the server (forever
@@ -297,23 +372,27 @@ class GiverHandler(FlowHandler):
             attrs.update(self.backlog.stated(giving, None) or {})
         conn.accept(None, attrs)
 
-    def on_credit(self, conn: ServerFlow, credit: Credit) -> None:
+    def on_data(self, conn: ServerFlow | ClientFlow, data: Data) -> None:
+        """Never called: the flow machine refuses DATs sent to a giver."""
+
+    def on_credit(self, conn: ServerFlow | ClientFlow, credit: Credit) -> None:
         ack = pay_ack(credit.attrs)
         if ack is not None and self.giving is not None and self.giving.acks:
             self.backlog.ack(ack)
         self.on_tick(conn, 0.0)
 
-    def on_tick(self, conn: ServerFlow, now: float) -> None:
+    def on_tick(self, conn: ServerFlow | ClientFlow, now: float) -> None:
         g = self.giving
         if g is None or g.closed or conn.flow.state is not FlowState.READY:
             return
         g.pump(conn)
 
-    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
+    def on_eot(self, conn: ServerFlow | ClientFlow, eot: EotReceived) -> None:
         if self.giving is not None:
             self.backlog.ended(self.giving, eot.echo)
 
-    def on_close(self, conn: ServerFlow, reason: str) -> None:
-        if self.giving is not None and not self.giving.closed:
-            self.giving.closed = True
-            self.backlog.detach(self.giving, reason)
+    def on_close(self, conn: ServerFlow | ClientFlow, reason: str) -> None:
+        g, self.giving = self.giving, None
+        if g is not None and not g.closed:
+            g.closed = True
+            self.backlog.detach(g, reason)
