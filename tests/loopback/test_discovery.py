@@ -8,11 +8,14 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 from tests.support import wait_until
-from zio_spark.transport.discovery import GroupWatcher, advertise
+from zio_spark.errors import ConfigError, TransportError
+from zio_spark.options import ZreOptions
+from zio_spark.transport.discovery import GroupWatcher, NodeCache, advertise, resolve_targets
 from zio_spark.transport.zre_node import ZreNode
 
 BROADCAST = "127.255.255.255"
@@ -30,8 +33,10 @@ def group() -> Iterator[tuple[str, int, list[ZreNode]]]:
     ``flow`` (DEALER, nothing to connect to)."""
     beacon = _free_udp_port()
     kw = {"beacon_port": beacon, "broadcast": BROADCAST, "interface_addr": "127.0.0.1"}
+    zre = ZreOptions("daq", beacon_port=beacon, broadcast=BROADCAST, interface="127.0.0.1")
     nodes = [
-        advertise("daq", "tcp://127.0.0.1:41111", "ROUTER", port_name="out", interval=0.1, **kw),
+        # The settings as one ZreOptions, or (the earlier form) as keywords.
+        advertise(replace(zre, interval=0.1), "tcp://127.0.0.1:41111", "ROUTER", port_name="out"),
         advertise("daq", "tcp://127.0.0.1:42222", "DEALER", interval=0.1, **kw),
     ]
     yield "daq", beacon, nodes
@@ -41,14 +46,10 @@ def group() -> Iterator[tuple[str, int, list[ZreNode]]]:
 
 def _watch(beacon: int, port_name: str | None, added: list, removed: list) -> GroupWatcher:
     return GroupWatcher(
-        "daq",
+        ZreOptions("daq", beacon_port=beacon, broadcast=BROADCAST, interface="127.0.0.1"),
         lambda ep, mode: added.append((ep, mode)),
         removed.append,
         port_name=port_name,
-        beacon_port=beacon,
-        broadcast=BROADCAST,
-        interface_addr="127.0.0.1",
-        interval=0.1,
         poll=0.05,
     ).start()
 
@@ -87,3 +88,40 @@ def test_group_port_narrows_to_one_name(group):
     finally:
         w.stop()
     assert added == []
+
+
+def test_a_settings_keyword_beside_zre_options_is_refused():
+    with pytest.raises(ConfigError, match="interval"):
+        advertise(ZreOptions("daq"), "tcp://127.0.0.1:41111", "ROUTER", interval=0.5)
+    with pytest.raises(ConfigError, match="beacon_port"):
+        GroupWatcher(ZreOptions("daq"), print, print, beacon_port=5670)
+
+
+def test_resolve_targets_lists_the_flow_ports_sorted_through_one_cached_node(group):
+    """The ``flow`` ports of the group (not ``out``), sorted, each with its mode; the
+    cache keeps one running node per group and settings; a group with none fails naming
+    the group."""
+    _, beacon, _ = group
+    nodes = NodeCache()
+    zre = ZreOptions(
+        "daq", beacon_port=beacon, broadcast=BROADCAST, interface="127.0.0.1", interval=0.1
+    )
+    server = advertise(zre, "tcp://127.0.0.1:43333", "ROUTER")
+    want = (("tcp://127.0.0.1:42222", "routerdealer"), ("tcp://127.0.0.1:43333", "routerdealer"))
+    try:
+        wait_until(
+            lambda: resolve_targets(nodes, zre, requested_mode=None, timeout=15.0) == want,
+            what="both flow ports",
+            timeout=15.0,
+        )
+        # Another interval is the same node (the first caller's interval wins).
+        again = resolve_targets(nodes, replace(zre, interval=0.5), requested_mode=None, timeout=5)
+        assert again == want and len(nodes) == 1
+        other = replace(zre, group="nobody-home")
+        with pytest.raises(TransportError, match=r"group 'nobody-home'.*within 0.3 s"):
+            resolve_targets(nodes, other, requested_mode=None, timeout=0.3)
+        assert len(nodes) == 2
+    finally:
+        server.stop()
+        nodes.stop()
+    assert len(nodes) == 0

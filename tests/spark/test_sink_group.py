@@ -19,7 +19,7 @@ from tests.support import wait_until
 from zio_spark.errors import TransportError
 from zio_spark.sink.consumer import Consumer
 from zio_spark.spark import sink as sink_mod
-from zio_spark.spark.sink import SinkColumns, ZioStreamWriter, resolve_targets, sink_options
+from zio_spark.spark.sink import SinkColumns, ZioStreamWriter, sink_options
 
 ROWS = 400  # per micro-batch
 
@@ -55,7 +55,7 @@ def driver_nodes() -> Iterator[None]:
     try:
         yield
     finally:
-        sink_mod._stop_nodes()
+        sink_mod.driver().stop()
 
 
 def _group_opts(port: int, group: str = "sinks", timeout: str = "10s") -> dict[str, str]:
@@ -73,13 +73,13 @@ def test_group_resolves_sorted_consumers_and_spreads_partitions(consumers, port,
     want = sorted(c.endpoint for c in consumers)
 
     def both() -> Any:
-        t = resolve_targets(opts)
+        t = sink_mod.driver().targets(opts)
         return t if [e for e, _ in t] == want else None
 
     targets = wait_until(both, 20, "both consumers discovered")
     assert all(mode == "routerdealer" for _, mode in targets)
     w = ZioStreamWriter(opts, SinkColumns("value"))  # reuses the cached node
-    assert len(sink_mod._NODES) == 1
+    assert len(sink_mod.driver().nodes) == 1
     assert w.targets == targets
     assert [sink_mod._target_of(w.targets, p)[0] for p in range(4)] == want * 2
 
@@ -144,11 +144,11 @@ def test_batch_write_to_group_spreads_partitions(spark, consumers, port):
     want = sorted(c.endpoint for c in consumers)
     # Discovery in this process first, so the writer (in a Spark worker) has peers to hear.
     wait_until(
-        lambda: [e for e, _ in resolve_targets(sink_options(_group_opts(port)))] == want,
+        lambda: [e for e, _ in sink_mod.driver().targets(sink_options(_group_opts(port)))] == want,
         20,
         "both consumers advertised",
     )
-    sink_mod._stop_nodes()
+    sink_mod.driver().stop()
     df = spark.range(0, 1000, numPartitions=4).selectExpr("cast(id as string) as value")
     w = df.write.format("zio").mode("append")
     for k, v in {**_group_opts(port), "stream": "b"}.items():

@@ -14,7 +14,8 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
    An empty partition opens no flow (its message says 0 rows). No credit or no answer
    within ``connectTimeout`` fails the task with a
    :class:`~zio_spark.errors.TransportError` naming the endpoint.
-2. **Driver** (:meth:`commit`/:meth:`abort`): one control flow per consumer, its BOT
+2. **Driver** (:meth:`commit`/:meth:`abort`, run by
+   :class:`~zio_spark.sink.driver.SinkDriver`): one control flow per consumer, its BOT
    carrying ``command``, ``partitions: [[partition, attempt, rows], ...]`` and the
    query id; the consumer replies with an EOT (a rejection, used as the reply) carrying
    ``result``. ``commit`` raises on ``error`` or no reply, so Spark fails the query
@@ -28,15 +29,16 @@ Protocol (the consumer's side, with the on-disk layout and crash repair, is in
    taker would take it for a new flow (and a reference server would end the flow in
    progress for it). What an endpoint is, the tasks' messages tell (a flow's EOT echo
    carries ``rows`` from a consumer only); this driver process remembers it across
-   batches. An endpoint that no flow of this process has reached yet (every partition
-   towards it was empty) gets no command: an all-empty batch is then not recorded
-   there, which loses nothing (it published nothing).
+   batches (:func:`driver`). An endpoint that no flow of this process has reached yet
+   (every partition towards it was empty) gets no command: an all-empty batch is then
+   not recorded there, which loses nothing (it published nothing).
 
 Group targets (option ``group`` instead of ``endpoint``): the writer object, made on the
 driver, resolves the consumers advertised in the ZRE group (port ``flow``, see
 :meth:`Consumer.advertise <zio_spark.sink.consumer.Consumer.advertise>`) through one
 :class:`~zio_spark.transport.zre_node.ZreNode` per (group, beacon port, broadcast,
-interface), cached in the driver's Python worker and reused across micro-batches. It
+interface), cached in the driver's Python worker and reused across micro-batches
+(:func:`~zio_spark.transport.discovery.resolve_targets`). It
 waits up to ``connectTimeout`` for at least one (a fresh node first listens for about
 two beacon intervals, so it does not settle for the first consumer it hears), sorts the
 endpoints and keeps that list: partition ``p`` goes to ``endpoints[p % n]``. The list
@@ -94,10 +96,8 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -110,14 +110,13 @@ from pyspark.sql.types import StructType
 
 from zio_spark.codec.records import encode_payload
 from zio_spark.codec.schema import SINK_SCHEMA
-from zio_spark.errors import ConfigError, InputColumnsError, TransportError, ZioSparkError
-from zio_spark.options import SinkOptions, ZreOptions, parse_sink_options
+from zio_spark.errors import InputColumnsError, ZioSparkError
+from zio_spark.options import SinkOptions, parse_sink_options
 from zio_spark.protocol.sink import BatchId
-from zio_spark.sink.client import StagingWriter, send_command
+from zio_spark.sink.client import StagingWriter
+from zio_spark.sink.driver import SinkDriver, configured_mode
 from zio_spark.spark import compat
-from zio_spark.transport.discovery import FLOW_PORT
-from zio_spark.transport.port import choose_mode
-from zio_spark.transport.zre_node import ZreNode
+from zio_spark.transport.discovery import Target
 
 __all__ = [
     "MAX_BYTES_PER_DAT",
@@ -126,7 +125,7 @@ __all__ = [
     "ZioBatchWriter",
     "ZioCommitMessage",
     "ZioStreamWriter",
-    "resolve_targets",
+    "driver",
     "sink_columns",
     "sink_options",
 ]
@@ -222,107 +221,25 @@ def sink_options(raw: Mapping[str, str]) -> SinkOptions:
     return parse_sink_options({k: v for k, v in raw.items() if k.lower() not in _SPARK_OWNED})
 
 
-def _curve(opts: SinkOptions) -> tuple[bytes, bytes, bytes] | None:
-    c = opts.curve
-    return None if c is None else (c.server_key, c.public_key, c.secret_key)
+# ----------------------------------------------------------------------------- driver
+
+_DRIVER: SinkDriver | None = None
+_DRIVER_LOCK = threading.Lock()
 
 
-def _mode(opts: SinkOptions) -> str | None:
-    return None if opts.socket == "auto" else opts.socket
+def driver() -> SinkDriver:
+    """This process's :class:`~zio_spark.sink.driver.SinkDriver`, made on first use.
 
-
-# ---------------------------------------------------------------------------- targets
-
-Target = tuple[str, str | None]
-"""(consumer endpoint, socket mode or None for the configured ``socket`` option)."""
-
-_NodeKey = tuple[str, int, str, str | None]
-_NODES: dict[_NodeKey, ZreNode] = {}
-_NODES_LOCK = threading.Lock()
-_POLL = 0.05
-
-
-def _stop_nodes() -> None:
-    with _NODES_LOCK:
-        nodes = list(_NODES.values())
-        _NODES.clear()
-    for node in nodes:
-        try:
-            node.stop(timeout=1.0)
-        except Exception:  # pragma: no cover - best effort at interpreter exit
-            log.debug("zio sink: stopping a ZRE node failed", exc_info=True)
-
-
-def _group_node(z: ZreOptions) -> tuple[ZreNode, bool]:
-    """The cached ZRE node of this group (started on first use); (node, freshly made).
-
-    One node per (group, beacon port, broadcast, interface) in this process; the beacon
-    interval of the first writer to ask wins.
+    Spark makes a new writer for every micro-batch and runs commit/abort on another, in
+    a reused Python worker: what must outlive a batch (which endpoints are consumers,
+    the ZRE nodes of group targets) lives in this one object, whose nodes stop at exit.
     """
-    key = (z.group, z.beacon_port, z.broadcast, z.interface)
-    with _NODES_LOCK:
-        node = _NODES.get(key)
-        if node is not None and node.running:
-            return node, False
-        if not _NODES:
-            atexit.register(_stop_nodes)
-        node = ZreNode(
-            beacon_port=z.beacon_port,
-            broadcast=z.broadcast,
-            interface_addr=z.interface,
-            interval=z.interval,
-        )
-        node.join(z.group)
-        node.start()
-        _NODES[key] = node
-        return node, True
-
-
-def resolve_targets(opts: SinkOptions) -> tuple[Target, ...]:
-    """The consumers this writer sends to, sorted by endpoint (driver side).
-
-    With ``endpoint``: that one. With ``group``: the flow ports advertised in the ZRE
-    group, each with the socket mode its advertised socket type needs; waits up to
-    ``connectTimeout`` for at least one.
-
-    Raises
-    ------
-    TransportError
-        No usable consumer is advertised in the group within ``connectTimeout`` (the
-        message names the group, and any consumer refused for its socket type).
-    """
-    z = opts.zre
-    if z is None:
-        if opts.endpoint is None:  # pragma: no cover - parse_sink_options ensures one
-            raise ConfigError("endpoint", None, "an 'endpoint' or a 'group'")
-        return ((opts.endpoint, _mode(opts)),)
-    node, fresh = _group_node(z)
-    start = time.monotonic()
-    deadline = start + opts.connect_timeout
-    # A fresh node has heard nobody yet: listen a little, so that the first batch
-    # does not go all to whichever consumer answered first.
-    settle = start + 2 * z.interval if fresh else start
-    refused: dict[str, str] = {}
-    while True:
-        found: dict[str, str | None] = {}
-        for ep in node.zio_endpoints(z.group, port=FLOW_PORT):
-            try:
-                found[ep.address] = choose_mode(_mode(opts), ep.socket, option="socket").value
-            except ZioSparkError as e:
-                if ep.address not in refused:
-                    log.warning("zio sink: not writing to %s (%s): %s", ep.address, ep.socket, e)
-                refused[ep.address] = str(e)
-        now = time.monotonic()
-        if (found and now >= settle) or now >= deadline:
-            break
-        time.sleep(min(_POLL, max(0.0, deadline - now)))
-    if not found:
-        why = "".join(f"; refused {a}: {r}" for a, r in sorted(refused.items()))
-        raise TransportError(
-            f"no consumer advertised a {FLOW_PORT!r} port in ZRE group {z.group!r} "
-            f"(beacon port {z.beacon_port}) within {opts.connect_timeout:g} s{why}"
-        )
-    return tuple(sorted(found.items()))
+    global _DRIVER
+    with _DRIVER_LOCK:
+        if _DRIVER is None:
+            _DRIVER = SinkDriver()
+            atexit.register(_DRIVER.stop)
+        return _DRIVER
 
 
 def _target_of(targets: Sequence[Target], partition: int) -> Target:
@@ -440,7 +357,7 @@ def write_partition(
     if target is None:
         if opts.endpoint is None:
             raise ZioSparkError("write_partition needs a target with a 'group' sink")
-        target = (opts.endpoint, _mode(opts))
+        target = (opts.endpoint, configured_mode(opts))
     endpoint, mode = target
     it = iter(batches)
     first: pa.RecordBatch | None = None
@@ -463,7 +380,7 @@ def write_partition(
         credit=opts.credit,
         timeout=opts.connect_timeout,
         mode=mode,
-        curve=_curve(opts),
+        curve=opts.curve,
         extra=extra,
     )
     try:
@@ -516,141 +433,12 @@ def _send_records(w: StagingWriter, batch: pa.RecordBatch) -> None:
         w.write_values(run)
 
 
-# ----------------------------------------------------------------------- driver side
-
-
-# What this (driver) process has learned of each endpoint from task messages: True for
-# a plain ZIO taker, False for a zio-spark consumer. Only a partition with rows opens a
-# flow, so a batch whose partitions towards an endpoint are all empty says nothing.
-_KNOWN: dict[str, bool] = {}
-_KNOWN_LOCK = threading.Lock()
-
-
-@dataclass
-class _Endpoint:
-    plain: bool | None  # a plain ZIO taker; None: not known (no flow told yet)
-    query: str | None
-    mode: str | None
-    parts: list[tuple[int, int, int]]
-
-
-def _endpoints(messages: Sequence[Any], opts: SinkOptions) -> dict[str, _Endpoint]:
-    """What the messages (and earlier batches' messages) say about each endpoint they
-    name."""
-    seen: dict[str, list[ZioCommitMessage]] = {}
-    for m in messages:
-        if isinstance(m, ZioCommitMessage):
-            seen.setdefault(m.endpoint, []).append(m)
-    out: dict[str, _Endpoint] = {}
-    for ep, ms in seen.items():
-        # Empty partitions opened no flow, so only a message with rows can tell.
-        plain: bool | None = None
-        if any(m.rows and not m.plain for m in ms):
-            plain = False
-        elif any(m.plain for m in ms):
-            plain = True
-        query = next((m.query for m in ms if m.query is not None), None)
-        mode = next((m.mode for m in ms if m.mode is not None), _mode(opts))
-        parts = sorted((m.partition, m.attempt, m.rows) for m in ms)
-        out[ep] = _Endpoint(_learn(ep, plain), query, mode, parts)
-    return out
-
-
-def _learn(endpoint: str, plain: bool | None) -> bool | None:
-    """Record what a batch told of ``endpoint``; returns what is known of it."""
-    with _KNOWN_LOCK:
-        if plain is None:
-            return _KNOWN.get(endpoint)
-        _KNOWN[endpoint] = plain
-        return plain
-
-
-def _why_not(endpoint: str, plain: bool | None) -> str:
-    if plain:
-        return f"{endpoint} is a plain ZIO taker (nothing staged there)"
-    return (
-        f"no flow of this batch reached {endpoint} (its partitions were empty) and it is "
-        "not known to be a zio-spark consumer (a plain ZIO taker would take the "
-        "command's BOT for a new flow)"
-    )
-
-
-def commit_batch(opts: SinkOptions, messages: Sequence[Any], batch: BatchId) -> None:
-    """Tell each consumer to publish the staged partitions of ``batch``.
-
-    The consumers are the ones the messages name (each partition's, empty ones
-    included) and, with an explicit ``endpoint``, that one even with no messages (it
-    records the batch id); each with the socket mode its messages name.
-
-    Raises
-    ------
-    CommandError
-        A consumer answered ``error`` (e.g. a partition is not staged).
-    TransportError
-        A consumer did not answer within ``connectTimeout``.
-    """
-    found = _endpoints(messages, opts)
-    if opts.endpoint is not None and opts.endpoint not in found:
-        found[opts.endpoint] = _Endpoint(_learn(opts.endpoint, None), None, _mode(opts), [])
-    if not found:
-        log.info("zio sink: batch %r has no partitions; nothing to commit", batch)
-    for ep, t in sorted(found.items()):
-        if t.plain is not False:
-            log.info("zio sink: batch %r not committed: %s", batch, _why_not(ep, t.plain))
-            continue
-        send_command(
-            ep,
-            "commit",
-            opts.stream,
-            batch,
-            t.parts,
-            query=t.query,
-            mode=t.mode,
-            curve=_curve(opts),
-            timeout=opts.connect_timeout,
-        )
-
-
-def abort_batch(
-    opts: SinkOptions,
-    messages: Sequence[Any],
-    batch: BatchId,
-    targets: Sequence[Target] = (),
-) -> None:
-    """Tell each consumer to discard the staging of ``batch``; best effort, never raises.
-
-    Goes to the endpoints the messages name, the ``endpoint`` option and ``targets``
-    (messages of failed tasks are None, so they cannot be relied on), each only if it is
-    known to be a zio-spark consumer (from this batch's messages or an earlier batch's):
-    a plain ZIO taker would take the command's BOT for a new flow, and a reference
-    server would end the flow in progress for it.
-    """
-    found = _endpoints(messages, opts)
-    modes: dict[str, str | None] = {ep: t.mode for ep, t in found.items()}
-    for ep, mode in targets:
-        modes.setdefault(ep, mode)
-    if opts.endpoint is not None:
-        modes.setdefault(opts.endpoint, _mode(opts))
-    for ep, mode in sorted(modes.items()):
-        plain = found[ep].plain if ep in found else _learn(ep, None)
-        if plain is not False:
-            log.info("zio sink: no abort of batch %r sent: %s", batch, _why_not(ep, plain))
-            continue
-        try:
-            send_command(
-                ep,
-                "abort",
-                opts.stream,
-                batch,
-                mode=mode,
-                curve=_curve(opts),
-                timeout=min(opts.connect_timeout, 10.0),
-            )
-        except ZioSparkError as e:
-            log.warning("zio sink: abort of batch %r at %s failed: %s", batch, ep, e)
-
-
 # --------------------------------------------------------------------------- writers
+
+
+def _reports(messages: Sequence[WriterCommitMessage | None]) -> list[ZioCommitMessage]:
+    """The tasks' reports among Spark's commit messages (a failed task's is None)."""
+    return [m for m in messages if isinstance(m, ZioCommitMessage)]
 
 
 # Spark 4.1+ has DataSourceStreamArrowWriter. Spark 4.0 has not, but its write path checks
@@ -673,7 +461,7 @@ class ZioStreamWriter(*_STREAM_WRITER_BASES):  # type: ignore[misc]
     def __init__(self, opts: SinkOptions, cols: SinkColumns) -> None:
         self.opts = opts
         self.cols = cols
-        self.targets = resolve_targets(opts)
+        self.targets = driver().targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
         partition, attempt, batch_text, query = _task_ids()
@@ -691,10 +479,10 @@ class ZioStreamWriter(*_STREAM_WRITER_BASES):  # type: ignore[misc]
         )
 
     def commit(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
-        commit_batch(self.opts, messages, batchId)
+        driver().commit(self.opts, _reports(messages), batchId)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None], batchId: int) -> None:
-        abort_batch(self.opts, messages, batchId, self.targets)
+        driver().abort(self.opts, _reports(messages), batchId, self.targets)
 
 
 class ZioBatchWriter(DataSourceArrowWriter):  # type: ignore[misc]
@@ -704,7 +492,7 @@ class ZioBatchWriter(DataSourceArrowWriter):  # type: ignore[misc]
         self.opts = opts
         self.cols = cols
         self.batch_id = batch_id
-        self.targets = resolve_targets(opts)
+        self.targets = driver().targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
         partition, attempt, _, _ = _task_ids()
@@ -720,7 +508,7 @@ class ZioBatchWriter(DataSourceArrowWriter):  # type: ignore[misc]
         )
 
     def commit(self, messages: Sequence[WriterCommitMessage | None]) -> None:
-        commit_batch(self.opts, messages, self.batch_id)
+        driver().commit(self.opts, _reports(messages), self.batch_id)
 
     def abort(self, messages: Sequence[WriterCommitMessage | None]) -> None:
-        abort_batch(self.opts, messages, self.batch_id, self.targets)
+        driver().abort(self.opts, _reports(messages), self.batch_id, self.targets)

@@ -4,7 +4,9 @@ A producer (or consumer) joins a ZRE group and advertises its flow port in the h
 ``zio.port.<name>.address`` / ``.socket`` (specs/zio-wire.md, "Discovery convention").
 A :class:`GroupWatcher` follows a group and tells a callback which flow endpoints appeared
 and which left, with the socket mode each needs (from the advertised socket type, never
-a guess: see :func:`~zio_spark.transport.port.choose_mode`).
+a guess: see :func:`~zio_spark.transport.port.choose_mode`). :func:`resolve_targets`
+lists a group's flow ports once (the sink's driver, which spreads a batch over them),
+through a :class:`NodeCache` that keeps one running node per group and ZRE settings.
 
 Cloud networks usually block UDP broadcast: there, use explicit endpoints instead.
 """
@@ -13,12 +15,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
+from zio_spark.errors import ConfigError, TransportError, ZioSparkError
+from zio_spark.options import ZreOptions
 from zio_spark.transport.port import choose_mode
 from zio_spark.transport.zre_node import ZreNode
 
-__all__ = ["FLOW_PORT", "GroupWatcher", "advertise"]
+__all__ = ["FLOW_PORT", "GroupWatcher", "NodeCache", "Target", "advertise", "resolve_targets"]
 
 log = logging.getLogger("zio_spark.transport")
 
@@ -34,25 +39,31 @@ def _connectable(endpoint: str, host: str) -> str:
     return endpoint
 
 
-def advertise(
-    group: str,
-    endpoint: str,
-    socket_type: str,
-    *,
-    name: str | None = None,
-    port_name: str = FLOW_PORT,
-    beacon_port: int = 5670,
-    broadcast: str | None = None,
-    interface_addr: str | None = None,
-    interval: float = 1.0,
-) -> ZreNode:
-    """Start a ZRE node in ``group`` advertising ``endpoint``; the caller stops it.
+def _node(
+    group: str | ZreOptions,
+    name: str | None,
+    beacon_port: int | None,
+    broadcast: str | None,
+    interface_addr: str | None,
+    interval: float | None,
+) -> tuple[ZreNode, str]:
+    """A (not started) node that joins ``group``, and the group's name.
 
-    Raises
-    ------
-    ConfigError, TransportError
-        As :class:`~zio_spark.transport.zre_node.ZreNode`.
+    ``group`` is a :class:`~zio_spark.options.ZreOptions` (the settings travel with it),
+    or a group name with the settings as keywords (the earlier form, still accepted).
     """
+    if isinstance(group, ZreOptions):
+        given = {
+            "beacon_port": beacon_port,
+            "broadcast": broadcast,
+            "interface_addr": interface_addr,
+            "interval": interval,
+        }
+        both = [k for k, v in given.items() if v is not None]
+        if both:
+            raise ConfigError(both[0], given[both[0]], "either a ZreOptions or this keyword")
+        node = ZreNode(name, zre=group)
+        return node, group.group
     node = ZreNode(
         name,
         beacon_port=beacon_port,
@@ -60,14 +71,45 @@ def advertise(
         interface_addr=interface_addr,
         interval=interval,
     )
-    node.advertise_port(port_name, _connectable(endpoint, node.interface_addr), socket_type)
     node.join(group)
+    return node, group
+
+
+def advertise(
+    group: str | ZreOptions,
+    endpoint: str,
+    socket_type: str,
+    *,
+    name: str | None = None,
+    port_name: str = FLOW_PORT,
+    beacon_port: int | None = None,
+    broadcast: str | None = None,
+    interface_addr: str | None = None,
+    interval: float | None = None,
+) -> ZreNode:
+    """Start a ZRE node in ``group`` advertising ``endpoint``; the caller stops it.
+
+    ``group`` is a :class:`~zio_spark.options.ZreOptions`, or (earlier form) a group
+    name with ``beacon_port``, ``broadcast``, ``interface_addr`` and ``interval``
+    (defaults: port 5670, ``$ZIO_ZRE_BROADCAST`` or 255.255.255.255, the interface that
+    routes there, 1 s).
+
+    Raises
+    ------
+    ConfigError, TransportError
+        As :class:`~zio_spark.transport.zre_node.ZreNode`; ConfigError also names a
+        settings keyword given beside a ``ZreOptions``.
+    """
+    node, _ = _node(group, name, beacon_port, broadcast, interface_addr, interval)
+    node.advertise_port(port_name, _connectable(endpoint, node.interface_addr), socket_type)
     node.start()
     return node
 
 
 class GroupWatcher:
-    """Follow the flow ports advertised in ``group``.
+    """Follow the flow ports advertised in ``group`` (a
+    :class:`~zio_spark.options.ZreOptions`, or a name with the settings as keywords, as
+    for :func:`advertise`).
 
     ``on_add(endpoint, mode)`` and ``on_remove(endpoint)`` run in the watcher's thread.
     ``port_name`` narrows it to ports of that name (``zio.port.<name>.*``); None follows
@@ -77,31 +119,24 @@ class GroupWatcher:
 
     def __init__(
         self,
-        group: str,
+        group: str | ZreOptions,
         on_add: Callable[[str, str], None],
         on_remove: Callable[[str], None],
         *,
         requested_mode: str | None = None,
         port_name: str | None = FLOW_PORT,
-        beacon_port: int = 5670,
+        beacon_port: int | None = None,
         broadcast: str | None = None,
         interface_addr: str | None = None,
-        interval: float = 1.0,
+        interval: float | None = None,
         poll: float = 0.2,
     ) -> None:
-        self.group = group
         self.on_add = on_add
         self.on_remove = on_remove
         self.requested_mode = requested_mode
         self.port_name = port_name
         self.poll = poll
-        self.node = ZreNode(
-            beacon_port=beacon_port,
-            broadcast=broadcast,
-            interface_addr=interface_addr,
-            interval=interval,
-        )
-        self.node.join(group)
+        self.node, self.group = _node(group, None, beacon_port, broadcast, interface_addr, interval)
         self.known: dict[str, str] = {}
         self.refused: dict[str, str] = {}
         self._stop = threading.Event()
@@ -153,3 +188,92 @@ class GroupWatcher:
                 self.sync()
             except Exception:
                 log.exception("discovery: sync failed")
+
+
+Target = tuple[str, str | None]
+"""(consumer endpoint, socket mode; None: the configured ``socket`` option)."""
+
+
+class NodeCache:
+    """Running ZRE nodes shared by one process's callers of :func:`resolve_targets`: one
+    per (group, beacon port, broadcast, interface), started on first use; the beacon
+    interval of the first caller wins. A node that stopped is replaced."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[str, int, str, str | None], ZreNode] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._nodes)
+
+    def node(self, zre: ZreOptions) -> tuple[ZreNode, bool]:
+        """The running node of ``zre``'s group and settings: (node, freshly started)."""
+        key = (zre.group, zre.beacon_port, zre.broadcast, zre.interface)
+        with self._lock:
+            node = self._nodes.get(key)
+            if node is not None and node.running:
+                return node, False
+            node = ZreNode(zre=zre)
+            node.start()
+            self._nodes[key] = node
+            return node, True
+
+    def stop(self) -> None:
+        """Stop every node (best effort: a node that does not stop is logged)."""
+        with self._lock:
+            nodes = list(self._nodes.values())
+            self._nodes.clear()
+        for node in nodes:
+            try:
+                node.stop(timeout=1.0)
+            except Exception:  # pragma: no cover - best effort at interpreter exit
+                log.debug("discovery: stopping a ZRE node failed", exc_info=True)
+
+
+def resolve_targets(
+    nodes: NodeCache,
+    zre: ZreOptions,
+    *,
+    requested_mode: str | None,
+    timeout: float,
+    port_name: str = FLOW_PORT,
+    poll: float = 0.05,
+) -> tuple[Target, ...]:
+    """The ``port_name`` ports advertised in ``zre.group``, sorted by endpoint, each with
+    the socket mode its advertised socket type needs (with ``requested_mode``).
+
+    Waits up to ``timeout`` s for at least one. A freshly started node first listens for
+    two beacon intervals, so the list is not just whichever member answered first.
+
+    Raises
+    ------
+    TransportError
+        No usable port is advertised within ``timeout`` (the message names the group,
+        the beacon port, and each port refused for its socket type).
+    """
+    node, fresh = nodes.node(zre)
+    start = time.monotonic()
+    deadline = start + timeout
+    settle = start + 2 * zre.interval if fresh else start
+    refused: dict[str, str] = {}
+    while True:
+        found: dict[str, str | None] = {}
+        for ep in node.zio_endpoints(zre.group, port=port_name):
+            try:
+                found[ep.address] = choose_mode(requested_mode, ep.socket, option="socket").value
+            except ZioSparkError as e:
+                if ep.address not in refused:
+                    log.warning("discovery: not sending to %s (%s): %s", ep.address, ep.socket, e)
+                refused[ep.address] = str(e)
+        now = time.monotonic()
+        if (found and now >= settle) or now >= deadline:
+            break
+        time.sleep(min(poll, max(0.0, deadline - now)))  # polls the node's peer table
+    if not found:
+        why = "".join(f"; refused {a}: {r}" for a, r in sorted(refused.items()))
+        raise TransportError(
+            f"no consumer advertised a {port_name!r} port in ZRE group {zre.group!r} "
+            f"(beacon port {zre.beacon_port}) within {timeout:g} s{why}"
+        )
+    return tuple(sorted(found.items()))
