@@ -1,6 +1,7 @@
 """Remote spool access: executors that cannot see the spool fetch segment ranges over zmq.
 
-The runner exposes a :class:`SegmentServer` (a ROUTER in a thread). A request is
+The runner exposes a :class:`SegmentServer` (a ROUTER in a thread running a
+:class:`~zio_spark.transport.loop.Loop`, woken at once to stop). A request is
 ``[b"READ", producer, start, end]`` (ASCII decimals); the answer is a stream of
 ``[b"BATCH", <Arrow IPC stream bytes>]`` messages closed by ``[b"END"]``, or a single
 ``[b"ERR", kind, text]`` where ``kind`` is ``missing`` (a :class:`DataLossError`) or
@@ -24,7 +25,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -34,6 +35,7 @@ import zmq.utils.monitor
 from zio_spark.errors import DataLossError, RemoteProtocolError, TransportError
 from zio_spark.storage.spool import read_sealed
 from zio_spark.transport.curve import CurveAuthenticator, start_authenticator
+from zio_spark.transport.loop import Loop
 
 __all__ = ["SegmentKeys", "SegmentServer", "driver_host", "fetch_range"]
 
@@ -44,10 +46,13 @@ def _ipc(batch: pa.RecordBatch) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
-    return sink.getvalue().to_pybytes()
+    data: bytes = sink.getvalue().to_pybytes()
+    return data
 
 
 _LOOPBACK = "127.0.0.1"
+_IDLE_WAIT = 1.0  # seconds: the longest poll (a request or stop() wakes it at once)
+_REQUESTS_PER_TURN = 100
 
 
 def _spark_conf_value(key: str, env: Mapping[str, str]) -> tuple[str, str] | None:
@@ -200,14 +205,17 @@ class SegmentServer:
         self.endpoint: str = f"tcp://{advertised}:{port}"
         self.requests = 0
         self.bad_requests = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="zio-segments", daemon=True)
+        # No timer: the poll waits for a request or for stop()'s wake-up.
+        self._loop = Loop(tick=_IDLE_WAIT, name="zio-segments")
+        self._loop.add(self)
+        self._thread = threading.Thread(target=self._loop.run, name="zio-segments", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._loop.stop()
         self._thread.join(5)
         if not self._thread.is_alive():
+            self._loop.close()
             self._close()
 
     def _close(self) -> None:
@@ -218,12 +226,23 @@ class SegmentServer:
             self._auth = None
         self.ctx.term()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.sock.poll(100):
-                continue
-            frames = self.sock.recv_multipart()
+    # -- the loop's part (server thread) --------------------------------------------------
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self.sock]
+
+    def process(self, ready: Collection[object], now: float) -> None:
+        if self.sock not in ready:
+            return
+        for _ in range(_REQUESTS_PER_TURN):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             self._serve(frames)
+
+    def tick(self, now: float) -> float | None:
+        return None
 
     def _serve(self, frames: list[bytes]) -> None:
         ident, req = frames[0], frames[1:]
@@ -278,7 +297,7 @@ def fetch_range(
         On timeout, a refused CURVE handshake (keys of another run) or a malformed answer.
     """
     _require_curve()
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
