@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from zio_spark.errors import LocalProtocolError, ProtocolError, TransportError
+from zio_spark.protocol.credit import AutoPay
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
@@ -34,6 +35,8 @@ from zio_spark.protocol.message import DatCodec, Message
 from zio_spark.transport.port import BadMessage
 
 __all__ = ["Channel", "FlowEndpoint", "FlowRejected"]
+
+_AUTO_PAY = AutoPay()  # a taker's default credit rule (get/get_many with auto_pay)
 
 
 class Channel(Protocol):
@@ -292,6 +295,11 @@ class FlowEndpoint:
         """Taker: hand out ``amount`` credits (default all held), with extra attributes."""
         self.channel.send(self.flow.pay(amount, attrs))
 
+    def _auto_pay(self) -> None:
+        n = _AUTO_PAY.to_pay(self.flow.credit)  # the reference's rule: all held
+        if n > 0:
+            self.pay(n)
+
     def get(self, timeout: float | None = 30.0, *, auto_pay: bool = True) -> Data | None:
         """Taker: the next DAT, or None if the peer sent EOT (answer with :meth:`send_eot`).
 
@@ -307,8 +315,8 @@ class FlowEndpoint:
             return None
         if self.flow.is_giver:
             raise LocalProtocolError("get() on a giver; use put()", field="direction")
-        if auto_pay and self.flow.credit > 0:
-            self.pay()
+        if auto_pay:
+            self._auto_pay()
         event = self._next(_deadline(timeout), "a DAT", timeout)
         if isinstance(event, Data):
             return event
@@ -339,8 +347,8 @@ class FlowEndpoint:
         self._raise_deferred()
         if self.flow.is_giver:
             raise LocalProtocolError("get_many() on a giver; use put()", field="direction")
-        if auto_pay and self.flow.credit > 0:
-            self.pay()
+        if auto_pay:
+            self._auto_pay()
         msgs: list[Message | BadMessage]
         if self._backlog:  # left over by the previous call
             msgs = [self._backlog.popleft() for _ in range(min(max_n, len(self._backlog)))]
