@@ -160,18 +160,13 @@ def _inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> _Inlet:
     if opts.zre is not None:
         from zio_spark.transport.discovery import GroupWatcher
 
-        z = opts.zre
         try:
             watcher = GroupWatcher(
-                z.group,
+                opts.zre,
                 receiver.add_endpoint,
                 receiver.remove_endpoint,
                 requested_mode=mode,
                 port_name=opts.group_port,
-                beacon_port=z.beacon_port,
-                broadcast=z.broadcast,
-                interface_addr=z.interface,
-                interval=z.interval,
             ).start()
         except BaseException:
             receiver.stop()
