@@ -27,7 +27,7 @@ def run_produce(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from zio_spark.source.producer import Producer
+    from zio_spark.source.producer import DEFAULT_WINDOW, DEFAULT_WINDOW_BYTES, Producer
     from zio_spark.transport.port import PortKind
     from zio_spark.transport.wire import silent_peer_hint
 
@@ -42,11 +42,6 @@ def run_produce(args: argparse.Namespace) -> int:
     mode = socket_mode(args.socket)
     stop = Stop()
     payload = os.urandom(args.size) if args.random else b"x" * args.size
-    window: dict[str, int] = {}
-    if args.window is not None:
-        window["max_unacked"] = args.window
-    if args.window_mib is not None:
-        window["max_unacked_bytes"] = args.window_mib << 20
     prod = Producer(
         None if args.connect else args.bind or DEFAULT_BIND,
         connect=args.connect,
@@ -54,7 +49,10 @@ def run_produce(args: argparse.Namespace) -> int:
         producer_id=args.producer_id,
         stream=args.stream,
         batch=args.batch,
-        **window,
+        max_unacked=DEFAULT_WINDOW if args.window is None else args.window,
+        max_unacked_bytes=(
+            DEFAULT_WINDOW_BYTES if args.window_mib is None else args.window_mib << 20
+        ),
         # The command's own deadline reports a server that never answers.
         connect_timeout=args.timeout + 5.0,
     )
