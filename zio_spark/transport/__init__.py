@@ -8,8 +8,13 @@ Importing this package opens no socket: sockets exist only inside port objects.
 - :mod:`.port` -- server and client ports (a role holding a wire), with timeouts,
   bad-message accounting and optional CURVE security;
 - :mod:`.curve` -- CURVE keys, socket setup and the ZAP authenticator;
-- :mod:`.loop` -- the :class:`~.loop.Waker` every poll loop wakes up with;
-- :mod:`.flow_endpoint`, :mod:`.flow_server` -- one flow as a client, many as a server;
+- :mod:`.loop` -- the :class:`~.loop.Waker` every poll loop wakes up with, and
+  :class:`~.loop.Loop`, one poll loop driving many parts (flow servers and clients);
+- :mod:`.flow_server` -- many flows as a server, one handler each (own thread or inline);
+- :mod:`.flow_client` -- one reconnecting flow as a client, served by a handler (own
+  thread or inline);
+- :mod:`.flow_endpoint` -- one flow as a blocking endpoint (a Spark task's);
+- :mod:`.giver` -- the ack-capable giver, a handler for either engine;
 - :mod:`.zre_node` (with :mod:`.zre_io`), :mod:`.discovery` -- ZRE discovery.
 
 The names below are the port API, re-exported (``X as X``) so they are listed once.
