@@ -45,8 +45,9 @@ socket monitor saw: nothing listening, no BOT, or a failed ZMTP handshake -- soc
 that cannot talk, which fails the receiver (``error``) naming both kinds and the fix,
 instead of reconnecting in silence. A plain giver's EOT is final: reopening would make a
 reference server give its whole stream again. Producer ids learned from BOTs are
-persisted in the spool folder (``peers.json``) so ``resume`` is right after a runner
-restart too.
+kept by the spool (``peers.json``, :class:`~zio_spark.storage.spool_peers.SpoolPeers`)
+so ``resume`` is right after a runner restart too; what may be acked is the spool's too
+(:meth:`~zio_spark.storage.spool.Spool.ack_end`).
 
 A zio-spark producer states its position in its BOT reply (``last``, see
 :mod:`~zio_spark.protocol.negotiate`); the first one per producer is kept in
@@ -72,9 +73,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -107,7 +106,6 @@ from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
 from zio_spark.source.receiver_bound import BoundFlows
 from zio_spark.source.receiver_peers import DONE_KEPT, DRAIN_BATCH, Bound, Peer, PeerStatus, Pending
 from zio_spark.source.receiver_spool import SpoolWriting
-from zio_spark.storage.files import atomic_write
 from zio_spark.storage.spool import Spool
 from zio_spark.transport.curve import client_kwargs
 from zio_spark.transport.loop import Waker
@@ -195,9 +193,6 @@ class Receiver(BoundFlows, SpoolWriting):
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._committed: dict[str, int] = dict(spool.committed())
-        self._ids_path = os.path.join(str(spool.path), "peers.json")
-        self._known_ids: dict[str, str] = self._load_ids()
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
         self._pending: dict[str, Pending] = {}
@@ -221,11 +216,9 @@ class Receiver(BoundFlows, SpoolWriting):
         # When the loop last looked at its sockets (after a poll): a flow whose
         # ``last_data`` is older had nothing waiting since then.
         self.looked_at = self.started_at
-        # Plain givers whose flow is open (BOT exchanged, no EOT either way), persisted:
-        # a restart must not send a new BOT into a flow left open by a killed runner.
-        self._open_path = os.path.join(str(spool.path), "plain_flows.json")
-        self._left_open: dict[str, str] = self._load_open() if reconnect else {}
-        self._open_now: dict[str, str] = {}
+        # Plain givers whose flow is open (BOT exchanged, no EOT either way) are recorded
+        # by the spool (spool.peers): a restart must not send a new BOT into a flow left
+        # open by a killed runner. Producer ids per endpoint are kept there too.
         # Wakes the loop's poll at once for a queued call, a commit's ack or a stop.
         self._waker = Waker()
         self._ran = False
@@ -304,10 +297,7 @@ class Receiver(BoundFlows, SpoolWriting):
 
     def acknowledge(self, offsets: dict[str, int]) -> None:
         """Ack ``offsets`` to the producers without dropping anything from the spool."""
-        with self._lock:
-            for producer, end in offsets.items():
-                if end > self._committed.get(producer, 0):
-                    self._committed[producer] = end
+        self.spool.acknowledge(offsets)
         self._waker.wake()  # the ack goes on the loop's next turn, now
 
     def flush_acks(self, timeout: float = 5.0) -> bool:
@@ -324,7 +314,7 @@ class Receiver(BoundFlows, SpoolWriting):
                     and p.terms.ack
                     and p.flow is not None
                     and p.flow.state is FlowState.READY
-                    and p.acked < self._committed.get(p.producer, 1) - 1
+                    and p.acked < self.spool.ack_end(p.producer) - 1
                 ]
             if not pending:
                 return True
@@ -393,46 +383,15 @@ class Receiver(BoundFlows, SpoolWriting):
 
     # -- peers ---------------------------------------------------------------------------
 
-    def _load_ids(self) -> dict[str, str]:
-        try:
-            with open(self._ids_path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable %s: %s", self._ids_path, e)
-            return {}
-        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-    def _save_ids(self) -> None:
-        data = json.dumps(self._known_ids, sort_keys=True).encode("utf-8")
-        atomic_write(self._ids_path, data, sync=True, tmp=self._ids_path + ".tmp")
-
-    def _load_open(self) -> dict[str, str]:
-        try:
-            with open(self._open_path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            log.warning("ignoring unreadable %s: %s", self._open_path, e)
-            return {}
-        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-
-    def _save_open(self) -> None:
-        data = json.dumps(self._open_now, sort_keys=True).encode("utf-8")
-        atomic_write(self._open_path, data, sync=True, tmp=self._open_path + ".tmp")
-
     def _mark_open(self, peer: Peer, is_open: bool) -> None:
         """Persist whether a plain giver's flow is open (client flows of a streaming
         receiver: a batch read's spool is its own)."""
         if peer.bound is not None or not self.reconnect:
             return
         if is_open:
-            self._open_now[peer.endpoint] = peer.producer or peer.endpoint
-        elif self._open_now.pop(peer.endpoint, None) is None:
-            return
-        self._save_open()
+            self.spool.peers.mark_open(peer.endpoint, peer.producer or peer.endpoint)
+        else:
+            self.spool.peers.mark_closed(peer.endpoint)
 
     def _add(self, endpoint: str, mode: str | None = None) -> None:
         with self._lock:
@@ -440,7 +399,7 @@ class Receiver(BoundFlows, SpoolWriting):
                 return
             peer = Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
             self._peers[endpoint] = peer
-        if endpoint in self._left_open:
+        if self.reconnect and endpoint in self.spool.peers.left_open:
             # The previous runner's flow to this plain giver ended without an EOT (it was
             # killed): the giver may still hold that flow open, and a reference giver
             # dies on a new BOT mid-flow (or gives its stream again from the start).
@@ -449,9 +408,10 @@ class Receiver(BoundFlows, SpoolWriting):
                 "open (no EOT was sent or echoed: the runner was killed?); a plain ZIO giver "
                 "has no resume, and a new BOT would kill its open flow or make it give its "
                 "stream again from the start. Restart the giver, then delete "
-                f"{self._open_path} (or start over with a new spoolPath and checkpoint)"
+                f"{self.spool.peers.plain_flows_path} (or start over with a new spoolPath "
+                "and checkpoint)"
             )
-            self._open_now[endpoint] = self._left_open[endpoint]  # still open: keep it
+            self.spool.peers.keep_open(endpoint)  # still open: keep it
             self._unreachable(peer, why)
 
     def _remove(self, endpoint: str) -> None:
@@ -471,7 +431,7 @@ class Receiver(BoundFlows, SpoolWriting):
         monitor = port.socket.get_monitor_socket(_CLIENT_EVENTS)
         port.connect(peer.endpoint)
         flow = Flow(Role.CLIENT)
-        producer = peer.producer or self._known_ids.get(peer.endpoint)
+        producer = peer.producer or self.spool.peers.producer_of(peer.endpoint)
         resume = self.spool.next_seq(producer) - 1 if producer else 0
         # Our offer; the reply states what the giver does (see client_terms).
         attrs: dict[str, Any] = {
@@ -896,9 +856,8 @@ class Receiver(BoundFlows, SpoolWriting):
         )
         if terms.profile:
             self._on_state(peer, bot.attrs)
-        if self._known_ids.get(peer.endpoint) != peer.producer:
-            self._known_ids[peer.endpoint] = peer.producer  # type: ignore[assignment]
-            self._save_ids()
+        assert peer.producer is not None  # _start_flow named it
+        self.spool.peers.remember(peer.endpoint, peer.producer)
 
     def _start_flow(self, peer: Peer, producer: str, terms: Terms) -> None:
         peer.producer = producer
@@ -910,7 +869,7 @@ class Receiver(BoundFlows, SpoolWriting):
         st.producer, st.state = producer, "receiving"
         st.ack_capable, st.at_most_once = terms.ack, not terms.ack
         st.encoding = "arrow" if peer.arrow else "plain"
-        peer.acked = self._committed.get(producer, 1) - 1
+        peer.acked = self.spool.ack_end(producer) - 1
         peer.said_idle = st.idle = False
         st.flows += 1
         st.last_data = self.clock()
@@ -954,8 +913,7 @@ class Receiver(BoundFlows, SpoolWriting):
         assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
             return
-        committed = self._committed.get(peer.producer, 1)
-        ack = committed - 1
+        ack = self.spool.ack_end(peer.producer) - 1
         n = 0
         if flow.credit > 0:
             decided = self._credit_rule.pay(
@@ -971,6 +929,11 @@ class Receiver(BoundFlows, SpoolWriting):
                 self._held_now.add(peer.producer)
         # ``ack`` only to a giver that stated it keeps records for acks (pay_attrs).
         attrs = pay_attrs(peer.terms, ack, peer.acked)
+        if attrs is not None:
+            # Counted before the send: the giver may act on the ack (and a caller see
+            # it) before this thread goes on. A failed send fails the flow.
+            peer.acked = ack
+            self.stats["acks_sent"] += 1
         try:
             for credit, with_ack in pays(n, attrs, in_ones=peer.pay_one):
                 self._send(peer, flow.pay(credit, with_ack))
@@ -978,9 +941,6 @@ class Receiver(BoundFlows, SpoolWriting):
             self._fail(peer, f"cannot send PAY: {e}", now)
             return
         out[peer.producer] += n
-        if attrs is not None:
-            peer.acked = ack
-            self.stats["acks_sent"] += 1
 
 
 # Socket monitor events the receiver reads: a client port's handshake and connection,

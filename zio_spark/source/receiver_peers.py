@@ -145,7 +145,6 @@ class ReceiverParts:
         wall_clock_us: Callable[[], int]
         stats: collections.Counter[str]
         _lock: threading.Lock
-        _committed: dict[str, int]
         _bound: list[Bound]
         fatal: DataLossError | None
 

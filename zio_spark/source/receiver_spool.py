@@ -152,6 +152,4 @@ class SpoolWriting(ReceiverParts):
         """
         log.info("producer %r: first records start at seq %d; starting there", producer, first)
         self.spool.commit({producer: first})
-        with self._lock:
-            self._committed[producer] = max(self._committed.get(producer, 0), first)
         return self.spool.next_seq(producer) - 1

@@ -85,8 +85,9 @@ import numpy as np
 import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, SPARK_SCHEMA, WAL_SCHEMA
-from zio_spark.errors import ConfigError, DataLossError
+from zio_spark.errors import ConfigError, DataLossError, StorageInputError
 from zio_spark.storage.files import atomic_write, fsync_dir, fsync_file, lock_folder
+from zio_spark.storage.spool_peers import SpoolPeers
 from zio_spark.storage.spool_sealed import (
     _SEGMENT_RE,
     _SEQ_WAL,
@@ -285,6 +286,7 @@ class Spool:
         self._closed = False
         self._producers: dict[str, _Producer] = {}
         self._committed: dict[str, int] = {}
+        self._acked: dict[str, int] = {}  # acknowledged, not committed (memory only)
         self._retired: list[_Wal] = []  # swapped out (or left by an earlier run), not sealed
         self._counts: dict[str, int] = dict.fromkeys(
             (
@@ -308,6 +310,9 @@ class Spool:
             self._prepare_layout()
             self._recover()
             self._wal = self._new_wal()
+            self.peers = SpoolPeers(self._root)
+            """Producer ids per endpoint and open plain flows (``peers.json``,
+            ``plain_flows.json``): :class:`~zio_spark.storage.spool_peers.SpoolPeers`."""
         except OSError as e:
             os.close(self._lock_fd)
             raise SpoolPathError(self._root, e) from e
@@ -456,6 +461,32 @@ class Spool:
         """The committed offsets, persisted across restarts, sorted by producer id."""
         with self._lock:
             return dict(sorted(self._committed.items()))
+
+    def acknowledge(self, offsets: Mapping[str, int]) -> None:
+        """Records below ``offsets[producer]`` may be acknowledged to their producer,
+        though not committed (a batch read keeps them for its result): what
+        :meth:`ack_end` says, in memory only. Lower offsets than known are no-ops.
+
+        Raises
+        ------
+        StorageInputError
+            A key that is not a string or an offset that is not an int >= 0.
+        """
+        for producer, offset in offsets.items():
+            if not isinstance(producer, str):
+                raise StorageInputError("producer", producer, "a string")
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise StorageInputError(f"offset of {producer!r}", offset, "an int >= 0")
+        with self._lock:
+            for producer, offset in offsets.items():
+                if offset > self._acked.get(producer, 0):
+                    self._acked[producer] = offset
+
+    def ack_end(self, producer: str) -> int:
+        """What ``producer`` may be told is safe: records below this end (committed or
+        acknowledged, :meth:`acknowledge`); 1 if none. The receiver acks ``ack_end - 1``."""
+        with self._lock:
+            return max(1, self._committed.get(producer, 1), self._acked.get(producer, 0))
 
     def backlog(self) -> dict[str, int]:
         """Records stored above the committed offset (sealed + open tail), per producer.
