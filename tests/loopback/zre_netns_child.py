@@ -42,19 +42,13 @@ def text(frames: Any) -> list[str]:
 
 
 def run_pair(args: argparse.Namespace) -> None:
+    from zio_spark.options import ZreOptions
     from zio_spark.transport.zre_node import ZreNode
 
-    kw: dict[str, Any] = dict(
-        beacon_port=args.port,
-        broadcast=args.broadcast,
-        interface_addr=args.iface,
-        interval=0.1,
-        linger_ms=0,
-    )
-    a = ZreNode("ns-a", headers={"role": "a"}, **kw)
-    b = ZreNode("ns-b", headers={"role": "b"}, **kw)
+    zre = ZreOptions("G", args.port, args.broadcast, args.iface, interval=0.1)
+    a = ZreNode("ns-a", zre=zre, headers={"role": "a"}, linger_ms=0)
+    b = ZreNode("ns-b", zre=zre, headers={"role": "b"}, linger_ms=0)
     for node in (a, b):
-        node.join("G")
         node.start()
     emit("started", a=str(a.uuid), b=str(b.uuid), a_endpoint=a.endpoint, b_endpoint=b.endpoint)
     deadline = T0 + args.deadline
@@ -96,21 +90,18 @@ def run_pair(args: argparse.Namespace) -> None:
 
 
 def run_zio(args: argparse.Namespace) -> None:
+    from zio_spark.options import ZreOptions
     from zio_spark.transport.zre_node import ZreNode
 
     node = ZreNode(
         "zio-node",
+        zre=ZreOptions("G", args.port, args.broadcast, args.iface, interval=0.25),
         headers={"X-Zio": "yes"},
-        beacon_port=args.port,
-        broadcast=args.broadcast,
-        interface_addr=args.iface,
-        interval=0.25,
         # Shorter than pyre's 1 s beacon interval, so PING / PING-OK cross the wire.
         evasive_after=0.4,
         expired_after=3.0,
         linger_ms=200,
     )
-    node.join("G")
     node.start()
     emit("started", uuid=str(node.uuid), endpoint=node.endpoint)
     deadline = T0 + args.deadline

@@ -16,7 +16,7 @@ __all__ = ["run_peers"]
 
 def snapshot(node: ZreNode, group: str) -> list[dict[str, object]]:
     """Peers of ``group`` with their advertised ZIO ports, sorted by name."""
-    rows = []
+    rows: list[dict[str, object]] = []
     for peer in node.peers_in_group(group):
         try:
             ports = {
