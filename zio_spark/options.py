@@ -815,8 +815,8 @@ class QueueOptions:
     a :class:`~zio_spark.errors.ConfigError` naming the field, the value and what would be
     accepted; :class:`~zio_spark.pzq.broker.QueueBroker` documents what each one does.
 
-    Fields
-    ------
+    Parameters
+    ----------
     store_path
         Folder of the durable store (a :class:`~pathlib.Path` once checked).
     receive, send, monitor
