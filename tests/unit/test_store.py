@@ -32,7 +32,7 @@ SMALL = 64 << 10  # small segments, so tests cross segment boundaries quickly
 def crash(store: MessageStore) -> None:
     """Drop the store as SIGKILL would: no commit, no close (the lock goes with the fds)."""
     store._close_files()
-    store._closed = True
+    store._index.closed = True
 
 
 def segments(path: Path) -> list[Path]:
@@ -50,8 +50,8 @@ def records_end(path: Path) -> int:
 
 def active_end(store: MessageStore) -> int:
     """The end of the records in the store's active segment (call before a crash)."""
-    assert store._active is not None
-    return store._active.end
+    assert store._index.active is not None
+    return store._index.active.end
 
 
 def put_many(store: MessageStore, ids: list[bytes], body: bytes = b"x" * 100) -> list[int]:

@@ -20,9 +20,9 @@ records. Keys are opaque ints to callers; they name a record on disk, so a tombs
 needs no lookup table on replay.
 
 Modules. This one holds :class:`MessageStore`: lifecycle, writing and group commit,
-segments and compaction. Its base :class:`~zio_spark.storage.store_index.StoreIndex`
-holds the index and delivery (take, claim, ack, release);
-:mod:`~zio_spark.storage.store_recovery` replays a folder on open.
+segments and compaction. It owns one :class:`~zio_spark.storage.store_index.StoreIndex`,
+the index and delivery (take, claim, ack, release), which the store's own methods pass
+through to; :mod:`~zio_spark.storage.store_recovery` replays a folder on open.
 
 Memory. Per message the index holds a record offset (4 B), a payload length (4 B) and a
 state byte, in per-segment ``array``/``bytearray`` columns: ~9 B per stored message
@@ -106,7 +106,7 @@ import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from zio_spark.errors import ConfigError, check_count
@@ -171,7 +171,7 @@ log = logging.getLogger(__name__)
 _RECLAIM_BYTES = 1 << 20  # maintain() retires a fully acked active segment this big
 
 
-class MessageStore(StoreIndex):
+class MessageStore:
     """Durable message store of the PZQ-style queue (see the module docstring).
 
     Opening replays the folder (creating it if needed), then starts a new segment.
@@ -233,7 +233,8 @@ class MessageStore(StoreIndex):
         if not isinstance(preallocate, bool):
             raise ConfigError("preallocate", preallocate, "a bool (True or False)")
         self._preallocate = preallocate
-        super().__init__(Path(path))
+        self._root = Path(path)
+        self._index = StoreIndex(self._root)
         self._next_no = 1
         # Write buffer for the active segment: record pieces, first slot, puts, tombstones.
         self._buf: list[bytes] = []
@@ -296,7 +297,7 @@ class MessageStore(StoreIndex):
         StoreError
             If that last commit fails (the files are closed anyway).
         """
-        if self._closed:
+        if self._index.closed:
             return
         try:
             ticket = self._ticket
@@ -304,21 +305,21 @@ class MessageStore(StoreIndex):
                 ticket.run()  # no-op if another thread runs or ran it
                 ticket.wait()
                 self.end_commit(ticket)
-            if not self._failed and self.dirty:
+            if not self._index.failed and self.dirty:
                 self.commit()
-            if not self._failed and self._active is not None:
+            if not self._index.failed and self._index.active is not None:
                 with contextlib.suppress(OSError):  # harmless: replay ends at a zero tail
-                    self._active.seal()
+                    self._index.active.seal()
         finally:
-            self._closed = True
+            self._index.closed = True
             self._close_files()
 
     def _close_files(self) -> None:
-        for seg in self._segments.values():
+        for seg in self._index.segments.values():
             with contextlib.suppress(OSError):
                 os.close(seg.fd)
-        self._segments.clear()
-        self._active = None
+        self._index.segments.clear()
+        self._index.active = None
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)
@@ -337,18 +338,121 @@ class MessageStore(StoreIndex):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._index.closed
 
     @property
     def failed(self) -> str:
         """Why the store failed, or ``""`` while healthy."""
-        return self._failed
+        return self._index.failed
+
+    # ------------------------------------------------------------------ delivery
+
+    def take(self, *, pin: bool = False) -> StoredMessage | None:
+        """Hand out the next deliverable message and mark it in flight.
+
+        Requeued messages come first, then never-delivered ones oldest first. Only
+        durable messages are deliverable.
+
+        Parameters
+        ----------
+        pin
+            Keep its key valid until it is acked or released: compaction does not move
+            it (see "Pins" in the module docstring).
+
+        Returns
+        -------
+        StoredMessage or None
+            None when nothing is deliverable.
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, or a record cannot be read back (it is then dropped,
+            and the error names it).
+        """
+        return self._index.take(pin=pin)
+
+    def claim(self, key: int) -> StoredMessage | None:
+        """Take one particular durable, unacked message (by key) and pin it.
+
+        For a caller that recorded keys it had taken with ``take(pin=True)`` before a
+        restart (replay brings them back as pending). It is then in flight, as if
+        taken, and counts as a redelivery.
+
+        Returns
+        -------
+        StoredMessage or None
+            None if the key names no pending message (acked, never durable, unknown,
+            or already in flight).
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, or the record cannot be read back (it is then
+            dropped).
+        """
+        return self._index.claim(key)
+
+    def ack(self, key: int) -> bool:
+        """Delete an in-flight message: a tombstone goes into the next commit.
+
+        Parameters
+        ----------
+        key
+            A key from :meth:`take`.
+
+        Returns
+        -------
+        bool
+            True if it was in flight; False if unknown or not in flight (nothing changes).
+        """
+        return self._index.ack(key)
+
+    def release(self, key: int, *, delivered: bool = True) -> bool:
+        """Put an in-flight message back at the front of the queue (nack, expiry).
+
+        Parameters
+        ----------
+        key
+            A key from :meth:`take`.
+        delivered
+            Whether the consumer really got it (False: the caller took it but never sent
+            it, so its next delivery is not counted as a redelivery).
+
+        Returns
+        -------
+        bool
+            True if it was in flight.
+        """
+        return self._index.release(key, delivered=delivered)
+
+    @property
+    def messages(self) -> int:
+        """Durable messages not yet acked."""
+        return self._index.messages
+
+    @property
+    def in_flight(self) -> int:
+        """Messages taken and not acked or released."""
+        return self._index.in_flight
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Stored payload bytes of the in-flight messages."""
+        return self._index.in_flight_bytes
+
+    def iter_messages(self) -> Iterator[tuple[bytes, tuple[bytes, ...]]]:
+        """(id, body) of every durable, unacked message, oldest segment first.
+
+        Reads the disk; for tests and tools, not the hot path.
+        """
+        return self._index.iter_messages()
 
     def _check_writable(self) -> None:
-        if self._closed:
+        if self._index.closed:
             raise StoreError("the store is closed", path=self._root)
-        if self._failed:
-            raise StoreError(f"the store failed: {self._failed}; restart it", path=self._root)
+        if self._index.failed:
+            raise StoreError(f"the store failed: {self._index.failed}; restart it", path=self._root)
 
     def _fsync_dir(self) -> None:
         if self._sync:
@@ -356,8 +460,8 @@ class MessageStore(StoreIndex):
 
     def _recover(self) -> None:
         found = Replay(self._root, window_size=self._window_size, sync=self._sync)
-        self._segments = found.segments
-        self._messages = found.messages
+        self._index.segments = found.segments
+        self._index.messages = found.messages
         self._torn = found.torn
         self._next_no = found.next_no
         self._last_seq = self._durable_seq = found.last_seq
@@ -365,15 +469,15 @@ class MessageStore(StoreIndex):
         self._window_first = found.window_first
         self._window_ids = found.window_ids
         self._window_digests = found.window_digests
-        if self._segments:
-            self._cursor_no = next(iter(self._segments))
+        if self._index.segments:
+            self._index.cursor_no = next(iter(self._index.segments))
 
     # ------------------------------------------------------------------ segments
 
     def _open_segment(self) -> LogFile:
         """Start a new active segment (header written, not synced). Buffer must be empty."""
-        old = self._active
-        if old is not None and (self._ticket is None or self._ticket._seg is not old):
+        old = self._index.active
+        if old is not None and (self._ticket is None or self._ticket.segment is not old):
             old.seal()  # else end_commit seals it once its last commit has run
         no = self._next_no
         self._next_no += 1
@@ -382,15 +486,15 @@ class MessageStore(StoreIndex):
         if not supported:  # the filesystem cannot: segments grow as written from now on
             log.debug("store %s: no preallocation on this filesystem", self._root)
             self._preallocate = False
-        self._segments[no] = seg
-        self._active = seg
+        self._index.segments[no] = seg
+        self._index.active = seg
         self._buf_first = 0
-        if not self._cursor_no:
-            self._cursor_no = no
+        if not self._index.cursor_no:
+            self._index.cursor_no = no
         return seg
 
     def _sync_new_segment(self) -> None:
-        seg = self._active
+        seg = self._index.active
         assert seg is not None
         if seg.needs_sync and self._sync:
             os.fdatasync(seg.fd)
@@ -401,7 +505,7 @@ class MessageStore(StoreIndex):
     def _delete_segment(self, seg: LogFile) -> None:
         os.close(seg.fd)
         os.unlink(seg.path)
-        del self._segments[seg.no]
+        del self._index.segments[seg.no]
         self._deleted += 1
 
     def _write_snapshot(self) -> None:
@@ -420,10 +524,10 @@ class MessageStore(StoreIndex):
 
     def _reclaim(self) -> None:
         """Delete dead segments, oldest first (never the active one or one being written)."""
-        busy = self._ticket._seg if self._ticket is not None else None
+        busy = self._ticket.segment if self._ticket is not None else None
         doomed = []
-        for seg in self._segments.values():
-            if seg is self._active or seg is busy or seg.live:
+        for seg in self._index.segments.values():
+            if seg is self._index.active or seg is busy or seg.live:
                 break
             doomed.append(seg)
         if not doomed:
@@ -432,9 +536,9 @@ class MessageStore(StoreIndex):
         for seg in doomed:
             self._delete_segment(seg)
         self._fsync_dir()
-        first = next(iter(self._segments))
-        if self._cursor_no < first:
-            self._cursor_no, self._cursor_slot = first, 0
+        first = next(iter(self._index.segments))
+        if self._index.cursor_no < first:
+            self._index.cursor_no, self._index.cursor_slot = first, 0
 
     def _compact(self) -> None:
         """Move live messages of mostly dead oldest segments into the new active segment.
@@ -442,17 +546,17 @@ class MessageStore(StoreIndex):
         Runs right after a segment start, while the new segment holds nothing else; the
         moves are synced here, so the old segments can go at once.
         """
-        active = self._active
+        active = self._index.active
         assert active is not None and not self._buf and not len(active.state)
-        busy = self._ticket._seg if self._ticket is not None else None
+        busy = self._ticket.segment if self._ticket is not None else None
         heads = []
-        for seg in self._segments.values():
+        for seg in self._index.segments.values():
             if (
                 seg is active
                 or seg is busy
-                or seg.no >= self._cursor_no
+                or seg.no >= self._index.cursor_no
                 or seg.live > self._compact_ratio * len(seg.state)
-                or seg.no in self._pins
+                or seg.no in self._index.pins
             ):
                 break
             heads.append(seg)
@@ -460,7 +564,7 @@ class MessageStore(StoreIndex):
         for head in heads:
             for slot, state in enumerate(head.state):
                 if state in LIVE_STATES:
-                    _, seq, message_id, body = self._read(head, slot)
+                    _, seq, message_id, body = self._index.read(head, slot)
                     payload = message_payload(seq, message_id, body, head.no << 32 | slot)
                     self._append_record(active, payload, state)
                     moves.append((head, slot, state))
@@ -480,9 +584,9 @@ class MessageStore(StoreIndex):
             head.state[slot] = STATE_MOVED
             head.live -= 1
             if state != STATE_PENDING:  # held by a caller (in flight) or queued: forward the key
-                self._forward[head.no << 32 | slot] = active.no << 32 | new_slot
+                self._index.forward[head.no << 32 | slot] = active.no << 32 | new_slot
             if state == STATE_IN_FLIGHT:  # a MOVE record is longer than the PUT it copies
-                self._in_flight_bytes += active.lengths[new_slot] - head.lengths[slot]
+                self._index.in_flight_bytes += active.lengths[new_slot] - head.lengths[slot]
         self._moved += len(moves)
         for head in heads:
             log.info("store %s: compacted segment %d into %d", self._root, head.no, active.no)
@@ -499,7 +603,7 @@ class MessageStore(StoreIndex):
             then turns failed).
         """
         self._check_writable()
-        active = self._active
+        active = self._index.active
         assert active is not None
         if self._ticket is not None or self.dirty:
             return
@@ -569,7 +673,7 @@ class MessageStore(StoreIndex):
         StoreError
             If the store failed or is closed.
         """
-        if self._closed or self._failed:
+        if self._index.closed or self._index.failed:
             self._check_writable()
         id_len = len(message_id)
         if not 0 < id_len <= MAX_ID_BYTES:
@@ -607,7 +711,7 @@ class MessageStore(StoreIndex):
                     f"message of {size} bytes exceeds the limit of {MAX_BODY_BYTES}"
                 )
             payload = message_payload(seq, message_id, body)
-        active = self._active
+        active = self._index.active
         assert active is not None
         # _append_record, inlined (the hot path)
         slot = len(active.state)
@@ -665,12 +769,12 @@ class MessageStore(StoreIndex):
     @property
     def dirty(self) -> bool:
         """Whether anything (puts or tombstones) waits for the next commit."""
-        return bool(self._buf or self._tombstones)
+        return bool(self._buf or self._index.tombstones)
 
     @property
     def pending_tombstones(self) -> int:
         """Acks buffered for the next commit."""
-        return len(self._tombstones)
+        return len(self._index.tombstones)
 
     @property
     def committing(self) -> bool:
@@ -698,16 +802,16 @@ class MessageStore(StoreIndex):
         self._check_writable()
         if self._ticket is not None:
             raise StoreError("a commit is already outstanding; end it first", path=self._root)
-        if not self._buf and not self._tombstones:
+        if not self._buf and not self._index.tombstones:
             return None
-        active = self._active
+        active = self._index.active
         assert active is not None
-        if self._tombstones:
-            keys = self._tombstones
+        if self._index.tombstones:
+            keys = self._index.tombstones
             header, payload = framed_record(ack_payload(keys))
             self._buf += (header, payload)
             active.end += len(header) + len(payload)
-            self._tombstones = []
+            self._index.tombstones = []
         data = b"".join(self._buf)
         ticket = CommitTicket(
             active,
@@ -760,16 +864,16 @@ class MessageStore(StoreIndex):
         if not ticket.done:
             raise StoreError("end_commit: the commit has not run yet", path=self._root)
         self._ticket = None
-        seg = ticket._seg
+        seg = ticket.segment
         if ticket.error is not None:
             self._fail(f"commit failed: {ticket.error}", ticket)
             raise StoreError(f"commit failed: {ticket.error}", path=self._root) from ticket.error
-        seg.size += len(ticket._data)
-        end = ticket._first + ticket.puts
+        seg.size += ticket.nbytes
+        end = ticket.first_slot + ticket.puts
         if ticket.puts:
             state = seg.state
-            state[ticket._first : end] = bytes([STATE_PENDING]) * ticket.puts
-            self._messages += ticket.puts
+            state[ticket.first_slot : end] = bytes([STATE_PENDING]) * ticket.puts
+            self._index.messages += ticket.puts
             self._stored += ticket.puts
         seg.durable = max(seg.durable, end)
         if self._sync:
@@ -777,7 +881,7 @@ class MessageStore(StoreIndex):
         self._commits += 1
         self._durable_seq = max(self._durable_seq, self._ticket_seq)
         try:
-            if seg is not self._active:  # the commit that ended it: it is closed now
+            if seg is not self._index.active:  # the commit that ended it: it is closed now
                 seg.seal()
             self._reclaim()
         except OSError as e:
@@ -807,8 +911,8 @@ class MessageStore(StoreIndex):
     def _fail(self, reason: str, ticket: CommitTicket | None = None) -> None:
         """Drop every put not yet durable and refuse further writes (see module doc)."""
         log.error("store %s failed: %s", self._root, reason)
-        self._failed = reason
-        for seg in self._segments.values():
+        self._index.failed = reason
+        for seg in self._index.segments.values():
             for slot in range(seg.durable, len(seg.state)):
                 if seg.state[slot] == STATE_UNCOMMITTED:
                     seg.state[slot] = STATE_ACKED
@@ -825,17 +929,17 @@ class MessageStore(StoreIndex):
 
     def db_size(self) -> int:
         """Durable bytes in the segment files."""
-        return sum(seg.size for seg in self._segments.values())
+        return sum(seg.size for seg in self._index.segments.values())
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters (see :class:`StoreStats`)."""
         return StoreStats(
-            messages=self._messages,
-            in_flight=self._in_flight,
-            in_flight_bytes=self._in_flight_bytes,
+            messages=self._index.messages,
+            in_flight=self._index.in_flight,
+            in_flight_bytes=self._index.in_flight_bytes,
             uncommitted=self.uncommitted,
             db_size=self.db_size(),
-            segments=len(self._segments),
+            segments=len(self._index.segments),
             syncs=self._syncs,
             commits=self._commits,
             stored=self._stored,
@@ -844,6 +948,6 @@ class MessageStore(StoreIndex):
             moved=self._moved,
             deleted_segments=self._deleted,
             dedup_ids=len(self._window_ids),
-            index_bytes=sum(seg.index_bytes() for seg in self._segments.values()),
-            failed=self._failed,
+            index_bytes=sum(seg.index_bytes() for seg in self._index.segments.values()),
+            failed=self._index.failed,
         )

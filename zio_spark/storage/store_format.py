@@ -428,6 +428,16 @@ class CommitTicket:
         return len(self._data)
 
     @property
+    def segment(self) -> LogFile:
+        """The segment this commit appends to."""
+        return self._seg
+
+    @property
+    def first_slot(self) -> int:
+        """The slot of this commit's first put in :attr:`segment`."""
+        return self._first
+
+    @property
     def done(self) -> bool:
         """Whether :meth:`run` has finished (successfully or not)."""
         return self._done.is_set()
