@@ -13,7 +13,7 @@ and every PZQ codec (``tests/unit/test_pzq.py``). Here, seeded ``random.Random``
 - the spool's sealed-segment reader :func:`~zio_spark.storage.spool.read_sealed` on
   corrupted segment files: ``CorruptSegmentError`` (a ``DataLossError``) or fully valid
   batches of exactly the requested sequence numbers;
-- the queue store's record payload decoder ``_parse_message``: only ``ValueError`` /
+- the queue store's record payload decoder ``store_format.parse_message``: only ``ValueError`` /
   ``struct.error`` (what its caller catches);
 - the flow profile readers ``profile_bot`` / ``pay_ack`` and :meth:`Flow.receive` on
   random flow objects: only ``ProtocolError``.
@@ -355,9 +355,9 @@ def test_wal_record_with_valid_crc_and_short_arrow_body_is_torn(tmp_path: Path) 
 def test_fuzz_store_message_payload(n: int) -> None:
     rng = random.Random("store-payload")
     valid = [
-        store_mod._message_payload(5, b"id-1", [b"body"]),
-        store_mod._message_payload(2**63, b"x" * 255, [b"", b"a" * 100, b"c"]),
-        store_mod._message_payload(9, b"moved", [b"b"], original=1234),
+        store_mod.message_payload(5, b"id-1", [b"body"]),
+        store_mod.message_payload(2**63, b"x" * 255, [b"", b"a" * 100, b"c"]),
+        store_mod.message_payload(9, b"moved", [b"b"], original=1234),
     ]
     t0 = time.monotonic()
     decoded = 0
@@ -365,12 +365,12 @@ def test_fuzz_store_message_payload(n: int) -> None:
         payload = _garbage_or_mutant(rng, valid, 80)
         kind = payload[0] if payload and rng.random() < 0.8 else rng.choice([1, 2])
         try:
-            _, _, message_id, parts = store_mod._parse_message(payload, kind)
+            _, _, message_id, parts = store_mod.parse_message(payload, kind)
         except (ValueError, struct.error):
             continue
         decoded += 1
         assert message_id and isinstance(parts, tuple)
-    _done("store._parse_message", n, t0, decoded=decoded)
+    _done("store_format.parse_message", n, t0, decoded=decoded)
 
 
 # ------------------------------------------------------------------ flow objects
