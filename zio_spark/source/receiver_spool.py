@@ -16,7 +16,7 @@ import logging
 import pyarrow as pa
 
 from zio_spark.codec.records import decode_batch, decode_plain, wire_to_wal
-from zio_spark.errors import DataLossError, RemoteProtocolError
+from zio_spark.errors import DataLossError, RemoteProtocolError, StorageError
 from zio_spark.protocol.flow import (
     Data,
 )
@@ -80,7 +80,7 @@ class SpoolWriting(ReceiverParts):
             if peer.bound is not None:
                 peer.status.state = "failed"  # _end_flow filed it as done
             return False
-        except (ValueError, pa.ArrowException) as e:
+        except (StorageError, ValueError, pa.ArrowException) as e:
             # Records the spool cannot take (e.g. too large for one WAL record): this
             # peer's flow fails, as it would have on the DAT; the others go on.
             self.stats["dropped"] += 1

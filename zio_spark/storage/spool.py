@@ -85,7 +85,12 @@ import numpy as np
 import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, SPARK_SCHEMA, WAL_SCHEMA
-from zio_spark.errors import ConfigError, DataLossError, StorageInputError
+from zio_spark.errors import (
+    ConfigError,
+    DataLossError,
+    StorageClosedError,
+    StorageInputError,
+)
 from zio_spark.storage.files import atomic_write, fsync_dir, fsync_file, lock_folder
 from zio_spark.storage.spool_peers import SpoolPeers
 from zio_spark.storage.spool_sealed import (
@@ -131,6 +136,7 @@ __all__ = [
     "Record",
     "SequenceGapError",
     "Spool",
+    "SpoolClosedError",
     "SpoolLockedError",
     "SpoolPathError",
     "SpoolStats",
@@ -139,6 +145,11 @@ __all__ = [
 ]
 
 _WAL_SCHEMA: Final = WAL_SCHEMA
+
+
+class SpoolClosedError(StorageClosedError, ValueError):
+    """The spool was used after :meth:`Spool.close` (also a :class:`ValueError`, which
+    it raised before)."""
 
 
 class SequenceGapError(DataLossError, ValueError):
@@ -348,9 +359,11 @@ class Spool:
         try:
             cols = tuple(zip(*records, strict=True))
         except ValueError as e:
-            raise ValueError("records must all be Record tuples of 7 fields") from e
+            raise StorageInputError(
+                "records", f"tuples of unequal length ({e})", "Record tuples of 7 fields"
+            ) from e
         if len(cols) != 7:
-            raise ValueError(f"records must be Record tuples of 7 fields, got {len(cols)}")
+            raise StorageInputError("records", f"{len(cols)} fields", "Record tuples of 7 fields")
         return self._append(producer, _build_wal_batch(cols, n), cols[0])
 
     def append_batch(self, producer: str, batch: pa.RecordBatch) -> int:
@@ -367,12 +380,12 @@ class Spool:
             A batch of another schema, or with null sequence numbers; nothing was stored.
         """
         if not batch.schema.equals(_WAL_SCHEMA):
-            raise ValueError(f"append_batch needs schema {_WAL_SCHEMA}, got {batch.schema}")
+            raise StorageInputError("batch schema", batch.schema, f"WAL_SCHEMA {_WAL_SCHEMA}")
         if batch.num_rows == 0:
             return 0
         seq = batch.column(_SEQ_WAL)
         if seq.null_count:
-            raise ValueError("append_batch: seq has nulls")
+            raise StorageInputError("batch seq", f"{seq.null_count} nulls", "no nulls")
         _encode_id(producer)
         return self._append(producer, batch, seq.to_numpy())
 
@@ -596,7 +609,9 @@ class Spool:
                 for producer, offset in offsets.items():
                     _encode_id(producer)
                     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-                        raise ValueError(f"commit offset for {producer!r}: {offset!r} is not >= 0")
+                        raise StorageInputError(
+                            f"commit offset of {producer!r}", offset, "an int >= 0"
+                        )
                     if offset > self._committed.get(producer, 1):
                         changed[producer] = offset
                 if not changed:
@@ -649,7 +664,7 @@ class Spool:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"spool {self._root} is closed")
+            raise SpoolClosedError("the spool is closed", path=self._root)
 
     def _producer(self, producer: str) -> _Producer:
         st = self._producers.get(producer)

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from zio_spark.codec.schema import SPARK_SCHEMA, WAL_SCHEMA
-from zio_spark.errors import ConfigError, DataLossError
+from zio_spark.errors import ConfigError, DataLossError, StorageInputError
 from zio_spark.storage.files import fsync_dir, fsync_file
 
 __all__ = [
@@ -166,11 +166,11 @@ class _SealedFile:
 
 def _encode_id(producer: str) -> bytes:
     if not isinstance(producer, str):
-        raise TypeError(f"producer id must be a str, got {type(producer).__name__}")
+        raise StorageInputError("producer id", producer, "a str")
     try:
         return producer.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"producer id {producer!r} is not encodable as UTF-8") from e
+        raise StorageInputError("producer id", producer, "a str encodable as UTF-8") from e
 
 
 def _dirname(encoded: bytes) -> str:
@@ -378,13 +378,13 @@ class _SegmentCheck:
 def _check_range(start_seq: int, end_seq: int, max_rows_per_batch: int) -> None:
     for name, v in (("start_seq", start_seq), ("end_seq", end_seq)):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be int, got {v!r}")
+            raise StorageInputError(name, v, "an int")
     if start_seq > end_seq:
-        raise ValueError(f"start_seq {start_seq} > end_seq {end_seq}")
+        raise StorageInputError("start_seq", start_seq, f"<= end_seq {end_seq}")
     if isinstance(max_rows_per_batch, bool) or not isinstance(max_rows_per_batch, int):
-        raise TypeError(f"max_rows_per_batch must be int, got {max_rows_per_batch!r}")
+        raise StorageInputError("max_rows_per_batch", max_rows_per_batch, "an int")
     if max_rows_per_batch < 1:
-        raise ValueError(f"max_rows_per_batch must be >= 1, got {max_rows_per_batch}")
+        raise StorageInputError("max_rows_per_batch", max_rows_per_batch, "an int >= 1")
 
 
 _Plan = list[tuple[_SealedFile, pa.ipc.RecordBatchFileReader, int]]

@@ -34,7 +34,7 @@ from typing import Any, Final, NamedTuple
 import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, WAL_SCHEMA
-from zio_spark.errors import DataLossError
+from zio_spark.errors import DataLossError, StorageInputError
 from zio_spark.storage.spool_sealed import _SEQ_WAL, _increasing
 
 __all__ = ["Record"]
@@ -145,9 +145,9 @@ def _int64_column_slow(values: tuple[Any, ...], name: str, type_: pa.DataType) -
     for v in values:
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"records: {name} must be an int or None, got {v!r}")
+                raise StorageInputError(f"records: {name}", v, "an int or None")
             if not _I64_MIN <= v < _U64:
-                raise ValueError(f"records: {name} {v} is outside [-2**63, 2**64)")
+                raise StorageInputError(f"records: {name}", v, "within [-2**63, 2**64)")
             if v > _I64_MAX:
                 v -= _U64  # uint64 on the wire: keep the bits, as two's complement
         out.append(v)
@@ -158,7 +158,7 @@ def _build_wal_batch(cols: tuple[tuple[Any, ...], ...], n: int) -> pa.RecordBatc
     seqs, values, keys, origins, granules, stamps, headers = cols
     seq_array = _int64_column(seqs, "seq", pa.int64())
     if seq_array.null_count:
-        raise TypeError("records: seq must be int, got None")
+        raise StorageInputError("records: seq", None, "an int")
     try:
         value_array = pa.array(values, pa.binary())
         key_array = (
@@ -170,7 +170,9 @@ def _build_wal_batch(cols: tuple[tuple[Any, ...], ...], n: int) -> pa.RecordBatc
             else pa.array([None if h is None else dict(h) for h in headers], HEADERS_TYPE)
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as e:
-        raise TypeError(f"records: value/key must be bytes, headers a str->str map: {e}") from e
+        raise StorageInputError(
+            "records", str(e), "value and key bytes, headers a str->str map"
+        ) from e
     return pa.RecordBatch.from_arrays(
         [
             value_array,
@@ -196,7 +198,9 @@ def _encode_wal_record(
     prefix = _WAL_PREFIX.pack(covers_from, id_len, 0) + id_padded
     length = len(prefix) + body.size + len(pad)
     if length > 0xFFFF_FFFF:
-        raise ValueError(f"append batch too large for one WAL record: {length} bytes")
+        raise StorageInputError(
+            "append batch", f"{length} bytes", "at most 4 GiB - 1 (one WAL record)"
+        )
     crc = zlib.crc32(pad, zlib.crc32(body, zlib.crc32(prefix)))
     return [_WAL_HEADER.pack(_WAL_MAGIC, length, crc, 0), prefix, body, pad]
 
