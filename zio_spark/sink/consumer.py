@@ -49,7 +49,7 @@ carrying ``{"result":"ok"}`` or ``{"result":"error","reason":...}``.
   (copied if the file system cannot link) into ``published/<stream>/<seq>-<batch>.tmp/``
   as ``part-<partition>.arrow`` with a ``_MANIFEST.json``, the folder is fsync'd and
   renamed to ``published/<stream>/<seq>-<batch>/`` (the parent fsync'd) -- **the rename is
-  the commit point** -- then a line is appended to ``committed.log`` and fsync'd, and
+  the commit point** -- then a record is appended to ``committed.log`` and fsync'd, and
   the batch's staging folder (other attempts included) is deleted. ``seq`` is the
   consumer's commit sequence number, so folder names sort in commit order. A batch with
   no rows records its id and publishes nothing. Staging of older int batches of the same
@@ -78,23 +78,27 @@ That is at-least-once (a plain giver has no batch ids to deduplicate).
 1. ``published/<stream>/*.tmp`` folders are deleted (a publish that had not reached its
    commit point; the staged files are still in place, so a retried commit succeeds).
 2. A published folder whose batch is missing from the committed log is *rolled
-   forward*: its manifest's line is appended to the log. (The rename was the commit
+   forward*: its manifest's entry is appended to the log. (The rename was the commit
    point; the writer's retry, or Spark re-running the batch, then gets ``ok``.)
 3. A committed-log entry without a published folder means the application acked it
    (or it had no rows): nothing to do.
 4. Staging of committed batches, and every ``.part`` file (their flows died with the
    previous process), are deleted; complete ``.arrow`` files stay for a later commit.
-5. A torn last line of ``committed.log`` (crash during the append, never fsync'd, so
+5. A torn last record of ``committed.log`` (crash during the append, never fsync'd, so
    never acknowledged) is cut off. Corruption anywhere else raises
-   :class:`ConsumerStateError`: forgetting committed ids would publish duplicates.
+   :class:`ConsumerStateError`: forgetting committed ids would publish duplicates. The
+   log is CRC-framed (:class:`~zio_spark.storage.sink_folder.CommittedLog`); a JSON-lines
+   log of an earlier version is read by the same rule and rewritten framed.
 6. ``trash/`` (acked folders being deleted) is emptied.
 
 **Committed ids** are kept per stream: int ids as sorted disjoint ranges (Spark's ids
 are consecutive, so this is one or a few ranges whatever the run length), string ids
-(``df.write``, plain flows) the most recent :data:`STRING_IDS_KEPT` per stream. Every
-:data:`COMPACT_EVERY` commits the log is folded into ``committed.json`` (written to a
-temporary name, fsync'd, renamed) and truncated; opening replays the snapshot and then
-the log, so a crash between the two steps is harmless.
+(``df.write``, plain flows) the most recent
+:data:`~zio_spark.storage.sink_folder.STRING_IDS_KEPT` per stream. Every
+:data:`~zio_spark.storage.sink_folder.COMPACT_EVERY` commits the log is folded into
+``committed.json`` (written to a temporary name, fsync'd, renamed) and emptied;
+opening replays the snapshot and then the log, so a crash between the two steps is
+harmless.
 
 **Application API**: :meth:`Consumer.published` (commit order), :meth:`Consumer.read`
 (Arrow record batches), :meth:`Consumer.records`, :meth:`Consumer.ack` (deletes the
@@ -104,9 +108,12 @@ Threads: the flow server thread owns staging and runs commands; application call
 the same lock as commands, briefly. A commit (links and fsyncs) and an EOT (one fsync)
 run in the server thread, so they delay other flows for their duration.
 
-Modules: this one is the server (:class:`Consumer` and its flow handler); the folder,
-staging files and committed ids are :mod:`zio_spark.storage.sink_folder` (no sockets); the
-client that Spark's executors run is :mod:`zio_spark.sink.client`.
+Modules: this one is the server (:class:`Consumer` and its flow handler), and maps the
+folder's typed outcomes to the command replies (:func:`commit_reply`,
+:func:`abort_reply`); the folder, staging files and committed ids are
+:mod:`zio_spark.storage.sink_folder` (no sockets); the client that Spark's executors and
+driver run is :mod:`zio_spark.sink.client`; the pay-back rule is
+:class:`~zio_spark.protocol.credit.QuarterWindow`.
 """
 
 from __future__ import annotations
