@@ -105,15 +105,15 @@ def test_layout_row_names_its_modules_and_no_other(folder: str) -> None:
     assert not named - modules, f"README layout, {folder}/: names no module: {named - modules}"
 
 
-def test_readme_paths_exist() -> None:
-    """Every backticked path in the README (``source/receiver.py``, ``tests/unit``) exists,
-    under the project or under ``zio_spark/``."""
-    text = README.read_text(encoding="utf-8")
+@pytest.mark.parametrize("page", [README, ROOT / "tests" / "README.md"], ids=["README", "tests"])
+def test_paths_named_exist(page: Path) -> None:
+    """Every backticked path in the README and the test map (``source/receiver.py``,
+    ``tests/unit``) exists, under the project, under ``zio_spark/`` or beside the page."""
+    text = page.read_text(encoding="utf-8")
     paths = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]*)`", text))
-    gone = sorted(
-        p for p in paths if "<" not in p and not (ROOT / p).exists() and not (PACKAGE / p).exists()
-    )
-    assert not gone, f"README.md names paths that do not exist: {gone}"
+    bases = (ROOT, PACKAGE, page.parent)
+    gone = sorted(p for p in paths if "<" not in p and not any((b / p).exists() for b in bases))
+    assert not gone, f"{page.relative_to(ROOT)} names paths that do not exist: {gone}"
 
 
 def test_tests_readme_maps_every_loopback_file() -> None:
