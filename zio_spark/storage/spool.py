@@ -94,36 +94,36 @@ from zio_spark.errors import (
 from zio_spark.storage.files import atomic_write, fsync_dir, fsync_file, lock_folder
 from zio_spark.storage.spool_peers import SpoolPeers
 from zio_spark.storage.spool_sealed import (
-    _SEGMENT_RE,
-    _SEQ_WAL,
     DEFAULT_MAX_ROWS_PER_BATCH,
     FORMAT_VERSION,
+    SEGMENT_RE,
+    SEQ_WAL,
     CorruptSegmentError,
     MissingRangeError,
-    _check_range,
-    _dirname,
-    _encode_id,
-    _generate,
-    _lower_bound,
-    _open_segment,
-    _plan,
-    _rows_at_or_above,
-    _SealedFile,
-    _unlink,
-    _write_sealed,
+    SealedFile,
+    check_range,
+    encode_id,
+    generate_batches,
+    lower_bound,
+    open_segment,
+    plan_read,
+    producer_dirname,
     project,
     read_sealed,
+    rows_at_or_above,
+    unlink_quiet,
+    write_sealed,
 )
 from zio_spark.storage.wal import (
-    _PAD,
-    _WAL_RE,
+    PAD,
+    WAL_RE,
     Record,
-    _build_wal_batch,
-    _encode_wal_record,
-    _Entry,
-    _read_entry,
-    _Wal,
-    _WalScan,
+    Wal,
+    WalEntry,
+    WalScan,
+    build_wal_batch,
+    encode_wal_record,
+    read_entry,
 )
 
 __all__ = [
@@ -298,7 +298,7 @@ class Spool:
         self._producers: dict[str, _Producer] = {}
         self._committed: dict[str, int] = {}
         self._acked: dict[str, int] = {}  # acknowledged, not committed (memory only)
-        self._retired: list[_Wal] = []  # swapped out (or left by an earlier run), not sealed
+        self._retired: list[Wal] = []  # swapped out (or left by an earlier run), not sealed
         self._counts: dict[str, int] = dict.fromkeys(
             (
                 "appended",
@@ -364,7 +364,7 @@ class Spool:
             ) from e
         if len(cols) != 7:
             raise StorageInputError("records", f"{len(cols)} fields", "Record tuples of 7 fields")
-        return self._append(producer, _build_wal_batch(cols, n), cols[0])
+        return self._append(producer, build_wal_batch(cols, n), cols[0])
 
     def append_batch(self, producer: str, batch: pa.RecordBatch) -> int:
         """Like :meth:`append`, for records already in Arrow form (the receive hot path).
@@ -383,10 +383,10 @@ class Spool:
             raise StorageInputError("batch schema", batch.schema, f"WAL_SCHEMA {_WAL_SCHEMA}")
         if batch.num_rows == 0:
             return 0
-        seq = batch.column(_SEQ_WAL)
+        seq = batch.column(SEQ_WAL)
         if seq.null_count:
             raise StorageInputError("batch seq", f"{seq.null_count} nulls", "no nulls")
-        _encode_id(producer)
+        encode_id(producer)
         return self._append(producer, batch, seq.to_numpy())
 
     def _append(
@@ -408,10 +408,10 @@ class Spool:
                 return 0
             rows: int = keep.num_rows
             offset = self._wal.written
-            self._wal.write(_encode_wal_record(st.wal_prefix, expect, keep))
-            st.tail.append(_Entry(self._wal, offset, rows))
+            self._wal.write(encode_wal_record(st.wal_prefix, expect, keep))
+            st.tail.append(WalEntry(self._wal, offset, rows))
             st.tail_rows += rows
-            st.next = keep.column(_SEQ_WAL)[-1].as_py() + 1
+            st.next = keep.column(SEQ_WAL)[-1].as_py() + 1
             self._counts["appended"] += rows
             self._counts["gaps"] += gaps
             return rows
@@ -571,7 +571,7 @@ class Spool:
         ValueError
             ``start_seq > end_seq`` or ``max_rows_per_batch < 1``.
         """
-        _check_range(start_seq, end_seq, max_rows_per_batch)
+        check_range(start_seq, end_seq, max_rows_per_batch)
         if start_seq == end_seq:
             return iter(())
         with self._lock:
@@ -584,8 +584,8 @@ class Spool:
             raise MissingRangeError(producer, max(start_seq, end), end_seq, "unsealed")
         if start_seq < start:
             raise MissingRangeError(producer, start_seq, min(end_seq, start), "deleted")
-        plan = _plan(producer, segments, start_seq, end_seq)
-        return _generate(producer, plan, start_seq, end_seq, max_rows_per_batch)
+        plan = plan_read(producer, segments, start_seq, end_seq)
+        return generate_batches(producer, plan, start_seq, end_seq, max_rows_per_batch)
 
     def commit(self, offsets: Mapping[str, int]) -> None:
         """Records below ``offsets[producer]`` are consumed: persist, then delete segments.
@@ -607,7 +607,7 @@ class Spool:
                 self._check_open()
                 changed: dict[str, int] = {}
                 for producer, offset in offsets.items():
-                    _encode_id(producer)
+                    encode_id(producer)
                     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                         raise StorageInputError(
                             f"commit offset of {producer!r}", offset, "an int >= 0"
@@ -625,8 +625,8 @@ class Spool:
             )
             # Segments cannot change while we hold the maintenance lock: count outside.
             kept = {p: [s for s in segs if s.last >= changed[p]] for p, segs in snapshot.items()}
-            above = {p: _rows_at_or_above(segs, changed[p]) for p, segs in kept.items()}
-            doomed: list[_SealedFile] = []
+            above = {p: rows_at_or_above(segs, changed[p]) for p, segs in kept.items()}
+            doomed: list[SealedFile] = []
             with self._lock:
                 self._committed = committed
                 for p, offset in changed.items():
@@ -669,7 +669,7 @@ class Spool:
     def _producer(self, producer: str) -> _Producer:
         st = self._producers.get(producer)
         if st is None:
-            st = _Producer(producer, _encode_id(producer))
+            st = _Producer(producer, encode_id(producer))
             floor = self._committed.get(producer, 1)
             st.end = st.next = max(1, floor)
             self._producers[producer] = st
@@ -710,9 +710,9 @@ class Spool:
             batches: list[pa.RecordBatch] = []
             cursor = covers_from  # drops records below a commit that raised the end
             for entry in entries:
-                batch = _read_entry(producer, entry, maps)
-                seq = batch.column(_SEQ_WAL)
-                skip = _lower_bound(seq, cursor)
+                batch = read_entry(producer, entry, maps)
+                seq = batch.column(SEQ_WAL)
+                skip = lower_bound(seq, cursor)
                 if skip < batch.num_rows:
                     batches.append(batch.slice(skip) if skip else batch)
                     cursor = seq[-1].as_py() + 1
@@ -732,22 +732,22 @@ class Spool:
             retired, self._retired = self._retired, []
         for wal in retired:
             wal.close()
-            _unlink(wal.path)
+            unlink_quiet(wal.path)
 
     def _write_segment(
         self, st: _Producer, batches: list[pa.RecordBatch], covers_from: int
-    ) -> _SealedFile:
+    ) -> SealedFile:
         folder = self._root / "producers" / st.dirname
         if not folder.is_dir():
             folder.mkdir()
             self._fsync_dir(folder.parent)
-        return _write_sealed(
+        return write_sealed(
             folder, st.id, st.id_scalar, batches, covers_from, self._segment_batch_rows, self._sync
         )
 
-    def _delete_segments(self, doomed: list[_SealedFile]) -> None:
+    def _delete_segments(self, doomed: list[SealedFile]) -> None:
         for segment in doomed:
-            _unlink(segment.path)
+            unlink_quiet(segment.path)
         if doomed:
             with self._lock:
                 self._counts["segments_deleted"] += len(doomed)
@@ -789,34 +789,34 @@ class Spool:
             self._delete_segments(doomed)
         for st in self._producers.values():
             st.next = st.end
-            st.sealed_above = _rows_at_or_above(st.segments, self._committed.get(st.id, 1))
+            st.sealed_above = rows_at_or_above(st.segments, self._committed.get(st.id, 1))
         gens = []
         for entry in os.scandir(self._root / "wal"):
-            m = _WAL_RE.match(entry.name)
+            m = WAL_RE.match(entry.name)
             if m:
                 gens.append((int(m[1]), Path(entry.path)))
             elif entry.name.endswith(".tmp"):
-                _unlink(Path(entry.path))
+                unlink_quiet(Path(entry.path))
         for _, path in sorted(gens):
             self._retired.append(self._scan_wal(path))
         self._next_gen = max((g for g, _ in gens), default=0) + 1
 
     def _recover_segments(self, folder: Path) -> None:
-        segments: list[_SealedFile] = []
+        segments: list[SealedFile] = []
         owner: str | None = None
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
             if entry.name.endswith(".tmp"):  # a seal cut short; its records are in the WAL
-                _unlink(Path(entry.path))
+                unlink_quiet(Path(entry.path))
                 continue
-            m = _SEGMENT_RE.match(entry.name)
+            m = SEGMENT_RE.match(entry.name)
             if not m:
                 continue
             path = Path(entry.path)
             first, last = int(m[1]), int(m[2])
-            _, producer, covers_from, rows = _open_segment(path, first, last, None)
+            _, producer, covers_from, rows = open_segment(path, first, last, None)
             if owner is None:
                 owner = producer
-            if producer != owner or _dirname(_encode_id(producer)) != folder.name:
+            if producer != owner or producer_dirname(encode_id(producer)) != folder.name:
                 raise DataLossError(
                     f"spool segment {path} belongs to producer {producer!r}, "
                     f"not to folder {folder.name}",
@@ -827,47 +827,47 @@ class Spool:
                     f"spool segment {path} overlaps its neighbours or covers {covers_from}",
                     producer=producer,
                 )
-            segments.append(_SealedFile(first, last, covers_from, rows, path, entry.stat().st_size))
+            segments.append(SealedFile(first, last, covers_from, rows, path, entry.stat().st_size))
         if owner is not None:
             st = self._producer(owner)
             st.segments = segments
             st.end = max(st.end, segments[-1].last + 1)
             st.listed = True
 
-    def _scan_wal(self, path: Path) -> _Wal:
+    def _scan_wal(self, path: Path) -> Wal:
         """Index the records of a WAL file left by an earlier run into the tails."""
         size = path.stat().st_size
-        wal = _Wal(path, -1)
+        wal = Wal(path, -1)
         wal.written = wal.synced = size
         wal.closed = True
         if size == 0:
             return wal
         if self._sync:  # what we index must be on disk before producers are told so
             fsync_file(path)
-        scan = _WalScan(path, size)
+        scan = WalScan(path, size)
         for offset, producer, covers_from, batch in scan:
             st = self._producer(producer)
             if covers_from > st.next:
                 self._counts["wal_records_skipped"] += 1
                 continue
-            seq = batch.column(_SEQ_WAL)
-            rows = batch.num_rows - _lower_bound(seq, st.next)
+            seq = batch.column(SEQ_WAL)
+            rows = batch.num_rows - lower_bound(seq, st.next)
             if rows == 0:
                 continue
-            st.tail.append(_Entry(wal, offset, rows))
+            st.tail.append(WalEntry(wal, offset, rows))
             st.tail_rows += rows
             st.next = seq[-1].as_py() + 1
             self._counts["wal_records_replayed"] += 1
         self._counts["torn_wal_records"] += scan.torn
         return wal
 
-    def _new_wal(self) -> _Wal:
+    def _new_wal(self) -> Wal:
         gen = self._next_gen
         self._next_gen += 1
         path = self._root / "wal" / f"{gen:020d}.wal"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         self._fsync_dir(path.parent)
-        return _Wal(path, fd)
+        return Wal(path, fd)
 
 
 class _Producer:
@@ -888,12 +888,12 @@ class _Producer:
     def __init__(self, producer: str, encoded: bytes) -> None:
         self.id = producer
         self.id_scalar = pa.scalar(producer, pa.string())
-        self.dirname = _dirname(encoded)
-        self.wal_prefix = (len(encoded), encoded + _PAD[: -len(encoded) % 8])
-        self.segments: list[_SealedFile] = []
+        self.dirname = producer_dirname(encoded)
+        self.wal_prefix = (len(encoded), encoded + PAD[: -len(encoded) % 8])
+        self.segments: list[SealedFile] = []
         self.end = 1  # exclusive end of sealed data (never below the committed offset)
         self.next = 1  # next expected seq: end, or the open tail's last seq + 1
-        self.tail: list[_Entry] = []  # open-tail records, in the WAL
+        self.tail: list[WalEntry] = []  # open-tail records, in the WAL
         self.tail_rows = 0
         self.sealed_above = 0  # sealed rows with seq >= committed
         self.listed = False  # in end_offsets(): has had a segment or a commit

@@ -6,7 +6,7 @@ of one producer, :data:`~zio_spark.codec.schema.SPARK_SCHEMA` with the metadata
 ``zio.format``, ``zio.producer``, ``zio.covers_from`` and ``zio.rows``.
 :func:`read_sealed` reads a range of sequence numbers from the folder alone (no lock, no
 WAL), checking every file as it goes (:class:`_SegmentCheck`), so a damaged file never
-yields a batch that could crash whoever reads its values. :func:`_write_sealed` writes
+yields a batch that could crash whoever reads its values. :func:`write_sealed` writes
 one (the metadata it writes and the checks that read it live side by side).
 
 Also here, shared by the spool's other modules: the producer folder naming, the range
@@ -34,13 +34,27 @@ from zio_spark.storage.files import fsync_dir, fsync_file
 __all__ = [
     "DEFAULT_MAX_ROWS_PER_BATCH",
     "FORMAT_VERSION",
+    "SEGMENT_RE",
+    "SEQ_WAL",
     "CorruptSegmentError",
     "MissingRangeError",
+    "SealedFile",
+    "check_range",
+    "encode_id",
+    "generate_batches",
+    "increasing",
+    "lower_bound",
+    "open_segment",
+    "plan_read",
+    "producer_dirname",
     "project",
     "read_sealed",
+    "rows_at_or_above",
+    "unlink_quiet",
+    "write_sealed",
 ]
 
-_SEQ_WAL: Final = WAL_SCHEMA.get_field_index("seq")
+SEQ_WAL: Final = WAL_SCHEMA.get_field_index("seq")
 _SEQ_SPARK: Final = SPARK_SCHEMA.get_field_index("seq")
 _PRODUCER_SPARK: Final = SPARK_SCHEMA.get_field_index("producer")
 
@@ -49,7 +63,7 @@ DEFAULT_MAX_ROWS_PER_BATCH: Final = 10_000
 
 FORMAT_VERSION: Final = 1
 """Format of the spool folder (``spool.json``) and of its sealed segments (``zio.format``)."""
-_SEGMENT_RE: Final = re.compile(r"^(\d{20})-(\d{20})\.arrow$")
+SEGMENT_RE: Final = re.compile(r"^(\d{20})-(\d{20})\.arrow$")
 _MAX_DIRECT_ID_BYTES: Final = 100  # longer ids get a hashed folder name (NAME_MAX is 255)
 _I64_MAX: Final = (1 << 63) - 1
 _SEGMENT_MAX_BYTES: Final = 64 << 20  # keep binary offsets far from the int32 limit
@@ -132,23 +146,23 @@ def read_sealed(
         A segment file is unreadable or does not hold what the spool wrote: at call time
         (schema, metadata) or while iterating (a batch). A :class:`DataLossError`.
     """
-    _check_range(start_seq, end_seq, max_rows_per_batch)
+    check_range(start_seq, end_seq, max_rows_per_batch)
     if start_seq == end_seq:
         return iter(())
-    folder = Path(path) / "producers" / _dirname(_encode_id(producer))
-    segments: list[_SealedFile] = []
+    folder = Path(path) / "producers" / producer_dirname(encode_id(producer))
+    segments: list[SealedFile] = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(folder):
-            m = _SEGMENT_RE.match(entry.name)
+            m = SEGMENT_RE.match(entry.name)
             if m:
                 first, last = int(m[1]), int(m[2])
-                segments.append(_SealedFile(first, last, None, 0, Path(entry.path), 0))
+                segments.append(SealedFile(first, last, None, 0, Path(entry.path), 0))
     segments.sort(key=lambda s: s.first)
-    plan = _plan(producer, segments, start_seq, end_seq)
-    return _generate(producer, plan, start_seq, end_seq, max_rows_per_batch)
+    plan = plan_read(producer, segments, start_seq, end_seq)
+    return generate_batches(producer, plan, start_seq, end_seq, max_rows_per_batch)
 
 
-class _SealedFile:
+class SealedFile:
     """One sealed segment: an Arrow file of one producer, seqs ``[first, last]``."""
 
     __slots__ = ("covers_from", "first", "last", "path", "rows", "size")
@@ -164,7 +178,7 @@ class _SealedFile:
         self.size = size
 
 
-def _encode_id(producer: str) -> bytes:
+def encode_id(producer: str) -> bytes:
     if not isinstance(producer, str):
         raise StorageInputError("producer id", producer, "a str")
     try:
@@ -173,7 +187,7 @@ def _encode_id(producer: str) -> bytes:
         raise StorageInputError("producer id", producer, "a str encodable as UTF-8") from e
 
 
-def _dirname(encoded: bytes) -> str:
+def producer_dirname(encoded: bytes) -> str:
     # Hex: safe on every file system (no case folding, no separators); long ids hashed.
     # The real id is in each segment's metadata, which is what recovery trusts.
     if len(encoded) <= _MAX_DIRECT_ID_BYTES:
@@ -181,7 +195,7 @@ def _dirname(encoded: bytes) -> str:
     return "h" + hashlib.sha256(encoded).hexdigest()
 
 
-def _lower_bound(seq: pa.Array, value: int) -> int:
+def lower_bound(seq: pa.Array, value: int) -> int:
     """Index of the first element ``>= value`` in a sorted, null-free int64 array."""
     n = len(seq)
     if n == 0:
@@ -204,7 +218,7 @@ def _lower_bound(seq: pa.Array, value: int) -> int:
     return lo
 
 
-def _rows_at_or_above(segments: list[_SealedFile], offset: int) -> int:
+def rows_at_or_above(segments: list[SealedFile], offset: int) -> int:
     total = 0
     for seg in segments:
         if seg.first >= offset:
@@ -213,15 +227,15 @@ def _rows_at_or_above(segments: list[_SealedFile], offset: int) -> int:
             if seg.rows == seg.last - seg.first + 1:
                 total += seg.last - offset + 1
             else:  # an accepted gap inside: count from the file
-                reader, _, _, rows = _open_segment(seg.path, seg.first, seg.last, None)
+                reader, _, _, rows = open_segment(seg.path, seg.first, seg.last, None)
                 check = _SegmentCheck(seg, rows, None)
                 for k in range(reader.num_record_batches):
                     seq = check.batch(reader, k).column(_SEQ_SPARK)
-                    total += len(seq) - _lower_bound(seq, offset)
+                    total += len(seq) - lower_bound(seq, offset)
     return total
 
 
-def _increasing(seq: pa.Array) -> bool:
+def increasing(seq: pa.Array) -> bool:
     n = len(seq)
     return n < 2 or bool(pc.all(pc.greater(seq.slice(1), seq.slice(0, n - 1))).as_py())
 
@@ -245,7 +259,7 @@ def _meta_int(path: Path, meta: Mapping[bytes, bytes], key: bytes, producer: str
     return int(raw)
 
 
-def _open_segment(
+def open_segment(
     path: Path, first: int, last: int, producer: str | None
 ) -> tuple[pa.ipc.RecordBatchFileReader, str, int, int]:
     """Open a segment and check its schema and metadata (cheap: the footer only).
@@ -308,7 +322,7 @@ class _SegmentCheck:
 
     __slots__ = ("contiguous", "next", "producer", "rows", "seen", "seg")
 
-    def __init__(self, seg: _SealedFile, rows: int, producer: str | None) -> None:
+    def __init__(self, seg: SealedFile, rows: int, producer: str | None) -> None:
         self.seg = seg
         self.producer = producer
         self.rows = rows
@@ -338,7 +352,7 @@ class _SegmentCheck:
             raise self._fail("seq", problem)
         # Without a gap, the endpoints place every row: the seqs of the rows handed out
         # are checked in rows_out. With one, finding a seq needs them all sorted.
-        if not self.contiguous and not _increasing(seq):
+        if not self.contiguous and not increasing(seq):
             raise self._fail("seq", f"batch {k}: seqs not strictly increasing")
         self.next = hi + 1
         self.seen += n
@@ -362,7 +376,7 @@ class _SegmentCheck:
         if self.contiguous:
             seq, m = part.column(_SEQ_SPARK), part.num_rows
             ends = (seq[0].as_py(), seq[m - 1].as_py())
-            if ends != (first, first + m - 1) or not _increasing(seq):
+            if ends != (first, first + m - 1) or not increasing(seq):
                 raise self._fail("seq", f"batch {k}: seqs from {first} not increasing by one")
         return part
 
@@ -375,7 +389,7 @@ class _SegmentCheck:
             raise self._fail("seq", problem)
 
 
-def _check_range(start_seq: int, end_seq: int, max_rows_per_batch: int) -> None:
+def check_range(start_seq: int, end_seq: int, max_rows_per_batch: int) -> None:
     for name, v in (("start_seq", start_seq), ("end_seq", end_seq)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise StorageInputError(name, v, "an int")
@@ -387,10 +401,10 @@ def _check_range(start_seq: int, end_seq: int, max_rows_per_batch: int) -> None:
         raise StorageInputError("max_rows_per_batch", max_rows_per_batch, "an int >= 1")
 
 
-_Plan = list[tuple[_SealedFile, pa.ipc.RecordBatchFileReader, int]]
+_Plan = list[tuple[SealedFile, pa.ipc.RecordBatchFileReader, int]]
 
 
-def _plan(producer: str, segments: list[_SealedFile], start: int, end: int) -> _Plan:
+def plan_read(producer: str, segments: list[SealedFile], start: int, end: int) -> _Plan:
     """Open the segments covering ``[start, end)``; raise if coverage has a hole."""
     plan: _Plan = []
     pos = start
@@ -399,7 +413,7 @@ def _plan(producer: str, segments: list[_SealedFile], start: int, end: int) -> _
         if pos >= end:
             break
         try:
-            reader, _, covers_from, rows = _open_segment(seg.path, seg.first, seg.last, producer)
+            reader, _, covers_from, rows = open_segment(seg.path, seg.first, seg.last, producer)
         except FileNotFoundError:
             raise MissingRangeError(producer, pos, min(end, seg.last + 1), "deleted") from None
         if seg.covers_from is not None and covers_from != seg.covers_from:
@@ -415,7 +429,7 @@ def _plan(producer: str, segments: list[_SealedFile], start: int, end: int) -> _
     return plan
 
 
-def _generate(
+def generate_batches(
     producer: str, plan: _Plan, start: int, end: int, max_rows: int
 ) -> Iterator[pa.RecordBatch]:
     ids = pa.repeat(pa.scalar(producer.encode("utf-8"), pa.binary()), min(max_rows, end - start))
@@ -431,7 +445,7 @@ def _generate(
                 continue
             if seq[0].as_py() >= end:
                 return
-            lo, hi = _lower_bound(seq, start), _lower_bound(seq, end)
+            lo, hi = lower_bound(seq, start), lower_bound(seq, end)
             base = seq[0].as_py()
             batch = batch.replace_schema_metadata(None)
             for off in range(lo, hi, max_rows):
@@ -439,7 +453,7 @@ def _generate(
         check.end(batches)
 
 
-def _write_sealed(
+def write_sealed(
     folder: Path,
     producer: str,
     id_scalar: pa.Scalar,
@@ -447,15 +461,15 @@ def _write_sealed(
     covers_from: int,
     batch_rows: int,
     sync: bool,
-) -> _SealedFile:
+) -> SealedFile:
     """Write ``batches`` (:data:`WAL_SCHEMA`, seqs increasing) of ``producer`` as one
     sealed segment in ``folder``: to a temporary name, synced, renamed, the folder synced
     (``sync``). ``id_scalar`` is the producer id as an Arrow string scalar; batches in the
     file hold ``batch_rows`` rows (fewer past 64 MiB).
     """
     rows = sum(b.num_rows for b in batches)
-    first = batches[0].column(_SEQ_WAL)[0].as_py()
-    last = batches[-1].column(_SEQ_WAL)[-1].as_py()
+    first = batches[0].column(SEQ_WAL)[0].as_py()
+    last = batches[-1].column(SEQ_WAL)[-1].as_py()
     final = folder / f"{first:020d}-{last:020d}.arrow"
     tmp = folder / f".{final.name}.tmp"
     schema = SPARK_SCHEMA.with_metadata(
@@ -476,11 +490,11 @@ def _write_sealed(
             fsync_file(tmp)
         os.replace(tmp, final)
     except BaseException:
-        _unlink(tmp)  # the records stay in the tail and the WAL; the next seal retries
+        unlink_quiet(tmp)  # the records stay in the tail and the WAL; the next seal retries
         raise
     if sync:
         fsync_dir(folder)
-    return _SealedFile(first, last, covers_from, rows, final, final.stat().st_size)
+    return SealedFile(first, last, covers_from, rows, final, final.stat().st_size)
 
 
 def _regroup(
@@ -512,6 +526,6 @@ def _combine(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
     return combined
 
 
-def _unlink(path: Path) -> None:
+def unlink_quiet(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)

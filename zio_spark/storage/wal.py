@@ -12,7 +12,7 @@
 ``covers_from`` is the producer's next expected sequence number before the append. How
 the spool scans these files on open, and what it does with a torn record, is in
 :mod:`zio_spark.storage.spool`. Here: the :class:`Record` tuple appends take, building
-the WAL batch from records, encoding and decoding a record, and :class:`_Wal`, one open
+the WAL batch from records, encoding and decoding a record, and :class:`Wal`, one open
 file. The underscore names are the spool modules' own.
 """
 
@@ -35,9 +35,19 @@ import pyarrow as pa
 
 from zio_spark.codec.schema import HEADERS_TYPE, WAL_SCHEMA
 from zio_spark.errors import DataLossError, StorageInputError
-from zio_spark.storage.spool_sealed import _SEQ_WAL, _increasing
+from zio_spark.storage.spool_sealed import SEQ_WAL, increasing
 
-__all__ = ["Record"]
+__all__ = [
+    "PAD",
+    "WAL_RE",
+    "Record",
+    "Wal",
+    "WalEntry",
+    "WalScan",
+    "build_wal_batch",
+    "encode_wal_record",
+    "read_entry",
+]
 
 log = logging.getLogger("zio_spark.storage.spool")
 
@@ -45,11 +55,11 @@ _WAL_SCHEMA: Final = WAL_SCHEMA
 _WAL_MAGIC: Final = b"ZSW1"
 _WAL_HEADER: Final = struct.Struct("<4sIII")  # magic, payload length, crc32, reserved
 _WAL_PREFIX: Final = struct.Struct("<qII")  # covers_from, producer id length, reserved
-_WAL_RE: Final = re.compile(r"^(\d{20})\.wal$")
+WAL_RE: Final = re.compile(r"^(\d{20})\.wal$")
 _U64: Final = 1 << 64
 _I64_MIN: Final = -(1 << 63)
 _I64_MAX: Final = (1 << 63) - 1
-_PAD: Final = bytes(8)
+PAD: Final = bytes(8)
 
 
 class Record(NamedTuple):
@@ -80,15 +90,15 @@ class Record(NamedTuple):
     headers: Mapping[str, str] | None = None
 
 
-class _Entry(NamedTuple):
+class WalEntry(NamedTuple):
     """One append in the open tail: its WAL record, and how many of its rows are new."""
 
-    wal: _Wal
+    wal: Wal
     offset: int
     rows: int
 
 
-class _Wal:
+class Wal:
     """One WAL file. ``written`` changes under the spool's state lock; syncing and closing
     take ``sync_lock`` so a flush never syncs a descriptor that is being closed."""
 
@@ -154,7 +164,7 @@ def _int64_column_slow(values: tuple[Any, ...], name: str, type_: pa.DataType) -
     return pa.array(out, type_)
 
 
-def _build_wal_batch(cols: tuple[tuple[Any, ...], ...], n: int) -> pa.RecordBatch:
+def build_wal_batch(cols: tuple[tuple[Any, ...], ...], n: int) -> pa.RecordBatch:
     seqs, values, keys, origins, granules, stamps, headers = cols
     seq_array = _int64_column(seqs, "seq", pa.int64())
     if seq_array.null_count:
@@ -187,14 +197,14 @@ def _build_wal_batch(cols: tuple[tuple[Any, ...], ...], n: int) -> pa.RecordBatc
     )
 
 
-def _encode_wal_record(
+def encode_wal_record(
     wal_prefix: tuple[int, bytes], covers_from: int, batch: pa.RecordBatch
 ) -> list[Any]:
     """The pieces of one WAL record (``wal_prefix``: the producer id's length and padded
     bytes), for ``os.writev``."""
     id_len, id_padded = wal_prefix
     body = batch.serialize()
-    pad = _PAD[: -body.size % 8]
+    pad = PAD[: -body.size % 8]
     prefix = _WAL_PREFIX.pack(covers_from, id_len, 0) + id_padded
     length = len(prefix) + body.size + len(pad)
     if length > 0xFFFF_FFFF:
@@ -205,7 +215,7 @@ def _encode_wal_record(
     return [_WAL_HEADER.pack(_WAL_MAGIC, length, crc, 0), prefix, body, pad]
 
 
-def _read_entry(producer: str, entry: _Entry, maps: dict[Path, pa.Buffer]) -> pa.RecordBatch:
+def read_entry(producer: str, entry: WalEntry, maps: dict[Path, pa.Buffer]) -> pa.RecordBatch:
     data = maps.get(entry.wal.path)
     if data is None:
         data = maps[entry.wal.path] = pa.memory_map(str(entry.wal.path)).read_buffer()
@@ -265,8 +275,8 @@ def _decode_wal_record(
     if batch.num_rows == 0:
         return None
     if verify:
-        seq = batch.column(_SEQ_WAL)
-        if seq.null_count or seq[0].as_py() < covers_from or not _increasing(seq):
+        seq = batch.column(SEQ_WAL)
+        if seq.null_count or seq[0].as_py() < covers_from or not increasing(seq):
             return None
     return _WAL_HEADER.size + length, producer, covers_from, batch
 
@@ -284,7 +294,7 @@ def _next_wal_record(path: Path, data: pa.Buffer, off: int) -> int | None:
             pos += 1
 
 
-class _WalScan:
+class WalScan:
     """The records of a WAL file left by an earlier run, in file order: iterate for
     ``(offset, producer, covers_from, batch)``.
 
