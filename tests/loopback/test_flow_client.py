@@ -165,3 +165,54 @@ def test_one_loop_drives_a_server_and_two_clients_inline(ctx):
         srv.close()
         loop.close()
     assert srv.sockets() == [] and all(c.sockets() == [] for c in clients)
+
+
+class Diagnosed(Giver):
+    """Records what the monitor had seen when the BOT timed out."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.seen: list[Any] = []
+
+    def no_reply(self, conn: ClientFlow, timeout: float) -> tuple[str, bool]:
+        self.seen.append(conn.seen)
+        return f"silent ({conn.seen.handshake_error})", False
+
+
+@pytest.mark.parametrize("patient", [False, True])
+def test_a_refused_curve_handshake_fails_at_once_or_waits_to_be_diagnosed(ctx, patient):
+    _, server_secret = zmq.curve_keypair()
+    wrong_public, _ = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    port = ServerPort(ctx, linger_ms=0, curve_secret_key=server_secret)
+    endpoint = port.bind("tcp://127.0.0.1:*")
+    srv = FlowServer(port, lambda: Taker([], []), ctx=ctx).start()
+    handler = Diagnosed()
+    client = FlowClient(
+        endpoint,
+        handler,
+        ctx=ctx,
+        connect_timeout=0.5,
+        patient=patient,
+        port_options={
+            "curve_server_key": wrong_public,  # not the server's: the handshake fails
+            "curve_secret_key": client_secret,
+            "curve_public_key": client_public,
+        },
+        name="t",
+    ).start()
+    try:
+        if patient:
+            wait_until(lambda: client.stats["bot_timeouts"] >= 1, what="a BOT timeout")
+            seen = handler.seen[0]
+            assert not seen.handshaked and (seen.refused or seen.handshake_error)
+            assert client.stats["disconnects"] == 0
+        else:
+            wait_until(lambda: client.stats["disconnects"] >= 1, what="a disconnect")
+            assert client.last_error is not None
+            assert client.last_error.startswith("the connection closed before a BOT reply")
+            assert client.stats["unanswered"] >= 1
+        assert client.stats["flows"] == 0 and len(srv.flows) == 0
+    finally:
+        client.stop()
+        srv.stop()

@@ -656,7 +656,7 @@ class FlowClient:
         while monitor is not None and self.conn is conn and monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())["event"]
             if note_monitor_event(conn.seen, int(event), patient=self.patient):
-                if conn.flow.state is FlowState.BOT_SENT:
+                if conn.bot is None:  # before the server's BOT (or before ours went out)
                     self.stats["unanswered"] += 1
                     why = self.handler.closed_unanswered(conn)
                 else:
