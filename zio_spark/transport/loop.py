@@ -137,12 +137,14 @@ class Loop:
         self._poller.register(self.waker, zmq.POLLIN)
         self._polled: set[zmq.Socket[bytes]] = set()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
-        self._wait = tick
+        self._wait = 0.0  # the first turn does not wait: new parts tick at once
         self._stopping = False
 
     def add(self, part: LoopPart) -> None:
-        """Drive ``part`` from the next turn on (loop thread, or before the loop runs)."""
+        """Drive ``part`` from the next turn on (loop thread, or before the loop runs);
+        that turn polls without waiting, so the part's first tick comes at once."""
         self.parts.append(part)
+        self._wait = 0.0
 
     def remove(self, part: LoopPart) -> None:
         """Stop driving ``part`` (its sockets leave the poller at the next turn)."""
