@@ -241,3 +241,51 @@ def test_quarter_window_never_exceeds_the_window_and_never_stalls(
 @given(st.integers(0, 10**6))
 def test_auto_pay_hands_back_everything(held: int) -> None:
     assert AutoPay().to_pay(held) == held
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    max_backlog=st.integers(1, 3000),
+    windows=st.lists(st.integers(1, 50), min_size=2, max_size=4),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["dat", "commit", "pay"]), st.integers(0, 3), st.integers(0, 500)
+        ),
+        max_size=150,
+    ),
+)
+def test_flows_sharing_a_partition_keep_its_bound_together(
+    max_backlog: int, windows: list[int], steps: list[tuple[str, int, int]]
+) -> None:
+    """Plain clients of a bound port that share a partition: each flow is paid by the
+    rule with the partition's total outstanding credit (as the receiver's turn sums it),
+    so their DATs together never take the backlog past maxBacklog."""
+    rule = BacklogCredit(max_backlog, dat_records_for(max_backlog, 4096))
+    held = list(windows)
+    out = [0] * len(windows)
+    backlog = 0
+
+    def pay_all() -> None:
+        total = sum(out)
+        for i in range(len(held)):
+            p = rule.pay(
+                held=held[i],
+                backlog=backlog,
+                outstanding=total,
+                flow_outstanding=out[i],
+                arrow=False,
+                seen=0,
+            )
+            held[i], out[i], total = held[i] - p.amount, out[i] + p.amount, total + p.amount
+
+    pay_all()
+    for kind, flow, n in steps:
+        i = flow % len(held)
+        if kind == "dat" and out[i] > 0:
+            out[i], held[i], backlog = out[i] - 1, held[i] + 1, backlog + 1
+        elif kind == "commit":
+            backlog -= min(n, backlog)
+        elif kind == "pay":
+            pay_all()
+        assert backlog + sum(out) <= max_backlog
+        assert all(h + o == w for h, o, w in zip(held, out, windows, strict=True))
