@@ -5,6 +5,8 @@ no empty partition, the step and the row limits honoured, ends never go back).""
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -233,3 +235,188 @@ def test_extend_plain_properties(sealed, committed, budget, plain):
     if budget is not None:
         taken = sum(got.ends[p] - got.starts[p] for p in got.ends)
         assert got.budget == budget - taken >= 0
+
+
+# -- completeness (availableNow) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flow:
+    endpoint: str
+    producer: str | None = None
+    state: str = "receiving"
+    ack_capable: bool = False
+    encoding: str = "plain"
+    records: int = 0
+    last_error: str | None = None
+    idle: bool = False
+    position: int | None = None
+    flows: int = 1
+    last_data: float = 0.0
+
+
+def _view(now: float, *status: Flow, **kw: Any) -> plan.RunView:
+    kw.setdefault("positions", {})
+    kw.setdefault("stored", {})
+    kw.setdefault("looked_at", now)
+    return plan.RunView(now=now, started_at=0.0, status=status, **kw)
+
+
+def _check(c: plan.Completeness, view: plan.RunView, **kw: Any) -> plan.Verdict:
+    kw.setdefault("plain", True)
+    kw.setdefault("strict", True)
+    return c.check(view, **kw)
+
+
+def test_no_producer_is_awaited_for_reach_then_a_problem():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    assert _check(c, _view(4.0)).awaited == ["no producer yet"]
+    late = _check(c, _view(6.0, bound=("tcp://*:5555",)))
+    assert late.awaited == []
+    assert late.problems[0][0] == "(none)" and "tcp://*:5555" in late.problems[0][1]
+    # With a shorter reach (a stream's first batch), and not strict: nothing reported.
+    quiet = _check(c, _view(2.0), strict=False, reach=1.0)
+    assert quiet == plan.Verdict()
+
+
+def test_an_endpoint_without_a_flow_is_awaited_then_named_with_what_the_socket_saw():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    ep = Flow("tcp://h:1", state="connecting", flows=0)
+    assert _check(c, _view(1.0, ep)).awaited == ["tcp://h:1: no flow yet"]
+    v = _check(c, _view(9.0, ep, why_no_flow=lambda e: f"{e} refused"))
+    assert v.awaited == [] and v.problems[0][0] == "tcp://h:1"
+    assert "(tcp://h:1 refused)" in v.problems[0][1]
+    # A failed connection is reported at once; warned, not raised, on a first batch.
+    failed = Flow("tcp://h:1", state="failed", flows=0, last_error="boom")
+    w = _check(c, _view(1.0, failed), strict=False, warn=True)
+    assert w.problems == [] and "(boom)" in w.warnings[0][1]
+
+
+def test_a_stating_producer_is_done_by_its_position_or_more_false():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    p = Flow("tcp://h:1", "p", position=10, ack_capable=True)
+    assert _check(c, _view(1.0, p, positions={"p": 10}, stored={"p": 7})).awaited == [
+        "p: 7 of its 10 stored"
+    ]
+    assert _check(c, _view(1.0, p, positions={"p": 10}, stored={"p": 10})).awaited == []
+    idle = replace(p, idle=True)  # more: false with all it sent stored
+    assert _check(c, _view(1.0, idle, positions={"p": 10}, stored={"p": 7})).awaited == []
+
+
+def test_a_stating_producer_whose_flow_is_down_is_awaited_connect_timeout_then_reported():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    down = Flow("tcp://h:1", "p", state="failed", position=10, last_error="gone")
+    view = {"positions": {"p": 10}, "stored": {"p": 7}}
+    assert _check(c, _view(10.0, down, **view)).awaited == ["p: 7 of its 10 stored, flow down"]
+    assert _check(c, _view(15.0, down, **view)).awaited  # 5 s: not more than the timeout
+    v = _check(c, _view(15.5, down, **view))
+    assert v.awaited == [] and v.problems[0][0] == "p" and "(gone)" in v.problems[0][1]
+    # Not strict (a first batch): a warning, whatever ``warn`` says.
+    c2 = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    _check(c2, _view(10.0, down, **view), strict=False)
+    assert _check(c2, _view(16.0, down, **view), strict=False).warnings[0][0] == "p"
+    # Back to receiving: the down clock starts again.
+    _check(c2, _view(17.0, replace(down, state="receiving"), **view), strict=False)
+    assert _check(c2, _view(18.0, down, **view), strict=False).warnings == []
+
+
+def test_a_plain_giver_is_done_after_plain_giver_quiet_while_holding_credit():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    g = Flow("tcp://h:1", "g", records=50, last_data=10.0)
+    assert _check(c, _view(11.0, g)).awaited == ["tcp://h:1: plain giver, quiet 1.0 s"]
+    v = _check(c, _view(12.5, g))
+    assert v.awaited == [] and v.done_quiet == [("tcp://h:1", 2.5, 50)]
+    # Not asked about plain givers (a 4.2+ first batch): not awaited at all.
+    assert _check(c, _view(11.0, g), plain=False).awaited == []
+
+
+def test_quiet_counts_only_from_when_max_backlog_stopped_withholding_credit():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    g = Flow("tcp://h:1", "g", records=50, last_data=10.0)
+    # Held back at 20 (withheld time moved): quiet starts again from 20.
+    held = _view(20.0, g, held_back=frozenset({"g"}), withheld_ms={"g": 300})
+    assert _check(c, held).awaited == ["tcp://h:1: plain giver, quiet 0.0 s"]
+    assert _check(c, _view(21.0, g, withheld_ms={"g": 300})).awaited
+    assert _check(c, _view(22.5, g, withheld_ms={"g": 300})).awaited == []
+
+
+def test_a_plain_giver_that_gave_nothing_is_a_problem():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    v = _check(c, _view(3.0, Flow("tcp://h:1", "g", records=0)))
+    assert v.awaited == [] and "gave nothing" in v.problems[0][1]
+
+
+def test_a_zio_spark_giver_stating_no_position_ends_by_more_false_or_eot_never_by_quiet():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    g = Flow("tcp://h:1", "z", ack_capable=True, records=9)
+    assert _check(c, _view(4.0, g)).awaited == [
+        "tcp://h:1: zio-spark giver, until more:false or EOT"
+    ]
+    v = _check(c, _view(5.0, g))
+    assert v.awaited == [] and "neither said it had no more" in v.problems[0][1]
+    assert _check(c, _view(9.0, replace(g, idle=True))) == plan.Verdict()
+
+
+def test_cap_stops_awaiting_a_flow_still_giving_and_warns():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    g = Flow("tcp://h:1", "g", records=5, last_data=0.0)
+    assert _check(c, _view(1.0, g, looked_at=0.5), strict=False, cap=5).awaited
+    v = _check(c, _view(6.5, replace(g, last_data=6.4), looked_at=6.4), strict=False, cap=5)
+    assert v.awaited == [] and "was still giving 5 s" in v.warnings[0][1]
+
+
+def test_a_named_giver_client_whose_flow_failed_is_awaited_connect_timeout():
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    gone = Flow("tcp://peer:9", "cli", state="failed", last_error="reset")
+    assert _check(c, _view(1.0, gone)).awaited == ["cli: giver client's flow dropped, awaiting it"]
+    v = _check(c, _view(6.5, gone))
+    assert v.problems == [("client:cli", v.problems[0][1])] and "(reset)" in v.problems[0][1]
+    # Back with a live flow: not awaited; a plain client (origin:<n>) never is.
+    back = Flow("tcp://peer:10", "cli", records=3, last_data=6.5)
+    assert "cli: giver client" not in " ".join(_check(c, _view(7.0, gone, back)).awaited)
+    anon = Flow("tcp://peer:11", "origin:3", state="failed")
+    assert _check(c, _view(1.0, anon)).awaited == []
+    # An endpoint we connect to is not a giver client (its own rules apply).
+    mine = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    assert _check(mine, _view(1.0, gone, named=frozenset({"tcp://peer:9"}))).awaited == []
+
+
+_FLOWS = st.builds(
+    Flow,
+    endpoint=st.sampled_from(["tcp://a:1", "tcp://b:2", "tcp://c:3"]),
+    producer=st.sampled_from([None, "p", "q", "origin:1"]),
+    state=st.sampled_from(["connecting", "receiving", "ended", "failed", "waiting"]),
+    ack_capable=st.booleans(),
+    records=st.integers(0, 5),
+    idle=st.booleans(),
+    position=st.none() | st.integers(0, 20),
+    flows=st.integers(0, 2),
+    last_data=st.floats(0, 30),
+)
+
+
+@given(
+    st.lists(_FLOWS, max_size=4),
+    st.dictionaries(st.sampled_from("pq"), st.integers(0, 20)),
+    st.dictionaries(st.sampled_from("pq"), st.integers(0, 20)),
+    st.floats(0, 30),
+    st.booleans(),
+    st.booleans(),
+)
+def test_completeness_properties(flows, positions, stored, now, plain, strict):
+    c = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    v = c.check(_view(now, *flows, positions=positions, stored=stored), plain=plain, strict=strict)
+    # A producer that stated a position and has it all stored is never awaited.
+    for p, pos in positions.items():
+        if stored.get(p, 0) >= pos:
+            assert not any(a.startswith(f"{p}: {stored.get(p, 0)} of its") for a in v.awaited)
+    # Not strict: no problems (a first batch only warns).
+    if not strict:
+        assert v.problems == []
+    # The same look gives the same answer to a new run (decided by state, not by luck).
+    again = plan.Completeness(connect_timeout=5, plain_giver_quiet=2)
+    view = _view(now, *flows, positions=positions, stored=stored)
+    assert again.check(view, plain=plain, strict=strict) == v
+    # Every flow ended and nothing stated: nothing left to wait for.
+    if flows and all(f.state == "ended" for f in flows) and not positions:
+        assert v.awaited == []

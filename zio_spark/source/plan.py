@@ -14,18 +14,28 @@ start at 1). The stream reader (:mod:`zio_spark.spark.source`) asks here:
 
 The batch reader uses :func:`take_rows` for ``maxRecords`` and :func:`extend_plain`
 for the plain givers' records that arrived until their flows ended.
+
+Whether an availableNow run has all the producers held when it started is decided by
+:class:`Completeness` from a :class:`RunView` (one look at the receiver and the spool,
+taken by the runner): a :class:`Verdict` of what is still awaited and what the run goes
+on without; the reader raises or logs those.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 __all__ = [
     "STEP",
+    "Completeness",
+    "FlowView",
     "PlainTake",
     "Range",
+    "RunView",
+    "Verdict",
     "base",
     "extend_plain",
     "is_step",
@@ -189,3 +199,293 @@ def extend_plain(
         if more > take:
             left[p] = more - take
     return PlainTake(new_starts, new_ends, budget, left)
+
+
+# -- availableNow: which producers are done ----------------------------------------------
+
+
+class FlowView(Protocol):
+    """What completeness reads of one flow endpoint (the receiver's ``PeerStatus``)."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def producer(self) -> str | None: ...
+    @property
+    def state(self) -> str: ...  # connecting | receiving | ended | failed | waiting
+    @property
+    def ack_capable(self) -> bool: ...
+    @property
+    def encoding(self) -> str: ...
+    @property
+    def records(self) -> int: ...
+    @property
+    def last_error(self) -> str | None: ...
+    @property
+    def idle(self) -> bool: ...
+    @property
+    def position(self) -> int | None: ...
+    @property
+    def flows(self) -> int: ...
+    @property
+    def last_data(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class RunView:
+    """One look at the receiver and the spool, taken by the runner (the receiver's
+    clock throughout)."""
+
+    now: float
+    started_at: float  # when the receiver started
+    looked_at: float  # when its loop last looked at its sockets
+    status: Sequence[FlowView]
+    positions: Mapping[str, int]  # per producer: the position it stated
+    stored: Mapping[str, int]  # per stating producer: the last seq in the spool
+    named: frozenset[str] = frozenset()  # the endpoints we connect to (not bound ports')
+    bound: tuple[str, ...] = ()  # our bound endpoints
+    held_back: frozenset[str] = frozenset()  # producers maxBacklog holds back now
+    withheld_ms: Mapping[str, int] = field(default_factory=dict)  # credit withheld so far
+    # Why an endpoint has no flow (what its socket saw), asked only when it matters.
+    why_no_flow: Callable[[str], str | None] = lambda endpoint: None
+
+
+@dataclass
+class Verdict:
+    """What completeness found: what the run still waits for, and what it goes on
+    without, as ``(key, text)`` (the caller raises or logs each key once)."""
+
+    awaited: list[str] = field(default_factory=list)
+    # Strict: the run is incomplete (an error with failOnDataLoss, else logged).
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    # The first batch goes on without these (a WARN).
+    warnings: list[tuple[str, str]] = field(default_factory=list)
+    # Information: a plain giver taken as done (its endpoint, quiet s, records).
+    done_quiet: list[tuple[str, float, int]] = field(default_factory=list)
+
+
+class Completeness:
+    """Whether the producers gave what they held when an availableNow run started,
+    decided by protocol state (:meth:`check`); keeps since when each flow is down,
+    quiet or first seen, across the checks of one run."""
+
+    def __init__(self, connect_timeout: float, plain_giver_quiet: float) -> None:
+        self.connect_timeout = connect_timeout
+        self.plain_giver_quiet = plain_giver_quiet
+        self.down: dict[str, float] = {}
+        self.first_seen: dict[str, float] = {}
+        self._held_at: dict[str, float] = {}
+        self._withheld_ms: dict[str, int] = {}
+
+    def _held(self, view: RunView) -> dict[str, float]:
+        """Per producer: when it last held no credit from us (maxBacklog withheld it).
+        A giver cannot give without credit: its quiet counts only from then on."""
+        for p, ms in view.withheld_ms.items():
+            if p in view.held_back or ms != self._withheld_ms.get(p, 0):
+                self._withheld_ms[p] = ms
+                self._held_at[p] = view.now
+        return self._held_at
+
+    def check(
+        self,
+        view: RunView,
+        *,
+        plain: bool,
+        strict: bool,
+        reach: float | None = None,
+        warn: bool = False,
+        cap: float | None = None,
+    ) -> Verdict:
+        """What the producers still owe the run (``awaited`` empty: every one gave what
+        it held when the run started):
+
+        - an endpoint with no flow yet is awaited for ``reach`` s (default
+          ``connectTimeout``) from the start; then (``strict``) it is a problem naming it
+          and what the socket saw;
+        - a producer that stated its position is awaited until the spool holds every
+          record up to it or it said ``more: false`` with all it sent stored; an EOT
+          short of that or a flow down is awaited for ``connectTimeout``, then it is a
+          problem (``strict``) or a warning;
+        - (``plain``) a plain giver (it states nothing) is awaited until it ends (EOT),
+          or brings nothing for ``plainGiverQuiet`` while it holds credit from us (the
+          quiet clock starts again when maxBacklog stops withholding its credit); quiet
+          with nothing received at all is a problem;
+        - (``plain``) a zio-spark giver that states no position is awaited until
+          ``more: false`` or EOT; quiet for ``connectTimeout`` is a problem. One whose
+          flow failed, and that named itself (a producer id), is awaited for
+          ``connectTimeout`` to come back, then it is a problem;
+        - ``cap``: a flow stating no position that is still giving ``cap`` s after it
+          was first seen is no longer awaited (a warning: Spark 4.0/4.1's one batch).
+
+        Problems are reported with ``strict``; with ``warn`` (not ``strict``) they are
+        warnings; otherwise they are not reported (the endpoint is just not awaited).
+        """
+        out = Verdict()
+        now, status = view.now, view.status
+        age = now - view.started_at
+        reach = self.connect_timeout if reach is None else reach
+
+        def short(key: str, text: str) -> None:
+            if strict:
+                out.problems.append((key, text))
+            elif warn:
+                out.warnings.append((key, text))
+
+        for st in status:
+            if st.flows or st.state in ("receiving", "ended"):
+                continue
+            if st.state == "failed" or age > reach:
+                why = view.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
+                short(
+                    st.endpoint,
+                    f"zio source: producer {st.endpoint} was not reachable during this "
+                    f"availableNow run ({why}); its records are not in this run. Start "
+                    "it (or fix the endpoint), or set failOnDataLoss=false to end the "
+                    "run without it",
+                )
+                continue
+            out.awaited.append(f"{st.endpoint}: no flow yet")
+        if not status:
+            if age <= reach:
+                out.awaited.append("no producer yet")
+            else:
+                where = ", ".join(view.bound) or "the group"
+                short(
+                    "(none)",
+                    f"zio source: no producer reached this availableNow run within "
+                    f"connectTimeout {self.connect_timeout:g} s (listening on {where}); "
+                    "start the producers first, or raise connectTimeout",
+                )
+        self._stated(view, strict, out)
+        if not plain:
+            return out
+        self._unstated(view, cap, short, out)
+        self._dropped_clients(view, short, out)
+        return out
+
+    def _stated(self, view: RunView, strict: bool, out: Verdict) -> None:
+        """Producers that stated their position: done by their own statements only (an
+        EOT short of the position, a closed or restarting producer, is a flow down)."""
+        now = view.now
+        for producer, pos in sorted(view.positions.items()):
+            stored = view.stored.get(producer, 0)
+            mine = [st for st in view.status if st.producer == producer]
+            if stored >= pos or any(st.idle for st in mine):
+                self.down.pop(producer, None)
+                continue
+            if any(st.state == "receiving" for st in mine):
+                self.down.pop(producer, None)
+                out.awaited.append(f"{producer}: {stored} of its {pos} stored")
+                continue
+            since = self.down.setdefault(producer, now)
+            if now - since > self.connect_timeout:
+                errors = "; ".join(st.last_error or st.state for st in mine) or "no flow"
+                where = ", ".join(sorted({st.endpoint for st in mine})) or "no endpoint"
+                text = (
+                    f"zio source: producer {producer} ({where}) stated it held records up "
+                    f"to {pos} when the run started; the spool holds up to {stored}, and "
+                    f"its flow has been down (or ended short) for {now - since:.0f} s "
+                    f"({errors}). Restart the producer, or set failOnDataLoss=false to "
+                    "end the run without them"
+                )
+                # The first batch: not awaited any longer, never silently.
+                (out.problems if strict else out.warnings).append((producer, text))
+                continue
+            out.awaited.append(f"{producer}: {stored} of its {pos} stored, flow down")
+
+    def _unstated(
+        self,
+        view: RunView,
+        cap: float | None,
+        short: Callable[[str, str], None],
+        out: Verdict,
+    ) -> None:
+        """Flows that state no position: plain givers and zio-spark giver clients."""
+        now = view.now
+        held_at = self._held(view)
+        for st in view.status:
+            if st.state != "receiving" or st.position is not None or st.idle:
+                continue
+            # Quiet counts only while it holds credit from us: a giver held back by
+            # maxBacklog (while Spark runs a step batch) cannot give.
+            since = max(st.last_data, held_at.get(st.producer or st.endpoint, st.last_data))
+            quiet = max(view.looked_at - since, 0.0)
+            ours = st.ack_capable or st.encoding == "arrow"
+            kind = "zio-spark giver" if ours else "plain giver"
+            if cap is not None:
+                first = self.first_seen.setdefault(st.endpoint, now)
+                if now - first > cap:
+                    out.warnings.append(
+                        (
+                            st.endpoint,
+                            f"zio source: {kind} {st.endpoint} was still giving {cap:g} s "
+                            f"(connectTimeout) after its flow started, {st.records} records "
+                            "so far; the first batch takes what is stored. On Spark 4.0/4.1 "
+                            "an availableNow run is this one batch: its later records are "
+                            "not in it",
+                        )
+                    )
+                    continue
+            if ours:
+                # It ends by its own statement (more: false) or EOT, never by quiet.
+                if quiet < self.connect_timeout:
+                    out.awaited.append(f"{st.endpoint}: {kind}, until more:false or EOT")
+                    continue
+                short(
+                    st.endpoint,
+                    f"zio source: {kind} {st.endpoint} (producer {st.producer}) brought "
+                    f"nothing for {quiet:.0f} s (connectTimeout {self.connect_timeout:g} "
+                    f"s) after {st.records} records while holding credit, and neither "
+                    "said it had no more (more: false) nor ended its flow (EOT). Check "
+                    "the producer, or set failOnDataLoss=false to end the run without it",
+                )
+                continue
+            if quiet < self.plain_giver_quiet:
+                out.awaited.append(f"{st.endpoint}: plain giver, quiet {quiet:.1f} s")
+                continue
+            if st.records == 0:
+                short(
+                    st.endpoint,
+                    f"zio source: plain giver {st.endpoint} answered our BOT but gave "
+                    f"nothing within plainGiverQuiet {self.plain_giver_quiet:g} s; a "
+                    "plain giver cannot state what it holds, so this run would end "
+                    "with none of its records. Raise plainGiverQuiet if it is slow to "
+                    "start, or set failOnDataLoss=false to accept an empty run",
+                )
+                continue
+            out.done_quiet.append((st.endpoint, quiet, st.records))
+
+    def _dropped_clients(
+        self, view: RunView, short: Callable[[str, str], None], out: Verdict
+    ) -> None:
+        """Bind mode: a giver client that named itself (a producer id) and whose latest
+        flow failed is awaited for ``connectTimeout`` to come back (it reconnects), then
+        ``short`` says so. A plain client (``origin:<n>``) cannot resume: not awaited."""
+        now = view.now
+        live = {st.producer for st in view.status if st.state == "receiving"}
+        latest: dict[str, FlowView] = {}
+        for st in view.status:  # live flows first, then the ended ones in the order they ended
+            p = st.producer
+            if st.endpoint in view.named or p is None or p.startswith("origin:"):
+                continue
+            if p in view.positions:
+                continue
+            if st.state != "receiving":
+                latest[p] = st
+        for producer, st in sorted(latest.items()):
+            key = f"client:{producer}"
+            if producer in live or st.state != "failed" or st.idle:
+                self.down.pop(key, None)
+                continue
+            since = self.down.setdefault(key, now)
+            if now - since > self.connect_timeout:
+                short(
+                    key,
+                    f"zio source: giver client {st.endpoint} (producer {producer}) "
+                    f"dropped its flow ({st.last_error}) and did not come back within "
+                    f"connectTimeout {self.connect_timeout:g} s; records it still "
+                    "held are not in this run. Restart it, or set failOnDataLoss=false "
+                    "to end the run without it",
+                )
+                continue
+            out.awaited.append(f"{producer}: giver client's flow dropped, awaiting it")

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import SourceOptions
 from zio_spark.source import plan
-from zio_spark.source.receiver import PeerStatus, Receiver
+from zio_spark.source.receiver import Receiver
 from zio_spark.source.sealer import Sealer
 from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_host, fetch_range
 from zio_spark.spark import compat
@@ -239,19 +239,18 @@ _FIRST_WAIT = 1.0
 
 
 class _RunState:
-    """What a run's completeness checks said already (each problem and note once), and
-    since when a stating producer's flow is down."""
+    """One run's completeness rules (:class:`~zio_spark.source.plan.Completeness`, made
+    on first use) and what its checks said already (each problem and note once)."""
 
     def __init__(self) -> None:
-        self.down: dict[str, float] = {}
         self._said: set[str] = set()
         self._progress_at = 0.0
-        # Per producer: the receiver clock when it was last seen holding no credit from
-        # us (maxBacklog), and the withheld time last read (a spell between two looks).
-        self._held_at: dict[str, float] = {}
-        self._withheld_ms: dict[str, int] = {}
-        # Per flow stating no position: when it was first seen giving (the one-batch cap).
-        self.first_seen: dict[str, float] = {}
+        self._rules: plan.Completeness | None = None
+
+    def completeness(self, opts: SourceOptions) -> plan.Completeness:
+        if self._rules is None:
+            self._rules = plan.Completeness(opts.connect_timeout, opts.plain_giver_quiet)
+        return self._rules
 
     def problem(self, key: str, text: str, fail: bool) -> None:
         """An incomplete run: raise (``failOnDataLoss``), else log it once."""
@@ -267,17 +266,6 @@ class _RunState:
         if f"problem:{key}" not in self._said:
             self._said.add(f"problem:{key}")
             log.warning("%s (the first batch goes on without them)", text)
-
-    def held_at(self, recv: Receiver, now: float) -> dict[str, float]:
-        """Per producer: when it last held no credit from us (maxBacklog withheld it).
-        A giver cannot give without credit: its quiet counts only from then on."""
-        held = set(recv.held_back())
-        for p, h in recv.holdups().items():
-            ms = h.get("withheldMs", 0)
-            if p in held or ms != self._withheld_ms.get(p, 0):
-                self._withheld_ms[p] = ms
-                self._held_at[p] = now
-        return self._held_at
 
     def once(self, key: str, fmt: str, *args: object) -> None:
         if f"note:{key}" not in self._said:
@@ -409,202 +397,50 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         cap: float | None = None,
     ) -> list[str]:
         """What the producers still owe the run (empty: every one gave what it held when
-        the run started), decided by protocol state:
+        the run started), decided by protocol state: see
+        :meth:`Completeness.check <zio_spark.source.plan.Completeness.check>`.
 
-        - an endpoint with no flow yet is awaited for ``reach`` s (default
-          ``connectTimeout``) from the start; then (``strict``) it is an error naming it
-          and what the socket saw;
-        - a producer that stated its position (``last`` in its BOT reply) is awaited
-          until the spool holds every record up to it or it said ``more: false`` with
-          all it sent stored; an EOT short of that (``close(flush=False)``, a restart)
-          or a flow down is awaited for ``connectTimeout``, then (``strict``) an error;
-        - (``plain``) a plain giver (no acks, no zio-spark profile: it states nothing)
-          is awaited until it ends (EOT), or brings nothing for ``plainGiverQuiet``
-          while it holds credit from us (logged; the quiet clock starts again when
-          maxBacklog stops withholding its credit); quiet with nothing received at all
-          is (``strict``) an error;
-        - (``plain``) a zio-spark giver that states no position (a client of a bound
-          port: its BOT comes before our reply settles its numbering) is awaited until
-          ``more: false`` or EOT; quiet for ``connectTimeout`` is (``strict``) an error.
-          One whose flow failed, and that named itself (a producer id), is awaited for
-          ``connectTimeout`` to come back, then (``strict``) an error;
-        - ``cap``: a flow stating no position that is still giving ``cap`` s after it
-          was first seen is no longer awaited (a WARN; Spark 4.0/4.1's one batch).
-
-        Errors are raised with ``failOnDataLoss`` (the default), else logged once; with
-        ``warn`` (not ``strict``) each is logged once as a WARN.
+        Its problems are raised with ``failOnDataLoss`` (the default), else logged once;
+        its warnings are logged once as a WARN.
         """
-        recv, opts, state = rt.receiver, self.opts, self._run_state
+        recv, state = rt.receiver, self._run_state
         now = recv.clock()
         status = recv.status()
         positions = recv.stated_positions()
-        age = now - recv.started_at
-        reach = opts.connect_timeout if reach is None else reach
-        out: list[str] = []
-
-        def short(key: str, text: str) -> None:
-            if strict:
-                state.problem(key, text, opts.fail_on_data_loss)
-            elif warn:
-                state.warn(key, text)
-
-        for st in status:
-            if st.flows or st.state in ("receiving", "ended"):
-                continue
-            if st.state == "failed" or age > reach:
-                why = recv.why_no_flow(st.endpoint) or st.last_error or "no BOT answered ours"
-                short(
-                    st.endpoint,
-                    f"zio source: producer {st.endpoint} was not reachable during this "
-                    f"availableNow run ({why}); its records are not in this run. Start "
-                    "it (or fix the endpoint), or set failOnDataLoss=false to end the "
-                    "run without it",
-                )
-                continue
-            out.append(f"{st.endpoint}: no flow yet")
-        if not status:
-            if age <= reach:
-                out.append("no producer yet")
-            else:
-                where = ", ".join(recv.bound_endpoints()) or "the group"
-                short(
-                    "(none)",
-                    f"zio source: no producer reached this availableNow run within "
-                    f"connectTimeout {opts.connect_timeout:g} s (listening on {where}); "
-                    "start the producers first, or raise connectTimeout",
-                )
-        for producer, pos in sorted(positions.items()):
-            stored = rt.spool.next_seq(producer) - 1
-            mine = [st for st in status if st.producer == producer]
-            # Done by its own statements only: an EOT short of its position (a producer
-            # closed without flushing, or restarting) is a flow down, not the end.
-            if stored >= pos or any(st.idle for st in mine):
-                state.down.pop(producer, None)
-                continue
-            if any(st.state == "receiving" for st in mine):
-                state.down.pop(producer, None)
-                out.append(f"{producer}: {stored} of its {pos} stored")
-                continue
-            since = state.down.setdefault(producer, now)
-            if now - since > opts.connect_timeout:
-                errors = "; ".join(st.last_error or st.state for st in mine) or "no flow"
-                where = ", ".join(sorted({st.endpoint for st in mine})) or "no endpoint"
-                text = (
-                    f"zio source: producer {producer} ({where}) stated it held records up "
-                    f"to {pos} when the run started; the spool holds up to {stored}, and "
-                    f"its flow has been down (or ended short) for {now - since:.0f} s "
-                    f"({errors}). Restart the producer, or set failOnDataLoss=false to "
-                    "end the run without them"
-                )
-                if strict:
-                    state.problem(producer, text, opts.fail_on_data_loss)
-                else:  # the first batch: not awaited any longer, never silently
-                    state.warn(producer, text)
-                continue
-            out.append(f"{producer}: {stored} of its {pos} stored, flow down")
-        if not plain:
-            return out
-        held_at = state.held_at(recv, now)
-        for st in status:
-            if st.state != "receiving" or st.position is not None or st.idle:
-                continue
-            # Quiet counts only while it holds credit from us: a giver held back by
-            # maxBacklog (while Spark runs a step batch) cannot give.
-            since = max(st.last_data, held_at.get(st.producer or st.endpoint, st.last_data))
-            quiet = max(recv.looked_at - since, 0.0)
-            ours = st.ack_capable or st.encoding == "arrow"
-            kind = "zio-spark giver" if ours else "plain giver"
-            if cap is not None:
-                first = state.first_seen.setdefault(st.endpoint, now)
-                if now - first > cap:
-                    state.warn(
-                        st.endpoint,
-                        f"zio source: {kind} {st.endpoint} was still giving {cap:g} s "
-                        f"(connectTimeout) after its flow started, {st.records} records "
-                        "so far; the first batch takes what is stored. On Spark 4.0/4.1 "
-                        "an availableNow run is this one batch: its later records are "
-                        "not in it",
-                    )
-                    continue
-            if ours:
-                # It ends by its own statement (more: false) or EOT, never by quiet.
-                if quiet < opts.connect_timeout:
-                    out.append(f"{st.endpoint}: {kind}, until more:false or EOT")
-                    continue
-                short(
-                    st.endpoint,
-                    f"zio source: {kind} {st.endpoint} (producer {st.producer}) brought "
-                    f"nothing for {quiet:.0f} s (connectTimeout {opts.connect_timeout:g} "
-                    f"s) after {st.records} records while holding credit, and neither "
-                    "said it had no more (more: false) nor ended its flow (EOT). Check "
-                    "the producer, or set failOnDataLoss=false to end the run without it",
-                )
-                continue
-            if quiet < opts.plain_giver_quiet:
-                out.append(f"{st.endpoint}: plain giver, quiet {quiet:.1f} s")
-                continue
-            if st.records == 0:
-                short(
-                    st.endpoint,
-                    f"zio source: plain giver {st.endpoint} answered our BOT but gave "
-                    f"nothing within plainGiverQuiet {opts.plain_giver_quiet:g} s; a "
-                    "plain giver cannot state what it holds, so this run would end "
-                    "with none of its records. Raise plainGiverQuiet if it is slow to "
-                    "start, or set failOnDataLoss=false to accept an empty run",
-                )
-                continue
+        stored = {p: rt.spool.next_seq(p) - 1 for p in positions}
+        held_back = frozenset(recv.held_back())
+        withheld = {p: h.get("withheldMs", 0) for p, h in recv.holdups().items()}
+        view = plan.RunView(
+            now=now,
+            started_at=recv.started_at,
+            looked_at=recv.looked_at,
+            status=status,
+            positions=positions,
+            stored=stored,
+            named=frozenset(recv.endpoints()),
+            bound=tuple(recv.bound_endpoints()),
+            held_back=held_back,
+            withheld_ms=withheld,
+            why_no_flow=recv.why_no_flow,
+        )
+        verdict = state.completeness(self.opts).check(
+            view, plain=plain, strict=strict, reach=reach, warn=warn, cap=cap
+        )
+        for key, text in verdict.problems:
+            state.problem(key, text, self.opts.fail_on_data_loss)
+        for key, text in verdict.warnings:
+            state.warn(key, text)
+        for endpoint, quiet, records in verdict.done_quiet:
             state.once(
-                st.endpoint,
+                endpoint,
                 "zio source: plain giver %s brought nothing for %.1f s after %d records "
                 "(plainGiverQuiet %g s): taken as having given all it held",
-                st.endpoint,
+                endpoint,
                 quiet,
-                st.records,
-                opts.plain_giver_quiet,
+                records,
+                self.opts.plain_giver_quiet,
             )
-        out.extend(self._dropped_clients(rt, status, positions, now, short))
-        return out
-
-    def _dropped_clients(
-        self,
-        rt: _Runtime,
-        status: list[PeerStatus],
-        positions: dict[str, int],
-        now: float,
-        short: Callable[[str, str], None],
-    ) -> list[str]:
-        """Bind mode: a giver client that named itself (a producer id) and whose latest
-        flow failed is awaited for ``connectTimeout`` to come back (it reconnects), then
-        ``short`` says so. A plain client (``origin:<n>``) cannot resume: not awaited."""
-        recv, state = rt.receiver, self._run_state
-        named = set(recv.endpoints())
-        live = {st.producer for st in status if st.state == "receiving"}
-        latest: dict[str, PeerStatus] = {}
-        for st in status:  # live flows first, then the ended ones in the order they ended
-            p = st.producer
-            if st.endpoint in named or p is None or p.startswith("origin:") or p in positions:
-                continue
-            if st.state != "receiving":
-                latest[p] = st
-        out: list[str] = []
-        for producer, st in sorted(latest.items()):
-            key = f"client:{producer}"
-            if producer in live or st.state != "failed" or st.idle:
-                state.down.pop(key, None)
-                continue
-            since = state.down.setdefault(key, now)
-            if now - since > self.opts.connect_timeout:
-                short(
-                    key,
-                    f"zio source: giver client {st.endpoint} (producer {producer}) "
-                    f"dropped its flow ({st.last_error}) and did not come back within "
-                    f"connectTimeout {self.opts.connect_timeout:g} s; records it still "
-                    "held are not in this run. Restart it, or set failOnDataLoss=false "
-                    "to end the run without it",
-                )
-                continue
-            out.append(f"{producer}: giver client's flow dropped, awaiting it")
-        return out
+        return verdict.awaited
 
     def latestOffset(
         self, start: dict[str, int] | None = None, limit: ReadLimit | None = None
