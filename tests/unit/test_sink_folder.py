@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from zio_spark.codec.schema import SINK_SCHEMA
@@ -401,3 +401,72 @@ def test_committed_ids_hold_what_was_added(batches: list[BatchId]) -> None:
     assert sum(hi - lo + 1 for lo, hi in zip(ids.los, ids.his, strict=True)) == len(ints)
     restored = CommittedIds.restore(json.loads(json.dumps(ids.snapshot())))
     assert all(b in restored for b in batches)
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("stage"), st.integers(0, 3), st.integers(1, 2)),
+        st.tuples(st.just("commit"), st.integers(0, 3), st.integers(0, 2)),
+        st.tuples(st.just("abort"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("ack"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("reopen"), st.just(0), st.just(0)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_ops)
+@example([("stage", 0, 1), ("commit", 1, 0), ("commit", 0, 1)])  # older staging goes
+@example([("stage", 2, 2), ("commit", 2, 2), ("reopen", 0, 0), ("ack", 2, 0), ("reopen", 0, 0)])
+def test_the_folder_follows_a_model_across_reopens(ops: list[tuple[str, int, int]]) -> None:
+    """Random stage/commit/abort/ack/reopen runs against a model: a batch id is
+    committed once, published iff it had rows, and an acked batch stays committed."""
+    with tempfile.TemporaryDirectory() as d:
+        f = SinkFolder(Path(d) / "sink", fsync=False)
+        staged: dict[int, int] = {}  # batch -> rows staged (partition 0, attempt 0)
+        committed: set[int] = set()
+        published: dict[int, int] = {}  # batch -> rows, in commit order
+        try:
+            for op, batch, n in ops:
+                if op == "stage":
+                    _stage(f, batch, 0, [b"v"] * n)
+                    staged[batch] = n
+                elif op == "commit":
+                    if batch in committed:
+                        assert f.commit("s", batch, [(0, 0, n)], None) == AlreadyCommitted(
+                            "s", batch
+                        )
+                        staged.pop(batch, None)  # its staging goes, older batches' stay
+                        continue
+                    if n and staged.get(batch) != n:
+                        with pytest.raises(CommitRefused):
+                            f.commit("s", batch, [(0, 0, n)], None)
+                        continue
+                    else:
+                        got = f.commit("s", batch, [(0, 0, n)], None)
+                        assert isinstance(got, Committed) and got.rows == n
+                        assert got.published == (n > 0)
+                        committed.add(batch)
+                        if n:
+                            published[batch] = n
+                    # Spark commits in order: older staging goes with a new commit.
+                    staged = {b: r for b, r in staged.items() if b > batch}
+                elif op == "abort":
+                    assert f.abort("s", batch).discarded == (batch not in committed)
+                    staged.pop(batch, None)
+                elif op == "ack":
+                    if batch in committed:
+                        f.ack("s", batch)
+                        published.pop(batch, None)
+                    else:
+                        with pytest.raises(LocalProtocolError):
+                            f.ack("s", batch)
+                else:
+                    f.close()
+                    f = SinkFolder(Path(d) / "sink", fsync=False)
+                assert {b for _, b in f.published()} == set(published)
+                assert all(f.rows("s", b) == r for b, r in published.items())
+                assert all(f.is_committed("s", b) == (b in committed) for b in range(4))
+        finally:
+            f.close()
