@@ -219,7 +219,9 @@ class Receiver(BoundFlows, SpoolWriting):
         # Plain givers whose flow is open (BOT exchanged, no EOT either way) are recorded
         # by the spool (spool.peers): a restart must not send a new BOT into a flow left
         # open by a killed runner. Producer ids per endpoint are kept there too.
-        # Wakes the loop's poll at once for a queued call, a commit's ack or a stop.
+
+        # Wakes the loop's poll at once for a queued call, a commit's ack or a stop;
+        # closed by the thread when it ends (or by stop() if it never started).
         self._waker = Waker()
         self._ran = False
         for ep in endpoints:
