@@ -336,6 +336,9 @@ class FlowClient:
         Linger of the port closed by :meth:`close` (a flow ended otherwise lingers 0).
     name, stats
         The name in log lines and thread names; the counters (shared if given).
+    make_port
+        What makes each flow's port: ``make_port(ctx, **port keywords)`` (a
+        :class:`ClientPort`; tests pass a stand-in to drive the engine without sockets).
     """
 
     def __init__(
@@ -355,6 +358,7 @@ class FlowClient:
         stats: Counter[str] | None = None,
         backoff: Backoff | None = None,
         tick: float = 0.05,
+        make_port: Callable[..., ClientPort] = ClientPort,
     ) -> None:
         self.endpoint = endpoint
         self.handler = handler
@@ -373,6 +377,7 @@ class FlowClient:
         self.stats: Counter[str] = Counter() if stats is None else stats
         self.backoff = backoff or Backoff()
         self.tick_s = tick
+        self._make_port = make_port
         self.conn: ClientFlow | None = None
         self.mode: SocketMode | None = None  # known once a port was made
         self.socket_type: str | None = None
@@ -555,7 +560,7 @@ class FlowClient:
         return not self.ending and self.gave_up is None and not self._closed
 
     def _connect(self) -> ClientFlow:
-        port = ClientPort(self.ctx, **self._port_kw)
+        port = self._make_port(self.ctx, **self._port_kw)
         try:
             # A named address: the default one reads socket.FD, experimental on CLIENT.
             monitor = port.socket.get_monitor_socket(
