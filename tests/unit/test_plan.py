@@ -420,3 +420,16 @@ def test_completeness_properties(flows, positions, stored, now, plain, strict):
     # Every flow ended and nothing stated: nothing left to wait for.
     if flows and all(f.state == "ended" for f in flows) and not positions:
         assert v.awaited == []
+
+
+def test_planning_is_pure():
+    """plan.py imports no I/O, thread or clock (the runner passes the clock's reading in
+    a RunView), and nothing of zio_spark but itself."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(plan.__file__).read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    allowed = {"__future__", "itertools", "collections.abc", "dataclasses", "typing"}
+    assert names <= allowed, names - allowed
