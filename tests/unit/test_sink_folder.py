@@ -250,6 +250,17 @@ def test_a_published_folder_that_is_no_batch_is_refused(open_folder: Any) -> Non
         open_folder(f.root)
 
 
+@pytest.mark.parametrize("manifest", ["{}", "[1]", '{"rows": "3"}', '{"rows": -1}', "{bad"])
+def test_a_published_batch_with_a_bad_manifest_is_refused(open_folder: Any, manifest: str) -> None:
+    f = open_folder()
+    _stage(f, 0, 0, [b"a"])
+    f.commit("s", 0, [(0, 0, 1)], None)
+    f.close()
+    (f.root / "published" / "s" / f"{1:020d}-{0:020d}" / "_MANIFEST.json").write_text(manifest)
+    with pytest.raises(ConsumerStateError, match="is not a consumer batch"):
+        open_folder(f.root)
+
+
 def test_compaction_folds_the_log_into_a_snapshot(
     open_folder: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

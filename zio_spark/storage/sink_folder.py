@@ -890,10 +890,17 @@ class SinkFolder:
                     seq = int(seq_text)
                     batch = _batch_from_key(key)
                     manifest = json.loads((entry / _MANIFEST).read_text())
-                except (ValueError, OSError) as e:
+                    rows = manifest["rows"]
+                    query = manifest.get("query")
+                except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
                     raise ConsumerStateError(
-                        f"published folder {entry} is not a consumer batch: {e}"
+                        f"published folder {entry} is not a consumer batch: {e!r}"
                     ) from e
+                if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+                    raise ConsumerStateError(
+                        f"published folder {entry} is not a consumer batch: its "
+                        f"{_MANIFEST} has rows {rows!r}, expected an int >= 0"
+                    )
                 self._next_seq = max(self._next_seq, seq + 1)
                 ids = self._ids.get(stream)
                 if (stream, batch) in self._published:
@@ -906,13 +913,11 @@ class SinkFolder:
                             "seq": seq,
                             "stream": stream,
                             "batch": batch,
-                            "rows": int(manifest["rows"]),
-                            "query": manifest.get("query"),
+                            "rows": rows,
+                            "query": query,
                         }
                     )
-                self._published[stream, batch] = Published(
-                    stream, batch, seq, int(manifest["rows"]), entry
-                )
+                self._published[stream, batch] = Published(stream, batch, seq, rows, entry)
         if roll_forward:
             roll_forward.sort(key=lambda x: int(x["seq"]))
             for line in roll_forward:
