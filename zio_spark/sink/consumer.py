@@ -129,6 +129,7 @@ import zmq
 
 from zio_spark.codec.records import decode_payload, decode_plain
 from zio_spark.errors import ConfigError, RemoteProtocolError, ZioSparkError
+from zio_spark.options import ZreOptions
 from zio_spark.protocol.credit import QuarterWindow
 from zio_spark.protocol.flow import BotReceived, Data, Direction, EotReceived
 from zio_spark.protocol.sink import BatchId, error_reply, parse_command, parse_data_bot
@@ -470,13 +471,29 @@ class Consumer:
             finally:
                 self._release()
 
-    def advertise(self, group: str, **zre: object) -> None:
+    def advertise(
+        self,
+        group: str | ZreOptions,
+        *,
+        beacon_port: int | None = None,
+        broadcast: str | None = None,
+        interface_addr: str | None = None,
+        interval: float | None = None,
+    ) -> None:
         """Join ZRE ``group`` and advertise this consumer's flow port in it.
 
         A sink with ``option("group", group)`` then spreads its partitions over the
-        consumers advertised there. ``zre`` goes to
-        :func:`~zio_spark.transport.discovery.advertise` (``beacon_port``, ``broadcast``,
-        ``interface_addr``, ``interval``); the node stops with :meth:`close`.
+        consumers advertised there. ``group`` is a group name with the ZRE settings
+        beside it, or a :class:`~zio_spark.options.ZreOptions`; both go to
+        :func:`~zio_spark.transport.discovery.advertise`. The node stops with
+        :meth:`close`.
+
+        Raises
+        ------
+        ZioSparkError
+            If the consumer is closed or already advertised.
+        ConfigError, TransportError
+            As :func:`~zio_spark.transport.discovery.advertise`.
         """
         from zio_spark.transport.discovery import advertise
 
@@ -488,7 +505,10 @@ class Consumer:
             group,
             self.endpoint,
             self.server.port.socket_type,
-            **zre,  # type: ignore[arg-type]
+            beacon_port=beacon_port,
+            broadcast=broadcast,
+            interface_addr=interface_addr,
+            interval=interval,
         )
 
     def _release(self) -> None:
