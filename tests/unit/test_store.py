@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zio_spark.errors import ConfigError
+from zio_spark.errors import ConfigError, StorageClosedError
 from zio_spark.storage import store as store_mod
 from zio_spark.storage import store_format
 from zio_spark.storage.files import RECORD_HEAD, read_record
@@ -22,6 +22,7 @@ from zio_spark.storage.store import (
     MAX_ID_BYTES,
     MessageRejected,
     MessageStore,
+    StoreClosedError,
     StoreError,
     StoreLockedError,
 )
@@ -704,3 +705,15 @@ def test_memory_stays_bounded_with_a_deep_queue(tmp_path: Path) -> None:
         assert m is not None and m.body == (body,)
         grown = _rss_bytes() - before
     assert grown < 40 << 20, f"recovery: RSS grew by {grown / 2**20:.1f} MiB"
+
+
+def test_a_closed_store_says_so(tmp_path: Path) -> None:
+    st = MessageStore(tmp_path, sync=False)
+    st.put(b"a", [b"x"])
+    st.close()
+    for call in (st.take, lambda: st.claim(1), lambda: st.put(b"b", [b"y"]), st.commit):
+        with pytest.raises(StoreClosedError, match="the store is closed") as e:
+            call()
+        assert isinstance(e.value, StoreError) and isinstance(e.value, StorageClosedError)
+        assert e.value.path == str(tmp_path)
+    assert st.ack(1) is False and st.release(1) is False

@@ -138,6 +138,7 @@ from zio_spark.storage.store_format import (
     CommitTicket,
     LogFile,
     MessageRejected,
+    StoreClosedError,
     StoredMessage,
     StoreError,
     StoreLockedError,
@@ -159,6 +160,7 @@ __all__ = [
     "CommitTicket",
     "MessageRejected",
     "MessageStore",
+    "StoreClosedError",
     "StoreError",
     "StoreLockedError",
     "StoreStats",
@@ -450,7 +452,7 @@ class MessageStore:
 
     def _check_writable(self) -> None:
         if self._index.closed:
-            raise StoreError("the store is closed", path=self._root)
+            raise StoreClosedError("the store is closed", path=self._root)
         if self._index.failed:
             raise StoreError(f"the store failed: {self._index.failed}; restart it", path=self._root)
 

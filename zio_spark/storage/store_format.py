@@ -89,6 +89,7 @@ from typing import Final, NamedTuple
 from zio_spark.errors import (
     CorruptRecordError,
     FormatVersionError,
+    StorageClosedError,
     StorageError,
     StorageInputError,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "CommitTicket",
     "LogFile",
     "MessageRejected",
+    "StoreClosedError",
     "StoreError",
     "StoreLockedError",
     "StoreStats",
@@ -212,6 +214,10 @@ class StoreError(StorageError):
     def __init__(self, message: str, *, path: str | os.PathLike[str] | None = None) -> None:
         super().__init__(f"{message} (store {path})" if path is not None else message)
         self.path = None if path is None else str(path)
+
+
+class StoreClosedError(StoreError, StorageClosedError):
+    """The store was used after :meth:`MessageStore.close`."""
 
 
 class StoreLockedError(StoreError):

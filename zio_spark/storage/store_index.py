@@ -32,6 +32,7 @@ from zio_spark.storage.store_format import (
     STATE_REQUEUED,
     T_PUT,
     LogFile,
+    StoreClosedError,
     StoredMessage,
     StoreError,
     parse_message,
@@ -115,7 +116,7 @@ class StoreIndex:
     def take(self, *, pin: bool = False) -> StoredMessage | None:
         """As :meth:`~zio_spark.storage.store.MessageStore.take`."""
         if self.closed:
-            raise StoreError("the store is closed", path=self.root)
+            raise StoreClosedError("the store is closed", path=self.root)
         if pin:
             message = self.take()
             if message is not None:
@@ -188,7 +189,7 @@ class StoreIndex:
     def claim(self, key: int) -> StoredMessage | None:
         """As :meth:`~zio_spark.storage.store.MessageStore.claim`."""
         if self.closed:
-            raise StoreError("the store is closed", path=self.root)
+            raise StoreClosedError("the store is closed", path=self.root)
         seg = self.segments.get(key >> 32)
         slot = key & 0xFFFFFFFF
         if (
