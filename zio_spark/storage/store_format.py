@@ -651,9 +651,3 @@ def decode_snapshot(data: bytes) -> tuple[int, int, int, list[bytes], list[bytes
     if pos != len(body):
         raise CorruptRecordError(f"{SNAP_NAME} length mismatch")
     return next_no, last_seq, first, ids, digests
-
-
-# Transitional: tests/fuzz_live/test_decoder_fuzz_extra.py still names these; remove
-# once it uses the public names.
-_message_payload = message_payload
-_parse_message = parse_message
