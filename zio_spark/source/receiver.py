@@ -76,7 +76,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import zmq
@@ -108,7 +108,7 @@ from zio_spark.source.receiver_peers import DONE_KEPT, DRAIN_BATCH, Bound, Peer,
 from zio_spark.source.receiver_spool import SpoolWriting
 from zio_spark.storage.spool import Spool
 from zio_spark.transport.curve import client_kwargs
-from zio_spark.transport.loop import Waker
+from zio_spark.transport.loop import Loop
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -190,8 +190,8 @@ class Receiver(BoundFlows, SpoolWriting):
         self.stats: collections.Counter[str] = collections.Counter()
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
-        self._calls: collections.deque[Callable[[], None]] = collections.deque()
         self._stop = threading.Event()
+        self._ending = False  # stop: only the echoes of our EOTs are awaited
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
@@ -220,9 +220,11 @@ class Receiver(BoundFlows, SpoolWriting):
         # by the spool (spool.peers): a restart must not send a new BOT into a flow left
         # open by a killed runner. Producer ids per endpoint are kept there too.
 
-        # Wakes the loop's poll at once for a queued call, a commit's ack or a stop;
-        # closed by the thread when it ends (or by stop() if it never started).
-        self._waker = Waker()
+        # One poll loop for every socket: its waker wakes the poll at once for a queued
+        # call, a commit's ack or a stop; closed by the thread when it ends (or by stop()
+        # if it never started).
+        self._loop = Loop(tick=_TURN_S, name="zio-receiver", clock=clock)
+        self._loop.add(_Turns(self))
         self._ran = False
         for ep in endpoints:
             self._add(ep)
@@ -232,7 +234,7 @@ class Receiver(BoundFlows, SpoolWriting):
         except BaseException:
             for b in self._bound:
                 b.port.close(linger_ms=0)
-            self._waker.close()
+            self._loop.close()
             raise
 
     # -- public (any thread) -----------------------------------------------------------
@@ -256,11 +258,11 @@ class Receiver(BoundFlows, SpoolWriting):
         even that: leave the spool open (its lock goes with the process).
         """
         self._stop.set()
-        self._waker.wake()
+        self._loop.stop()
         thread = self._thread
         if thread is None:
             if not self._ran:
-                self._waker.close()  # never started: nothing else closes it
+                self._loop.close()  # never started: nothing else closes it
             return True
         bound = self.stop_bound() if timeout is None else timeout
         thread.join(bound)
@@ -300,7 +302,7 @@ class Receiver(BoundFlows, SpoolWriting):
     def acknowledge(self, offsets: dict[str, int]) -> None:
         """Ack ``offsets`` to the producers without dropping anything from the spool."""
         self.spool.acknowledge(offsets)
-        self._waker.wake()  # the ack goes on the loop's next turn, now
+        self._loop.waker.wake()  # the ack goes on the loop's next turn, now
 
     def flush_acks(self, timeout: float = 5.0) -> bool:
         """Wait until every connected producer that takes acks was sent the latest
@@ -380,8 +382,7 @@ class Receiver(BoundFlows, SpoolWriting):
         return out
 
     def _call(self, fn: Callable[[], None]) -> None:
-        self._calls.append(fn)
-        self._waker.wake()
+        self._loop.call_soon(fn)
 
     # -- peers ---------------------------------------------------------------------------
 
@@ -595,7 +596,7 @@ class Receiver(BoundFlows, SpoolWriting):
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._turn()
+                self._loop.turn()
         except BaseException as e:  # reported through .error and the status, never silent
             self.error = e
             log.exception("receiver failed")
@@ -614,7 +615,7 @@ class Receiver(BoundFlows, SpoolWriting):
                 if b.monitor is not None:
                     b.monitor.close(0)
                 b.port.close(linger_ms=100)
-            self._waker.close()
+            self._loop.close()
 
     def _end_with_eot(self) -> None:
         """Stop: send an EOT on every open flow and take what arrives until each echo
@@ -638,24 +639,9 @@ class Receiver(BoundFlows, SpoolWriting):
         def waiting() -> list[Peer]:
             return [p for p in ending if p.flow is not None and p.flow.state is FlowState.EOT_SENT]
 
+        self._ending = True  # the turns below only take input, up to each echo
         while waiting() and self.clock() < deadline:
-            poller = zmq.Poller()
-            for p in waiting():
-                if p.port is not None:
-                    poller.register(p.port.socket, zmq.POLLIN)
-            for b in self._bound:
-                poller.register(b.port.socket, zmq.POLLIN)
-            ready = dict(poller.poll(20))
-            now = self.clock()
-            appended = False
-            for b in self._bound:
-                if b.port.socket in ready:
-                    appended |= self._drain_bound(b, now)
-            for p in waiting():
-                if p.port is not None and p.port.socket in ready:
-                    appended |= self._drain(p, now)
-            if appended:
-                self.spool.flush()
+            self._loop.turn(0.02)
         for p in waiting():
             log.warning(
                 "zio source: %s did not echo our EOT within %g s; its flow may still be open",
@@ -666,34 +652,29 @@ class Receiver(BoundFlows, SpoolWriting):
             if p.flow is None and p.status.state == "ended":
                 self.stats["eot_echoed"] += 1
 
-    def _turn(self) -> None:
-        while self._calls:
-            self._calls.popleft()()
-        now = self.clock()
-        poller = zmq.Poller()
+    def _sockets(self) -> list[Any]:
+        """What the loop polls this turn: every open port and its monitor."""
+        out: list[Any] = []
+        for b in self._bound:
+            out.append(b.port.socket)
+            if b.monitor is not None:
+                out.append(b.monitor)
+        for peer in self._peers.values():
+            if peer.port is not None:
+                out.append(peer.port.socket)
+                if peer.monitor is not None:
+                    out.append(peer.monitor)
+        return out
+
+    def _process(self, ready: Collection[object], now: float) -> None:
+        """One turn's input: drain the ports that have some, store it (one flush), and
+        pay credit. While stopping (:meth:`_end_with_eot`) only input is taken."""
+        looked = self.clock()
+        busy = any(key != self._loop.waker.fd for key in ready)
+        if busy:
+            self._quiet_since = None
         with self._lock:
             peers = list(self._peers.values())
-        for peer in peers:
-            if peer.port is None and now >= peer.retry_at:
-                try:
-                    self._open(peer, now)
-                except TransportError as e:
-                    self._fail(peer, f"cannot connect: {e}", now)
-            if peer.port is not None:
-                poller.register(peer.port.socket, zmq.POLLIN)
-                if peer.monitor is not None:
-                    poller.register(peer.monitor, zmq.POLLIN)
-        for b in self._bound:
-            poller.register(b.port.socket, zmq.POLLIN)
-            if b.monitor is not None:
-                poller.register(b.monitor, zmq.POLLIN)
-        poller.register(self._waker, zmq.POLLIN)
-        ready: dict[Any, int] = dict(poller.poll(50))
-        if ready.pop(self._waker.fd, None) is not None:
-            self._waker.drain()  # what woke us (a call, an ack, stop) runs this turn
-        looked = self.clock()
-        if ready:
-            self._quiet_since = None
         appended = False
         for b in self._bound:
             if b.monitor is not None and b.monitor in ready:
@@ -710,7 +691,8 @@ class Receiver(BoundFlows, SpoolWriting):
             if peer.port.socket in ready:
                 appended |= self._drain(peer, now)
             if (
-                peer.port is not None
+                not self._ending
+                and peer.port is not None
                 and peer.flow is not None
                 and peer.flow.state is FlowState.BOT_SENT
                 and now - peer.opened_at > self.connect_timeout
@@ -718,6 +700,8 @@ class Receiver(BoundFlows, SpoolWriting):
                 self._no_bot(peer, now)
         if appended:
             self.spool.flush()
+        if self._ending:
+            return
         flows = [
             p
             for p in self._flows()
@@ -733,9 +717,22 @@ class Receiver(BoundFlows, SpoolWriting):
             self._pay(peer, now, out)
         if self._held_now or self._withheld_since:
             self._count_withheld()
-        if not ready and self._quiet_since is None:
+        if not busy and self._quiet_since is None:
             self._quiet_since = self.clock()
         self.looked_at = looked
+
+    def _open_due(self, now: float) -> None:
+        """Open the flows due (new endpoints, and after a back-off): polled next turn."""
+        if self._ending:
+            return
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            if peer.port is None and now >= peer.retry_at:
+                try:
+                    self._open(peer, now)
+                except TransportError as e:
+                    self._fail(peer, f"cannot connect: {e}", now)
 
     def _count_withheld(self) -> None:
         """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
@@ -972,3 +969,22 @@ _EOT_SEND_MS = 500
 _END_FLOW_S = 0.2
 _STOP_MARGIN = 10.0
 _PENDING_DATS_MAX = 256
+# The longest poll wait of the receiver's loop (s).
+_TURN_S = 0.05
+
+
+class _Turns:
+    """The receiver's turns as a :class:`~zio_spark.transport.loop.LoopPart`."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+
+    def sockets(self) -> list[Any]:
+        return self.receiver._sockets()
+
+    def process(self, ready: Collection[object], now: float) -> None:
+        self.receiver._process(ready, now)
+
+    def tick(self, now: float) -> float | None:
+        self.receiver._open_due(now)
+        return None
