@@ -31,7 +31,7 @@ from zio_spark.protocol.flow import (
     FlowState,
     Role,
 )
-from zio_spark.protocol.message import Message, encode_frames
+from zio_spark.protocol.message import DAT_LABEL, Message, encode_frames
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ClientPort, ServerPort, format_peer
@@ -534,3 +534,75 @@ def test_stop_is_prompt_and_idempotent(serve, client, wire_mode):
     running.server.stop()  # again: nothing happens
     running.server.call_soon(lambda: None)  # after stop: queued, never run, no error
     assert running.server.error is None
+
+
+# ------------------------------------------------------------------ hooks for takers
+
+
+class FastTaker(Service):
+    """A taker that takes plain DATs in :meth:`on_message` (its own fast lane) and notes
+    each :meth:`on_drained`."""
+
+    def on_message(self, conn: ServerFlow, msg: Message) -> bool:
+        if msg.label != DAT_LABEL or not conn.flow.take_dat():
+            return False
+        self._note("fast", conn, payload=msg.payload, origin=conn.bot_origin)
+        conn.pay(1)
+        return True
+
+    def on_drained(self, conn: ServerFlow, now: float) -> None:
+        self._note("drained", conn)
+
+
+@pytest.fixture
+def serve_fast(
+    ctx: zmq.Context[Any], make_server: MakeServer, tcp_any: str
+) -> Iterator[Callable[..., Running]]:
+    made: list[FlowServer] = []
+
+    def start(mode: str = "routerdealer", **kw: Any) -> Running:
+        journal = Journal()
+        port = make_server(mode=mode)
+        port.bind(tcp_any)
+        server = FlowServer(port, lambda: FastTaker(journal), ctx=ctx, **kw)
+        made.append(server)
+        server.start()
+        return Running(server, journal, mode)
+
+    yield start
+    for server in made:
+        server.stop()
+
+
+def test_a_fast_lane_takes_dats_and_on_drained_follows_each_read(serve_fast, make_client):
+    running = serve_fast()
+    port = make_client(mode=running.mode)
+    port.connect(running.endpoint)
+    ep = FlowEndpoint(port, Role.CLIENT, origin=42)
+    sent = give(ep, "fast", 5)
+    poll_until(lambda: any(e.kind == "close" for e in running.journal.entries), what="close")
+    kinds = [e.kind for e in running.journal.entries]
+    fast = [e for e in running.journal.entries if e.kind == "fast"]
+    # Every DAT went by the fast lane (none reached on_data), BOT and EOT the usual way.
+    assert [e.info["payload"][0] for e in fast] == sent
+    assert "data" not in kinds and kinds.count("eot") == 1
+    assert {e.info["origin"] for e in fast} == {42}  # the BOT message's coord origin
+    # on_drained comes after the input of a read, never before the first input.
+    assert kinds.index("bot") < kinds.index("drained")
+    assert kinds[-1] == "close"
+    assert running.server.stats["dropped"] == 0
+
+
+def test_input_of_no_flow_goes_to_on_stray(serve, make_client, wire_mode):
+    strays: list[tuple[Any, Message | None, str]] = []
+    running = serve(wire_mode, on_stray=lambda peer, msg, why: strays.append((peer, msg, why)))
+    port, _ = _breaker_dat_before_bot(running, make_client)
+    try:
+        poll_until(lambda: strays, what="the stray")
+        _peer, msg, why = strays[0]
+        assert msg is not None and msg.payload == (b"early",)
+        assert "BOT" in why or "DAT" in why, why
+        # Handed to the hook, not dropped as a protocol violation; no flow was made.
+        assert running.server.stats["dropped"] == 0 and running.server.flows == {}
+    finally:
+        port.close(linger_ms=0)

@@ -1,11 +1,11 @@
 """The source's receiver: takes records from ZIO producers into the spool, with credit.
 
-(About 800 lines: the loop, the client flows and the public API; the bind mode, the spool
-writing and the per-flow state are in ``receiver_bound``, ``receiver_spool`` and
-``receiver_peers``.)
+(The loop, the client flows, the spool writing and the public API; the bind mode's
+handler is in ``receiver_bound``, the per-flow state in ``receiver_peers``.)
 
 Runs in Spark's long-lived streaming runner process (never in a reader's ``__init__``:
-sockets do not pickle). One thread owns every socket. It takes records in two topologies,
+sockets do not pickle). One thread owns every socket and drives them all through one
+:class:`~zio_spark.transport.loop.Loop`. It takes records in two topologies,
 both at once if asked:
 
 - **connect** (``endpoints``/``group``): for each producer endpoint it runs a ZIO flow as
@@ -64,9 +64,11 @@ own statement (:func:`~zio_spark.protocol.negotiate.server_terms`); the reply st
 ``resume``/``ack``/``encoding``/``batch`` to a zio-spark producer, and only the reversed
 direction and a credit no larger than the offer to a plain client. The partition id is
 the client's ``producer``, or ``origin:<n>`` from the BOT's coord for a plain client (see
-:meth:`Receiver._on_client_bot`). A client flow that ends or fails is dropped (the client
-opens a new one); a plain client that vanishes without EOT keeps its entry until the
-receiver stops (stock libzmq does not say which ROUTER peer left).
+:class:`~zio_spark.source.receiver_bound.BoundTaker`). Each bound port is an inline
+:class:`~zio_spark.transport.flow_server.FlowServer` on the receiver's loop. A client
+flow that ends or fails is dropped (the client opens a new one); a plain client that
+vanishes without EOT keeps its entry until the receiver stops (stock libzmq does not say
+which ROUTER peer left).
 """
 
 from __future__ import annotations
@@ -79,11 +81,24 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+import pyarrow as pa
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from zio_spark.codec.records import DAT_RECORDS, ENCODING
-from zio_spark.errors import DataLossError, ProtocolError, RemoteProtocolError, TransportError
+from zio_spark.codec.records import (
+    DAT_RECORDS,
+    ENCODING,
+    decode_batch,
+    decode_plain,
+    wire_to_wal,
+)
+from zio_spark.errors import (
+    DataLossError,
+    ProtocolError,
+    RemoteProtocolError,
+    StorageError,
+    TransportError,
+)
 from zio_spark.protocol.credit import BacklogCredit, dat_records_for, echoes_offer, pays
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -103,11 +118,11 @@ from zio_spark.protocol.message import (
     Message,
 )
 from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
-from zio_spark.source.receiver_bound import BoundFlows
+from zio_spark.source.receiver_bound import BoundTaker, answer_stray, bind_port, read_bound_monitor
 from zio_spark.source.receiver_peers import DONE_KEPT, DRAIN_BATCH, Bound, Peer, PeerStatus, Pending
-from zio_spark.source.receiver_spool import SpoolWriting
-from zio_spark.storage.spool import Spool
+from zio_spark.storage.spool import Record, Spool
 from zio_spark.transport.curve import client_kwargs
+from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.loop import Loop
 from zio_spark.transport.port import (
     BadMessage,
@@ -121,7 +136,7 @@ __all__ = ["PeerStatus", "Receiver"]
 log = logging.getLogger("zio_spark.source")
 
 
-class Receiver(BoundFlows, SpoolWriting):
+class Receiver:
     """Receive from ``endpoints`` into ``spool`` in a background thread.
 
     Parameters
@@ -224,7 +239,7 @@ class Receiver(BoundFlows, SpoolWriting):
         # call, a commit's ack or a stop; closed by the thread when it ends (or by stop()
         # if it never started).
         self._loop = Loop(tick=_TURN_S, name="zio-receiver", clock=clock)
-        self._loop.add(_Turns(self))
+        self._appended = False  # a bound port's drain appended records: flush this turn
         self._ran = False
         for ep in endpoints:
             self._add(ep)
@@ -233,9 +248,11 @@ class Receiver(BoundFlows, SpoolWriting):
                 self._bind(ep)
         except BaseException:
             for b in self._bound:
-                b.port.close(linger_ms=0)
+                b.server.close(linger_ms=0)
             self._loop.close()
             raise
+        # After the bound ports' servers: a turn stores and pays for what they took.
+        self._loop.add(_Turns(self))
 
     # -- public (any thread) -----------------------------------------------------------
 
@@ -384,6 +401,144 @@ class Receiver(BoundFlows, SpoolWriting):
     def _call(self, fn: Callable[[], None]) -> None:
         self._loop.call_soon(fn)
 
+    def _bind(self, endpoint: str) -> None:
+        port, actual, monitor = bind_port(endpoint, self.ctx, self.mode, self.curve)
+        b = Bound(endpoint, port, actual, monitor=monitor)
+        b.server = FlowServer(
+            port,
+            lambda: BoundTaker(self, b),
+            ctx=self.ctx,
+            origin=b.origin,
+            name=f"zio source {actual}",
+            send_timeout=1.0,
+            loop=self._loop,
+            on_stray=lambda rid, msg, why: answer_stray(b, self.stats, rid, msg, why),
+        )
+        self._bound.append(b)
+        log.info("zio source: bound %s (%s) for giver clients", actual, port.socket_type)
+
+    # -- into the spool --------------------------------------------------------------------
+
+    def _take_plain(self, peer: Peer, msg: Message) -> None:
+        """A plain DAT without attributes: its one payload frame is the record's value;
+        what :meth:`_on_data` makes of it, without looking for attributes."""
+        producer = peer.producer
+        assert producer is not None  # a flow takes DATs only after the BOT named it
+        pend = peer.pending
+        seq = (pend.last or self.spool.next_seq(producer) - 1) + 1
+        value = msg.payload[0]
+        pend.records.append(
+            Record(seq, value, None, msg.origin, msg.granule, self.wall_clock_us(), None)
+        )
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = seq
+
+    def _append_pending(self, peer: Peer, now: float) -> bool:
+        """Append what the drain took in; True if anything new reached the spool."""
+        pend = peer.pending
+        batches, records = pend.batches, pend.records
+        if not batches and not records:
+            return False
+        pend.batches, pend.records, pend.last = [], [], 0
+        pend.bytes = pend.dats = 0
+        producer = peer.producer
+        assert producer is not None
+        total = sum(b.num_rows for b in batches) + len(records)
+        try:
+            if batches:
+                # One WAL record each: concatenating first costs a copy, and sealing
+                # regroups rows into large segment batches anyway.
+                new = sum(self.spool.append_batch(producer, b) for b in batches)
+            else:
+                new = self.spool.append(producer, records)
+        except DataLossError as e:
+            # A gap: the producer no longer has records the spool never got. Fatal
+            # for the query when failOnDataLoss (the spool then raises); reported.
+            self.stats["data_loss"] += 1
+            self.fatal = e
+            peer.status.state = "failed"
+            peer.status.last_error = str(e)
+            if peer.flow is not None:
+                self._end_flow(peer, eot=True)
+            peer.retry_at = float("inf")
+            if peer.bound is not None:
+                peer.status.state = "failed"  # _end_flow filed it as done
+            return False
+        except (StorageError, ValueError, pa.ArrowException) as e:
+            # Records the spool cannot take (e.g. too large for one WAL record): this
+            # peer's flow fails, as it would have on the DAT; the others go on.
+            self.stats["dropped"] += 1
+            self._fail(peer, f"cannot store records: {type(e).__name__}: {e}", now)
+            return False
+        peer.status.records += new
+        peer.status.duplicates += total - new
+        peer.status.last_data = now
+        self.stats["records"] += new
+        return new > 0
+
+    def _on_data(self, peer: Peer, data: Data) -> None:
+        """Take one DAT's records into the drain's pending append."""
+        producer = peer.producer
+        assert producer is not None
+        pend = peer.pending
+        held = pend.last or self.spool.next_seq(producer) - 1
+        ts = self.wall_clock_us()
+        origin = data.message.origin
+        if peer.arrow:
+            if data.attrs:  # now and then: the producer states its state
+                self._on_state(peer, data.attrs)
+            elif peer.said_idle:
+                peer.said_idle = peer.status.idle = False
+            if len(data.message.payload) != 1:
+                raise RemoteProtocolError(
+                    f"Arrow DAT must have 1 payload frame, got {len(data.message.payload)}",
+                    field="payload",
+                )
+            batch = decode_batch(data.message.payload[0])
+            if batch.num_rows > peer.dat_rows:
+                if batch.num_rows > max(self.batch, peer.dat_rows):
+                    # Valid records: failing the flow would refetch the same DAT forever.
+                    log.warning(
+                        "producer %s sends %d records per DAT, above the %d asked for in "
+                        "BOT; credit is sized for %d",
+                        peer.endpoint,
+                        batch.num_rows,
+                        self.batch,
+                        batch.num_rows,
+                    )
+                peer.dat_rows = batch.num_rows
+            first = int(batch.column(0)[0].as_py())
+            if held == 0 and first > 1 and producer not in self.spool.producers():
+                held = self._start_at(producer, first)
+            # Records the spool holds already (a resend) are dropped there, counted by
+            # _append_pending as duplicates.
+            wal = wire_to_wal(batch, origin=origin, timestamp_us=ts)
+            pend.batches.append(wal)
+            pend.bytes += wal.nbytes
+            pend.dats += 1
+            pend.last = max(held, first + batch.num_rows - 1)
+            return
+        else:
+            value, key, headers = decode_plain(data.message.payload, data.attrs)
+            records = [Record(held + 1, value, key, origin, data.message.granule, ts, headers)]
+        pend.records.extend(records)
+        pend.bytes += len(value)
+        pend.dats += 1
+        pend.last = held + 1
+
+    def _start_at(self, producer: str, first: int) -> int:
+        """First contact with a producer whose records start at ``first > 1``.
+
+        An ack-capable producer forgets a record only once a taker acknowledged it, so
+        records below ``first`` were delivered elsewhere (an earlier batch read, another
+        spool): the stream starts at ``first``, recorded as a commit, instead of a
+        sequence gap that would fail the query as data loss.
+        """
+        log.info("producer %r: first records start at seq %d; starting there", producer, first)
+        self.spool.commit({producer: first})
+        return self.spool.next_seq(producer) - 1
+
     # -- peers ---------------------------------------------------------------------------
 
     def _mark_open(self, peer: Peer, is_open: bool) -> None:
@@ -462,15 +617,18 @@ class Receiver(BoundFlows, SpoolWriting):
             peer.port.send(msg, timeout_ms=timeout_ms)
 
     def _end_flow(self, peer: Peer, *, eot: bool) -> None:
-        if peer.bound is not None:
+        b = peer.bound
+        if b is not None:
             if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
                 with contextlib.suppress(ProtocolError, TransportError):
                     self._send(peer, peer.flow.send_eot(), timeout_ms=100)
             with self._lock:
-                if peer.bound.flows.get(peer.rid) is peer:  # type: ignore[arg-type]
-                    del peer.bound.flows[peer.rid]  # type: ignore[arg-type]
+                if peer.rid is not None and b.flows.get(peer.rid) is peer:
+                    del b.flows[peer.rid]
                     self._done.append(peer.status)
-            peer.flow = None
+            peer.flow = None  # before the server's on_close, which then has nothing to do
+            if peer.conn is not None:
+                b.server.remove(peer.conn, "ended by the receiver")
             return
         if peer.port is not None:
             if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
@@ -614,7 +772,7 @@ class Receiver(BoundFlows, SpoolWriting):
                     b.port.socket.disable_monitor()
                 if b.monitor is not None:
                     b.monitor.close(0)
-                b.port.close(linger_ms=100)
+                b.server.close("the receiver stopped", linger_ms=100)
             self._loop.close()
 
     def _end_with_eot(self) -> None:
@@ -656,7 +814,6 @@ class Receiver(BoundFlows, SpoolWriting):
         """What the loop polls this turn: every open port and its monitor."""
         out: list[Any] = []
         for b in self._bound:
-            out.append(b.port.socket)
             if b.monitor is not None:
                 out.append(b.monitor)
         for peer in self._peers.values():
@@ -675,12 +832,10 @@ class Receiver(BoundFlows, SpoolWriting):
             self._quiet_since = None
         with self._lock:
             peers = list(self._peers.values())
-        appended = False
+        appended, self._appended = self._appended, False
         for b in self._bound:
             if b.monitor is not None and b.monitor in ready:
-                self._on_bound_monitor(b)
-            if b.port.socket in ready:
-                appended |= self._drain_bound(b, now)
+                read_bound_monitor(b, self.stats)
         for peer in peers:
             if peer.port is None:
                 continue

@@ -21,15 +21,9 @@ from zio_spark.storage.spool import Record
 from zio_spark.transport.port import ClientPort, PeerId, ServerPort
 
 if TYPE_CHECKING:
-    import collections
-    import threading
-    from collections.abc import Callable
+    from zio_spark.transport.flow_server import FlowServer, ServerFlow
 
-    from zio_spark.errors import DataLossError
-    from zio_spark.protocol.message import Message
-    from zio_spark.storage.spool import Spool
-
-__all__ = ["DONE_KEPT", "DRAIN_BATCH", "Bound", "Peer", "PeerStatus", "Pending", "ReceiverParts"]
+__all__ = ["DONE_KEPT", "DRAIN_BATCH", "Bound", "Peer", "PeerStatus", "Pending"]
 
 # Client flows of a bound port that ended or failed, kept for status().
 DONE_KEPT = 1000
@@ -89,6 +83,8 @@ class Bound:
     monitor: zmq.Socket[bytes] | None = None
     accepted: int = 0  # connections accepted and not yet handshaken
     told: dict[PeerId, None] = field(default_factory=dict)  # strays sent an EOT (bounded)
+    # What serves its flows on the receiver's loop (set right after the bind).
+    server: FlowServer = field(init=False)
 
 
 @dataclass
@@ -112,6 +108,7 @@ class Peer:
     # Bound flows: the server port the client came in on, and its routing id.
     bound: Bound | None = None
     rid: PeerId | None = None
+    conn: ServerFlow | None = None  # its flow in the bound port's server
     # Socket kinds may not match (the handshake failed, or nothing ever came back):
     # reported when no BOT comes within connectTimeout.
     pay_one: bool = False  # credit as PAYs of 1 (see _pay)
@@ -126,32 +123,3 @@ class Peer:
     pending: Pending = field(default_factory=Pending)
     # The last DAT (or the BOT) said ``more: false``; ``status.idle`` once it is stored.
     said_idle: bool = False
-
-
-class ReceiverParts:
-    """What the receiver's parts (:class:`~zio_spark.source.receiver_bound.BoundFlows`,
-    :class:`~zio_spark.source.receiver_spool.SpoolWriting`) use of the
-    :class:`~zio_spark.source.receiver.Receiver` they are mixed into; declared for the
-    type checker only."""
-
-    if TYPE_CHECKING:
-        spool: Spool
-        credit: int
-        batch: int
-        stream: str
-        mode: str | None
-        curve: tuple[bytes, bytes, bytes] | None
-        ctx: zmq.Context[zmq.Socket[bytes]]
-        wall_clock_us: Callable[[], int]
-        stats: collections.Counter[str]
-        _lock: threading.Lock
-        _bound: list[Bound]
-        fatal: DataLossError | None
-
-        def _send(self, peer: Peer, msg: Message, timeout_ms: float = 1000) -> None: ...
-        def _end_flow(self, peer: Peer, *, eot: bool) -> None: ...
-        def _fail(self, peer: Peer, why: str, now: float) -> None: ...
-        def _take(self, peer: Peer, msg: Message, now: float) -> bool: ...
-        def _start_flow(self, peer: Peer, producer: str, terms: Terms) -> None: ...
-        def _on_state(self, peer: Peer, attrs: Any) -> None: ...
-        def _append_pending(self, peer: Peer, now: float) -> bool: ...

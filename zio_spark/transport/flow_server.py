@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from zio_spark.errors import ConfigError, ProtocolError, TransportError
+from zio_spark.errors import ConfigError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
@@ -67,6 +67,8 @@ class ServerFlow:
         self._dat_codec = DatCodec(origin)
         self.last_seen = time.monotonic()
         self.bot: BotReceived | None = None
+        self.bot_origin = 0
+        """The coord ``origin`` of the client's BOT message (the node that sent it)."""
 
     @property
     def name(self) -> str:
@@ -120,6 +122,15 @@ class FlowHandler:
     def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
         conn.accept()
 
+    def on_message(self, conn: ServerFlow, msg: Message) -> bool:
+        """Every message of the open flow before the flow machine sees it; True if taken
+        here (a fast lane calling ``conn.flow.take_dat()`` itself). Default: False."""
+        return False
+
+    def on_drained(self, conn: ServerFlow, now: float) -> None:
+        """Once per :meth:`FlowServer.process` call that brought this flow input, after
+        all of it was dispatched (batch work: storing what arrived)."""
+
     def on_data(self, conn: ServerFlow, data: Data) -> None:
         pass
 
@@ -156,6 +167,10 @@ class FlowServer:
         shares the loop thread, so a client that stops reading must not hold it: a
         well-behaved peer's queue never fills (DATs and PAYs are bounded by the credit),
         and one that stays full this long is removed (``stats["send_failures"]``).
+    on_stray
+        Called with ``(peer, msg, why)`` for input of a client without an open flow that
+        is not a BOT (``msg`` None: a message that did not parse). None: such input is
+        dropped (``stats["dropped"]``, logged).
     """
 
     def __init__(
@@ -170,6 +185,7 @@ class FlowServer:
         name: str = "flow-server",
         send_timeout: float = 0.2,
         loop: Loop | None = None,
+        on_stray: Callable[[PeerId, Message | None, str], None] | None = None,
     ) -> None:
         if isinstance(send_timeout, bool) or not (
             isinstance(send_timeout, (int, float)) and 0 <= send_timeout <= 3600
@@ -182,6 +198,7 @@ class FlowServer:
         self.idle_timeout = idle_timeout
         self.tick_s = tick
         self.origin = origin
+        self.on_stray = on_stray
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.flows: dict[PeerId, tuple[ServerFlow, FlowHandler]] = {}
@@ -268,8 +285,18 @@ class FlowServer:
         """
         if self._closed or (ready is not None and self.port.socket not in ready):
             return
+        touched: dict[PeerId, ServerFlow] = {}
         for got in self.port.recv_many(1000, 0):
-            self._dispatch(got)
+            conn = self._dispatch(got)
+            if conn is not None:
+                touched.setdefault(conn.peer, conn)
+        if not touched:
+            return
+        at = time.monotonic() if now is None else now
+        for conn in touched.values():
+            entry = self.flows.get(conn.peer)
+            if entry is not None and entry[0] is conn:
+                self._guarded(conn, entry[1], "on_drained", entry[1].on_drained, conn, at)
 
     def tick(self, now: float | None = None) -> float:
         """Run queued calls, remove idle clients and run every open flow's ``on_tick``
@@ -292,9 +319,10 @@ class FlowServer:
         if entry is not None and entry[0] is conn:
             self._remove(conn, entry[1], reason)
 
-    def close(self, reason: str = "server stopped") -> None:
-        """End every flow (``on_close`` with ``reason``) and close the port (idempotent;
-        server thread, or any thread once the loop has ended)."""
+    def close(self, reason: str = "server stopped", linger_ms: int | None = None) -> None:
+        """End every flow (``on_close`` with ``reason``) and close the port, lingering
+        ``linger_ms`` (None: the port's own; idempotent; server thread, or any thread
+        once the loop has ended)."""
         if self._closed:
             return
         self._closed = True
@@ -302,7 +330,7 @@ class FlowServer:
             self._loop.remove(self)
         for conn, handler in list(self.flows.values()):
             self._remove(conn, handler, reason)
-        self.port.close()
+        self.port.close(linger_ms)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -326,14 +354,17 @@ class FlowServer:
             self.stats["call_errors"] += 1
             log.exception("%s: call_soon function %r failed", self.name, fn)
 
-    def _dispatch(self, got: tuple[PeerId, Message] | BadMessage) -> None:
+    def _dispatch(self, got: tuple[PeerId, Message] | BadMessage) -> ServerFlow | None:
+        """Handle one input; returns the open flow it went to, if any."""
         if isinstance(got, BadMessage):
             self.stats["bad_messages"] += 1
             if got.peer is not None and not isinstance(got.peer, str):
                 entry = self.flows.get(got.peer)
                 if entry is not None:
                     self._drop(entry[0], entry[1], got.error)
-            return
+                elif self.on_stray is not None:
+                    self._stray(got.peer, None, str(got.error))
+            return None
         peer, msg = got
         entry = self.flows.get(peer)
         if entry is None:
@@ -343,20 +374,39 @@ class FlowServer:
             conn, handler = entry
         conn.last_seen = time.monotonic()
         try:
+            if handler is not None and handler.on_message(conn, msg):
+                return conn
             event = conn.flow.receive(msg)
         except ProtocolError as e:
-            self._drop(conn, handler, e)
-            return
+            if handler is None and self.on_stray is not None:
+                self._stray(peer, msg, str(e))
+            else:
+                self._drop(conn, handler, e)
+            return None
+        except TransportError as e:
+            self._send_failed(conn, handler, e)
+            return None
+        except Exception as e:  # a handler bug ends its flow, not the server
+            self._handler_failed(conn, handler, "on_message", e)
+            return None
+        if handler is None and not isinstance(event, BotReceived):
+            why = f"{type(event).__name__} before any BOT"
+            if self.on_stray is not None:
+                self._stray(peer, msg, why)
+            else:
+                self._drop(conn, None, RemoteProtocolError(why, field="flow"))
+            return None
         try:
             if isinstance(event, BotReceived):
                 handler = self.handler_factory()
                 conn.bot = event
+                conn.bot_origin = msg.origin
                 self.flows[peer] = (conn, handler)
                 self.stats["flows"] += 1
                 handler.on_bot(conn, event)
                 if conn.flow.state is FlowState.CLOSED:  # rejected
                     self._remove(conn, handler, "rejected")
-            elif handler is None:  # pragma: no cover - the machine only allows BOT first
+            elif handler is None:  # pragma: no cover - handled above
                 raise AssertionError("event before BOT")
             elif isinstance(event, Data):
                 handler.on_data(conn, event)
@@ -373,10 +423,24 @@ class FlowServer:
         except TransportError as e:
             self._send_failed(conn, handler, e)
         except Exception as e:  # a handler bug ends its flow, not the server
+            self._handler_failed(conn, handler, "handler", e)
+        return conn
+
+    def _stray(self, peer: PeerId, msg: Message | None, why: str) -> None:
+        assert self.on_stray is not None
+        try:
+            self.on_stray(peer, msg, why)
+        except Exception:  # a hook bug must not take the server down
             self.stats["handler_errors"] += 1
-            log.exception("%s: handler of %s failed", self.name, conn.name)
-            if handler is not None:
-                self._remove(conn, handler, f"handler error: {e!r}")
+            log.exception("%s: on_stray for %s failed", self.name, format_peer(peer))
+
+    def _handler_failed(
+        self, conn: ServerFlow, handler: FlowHandler | None, what: str, error: Exception
+    ) -> None:
+        self.stats["handler_errors"] += 1
+        log.exception("%s: %s of %s failed", self.name, what, conn.name)
+        if handler is not None:
+            self._remove(conn, handler, f"handler error: {error!r}")
 
     def _tick(self, now: float) -> None:
         for conn, handler in list(self.flows.values()):
@@ -389,16 +453,24 @@ class FlowServer:
 
     def tick_flow(self, conn: ServerFlow, handler: FlowHandler, now: float) -> None:
         """Run ``handler.on_tick`` now; its errors end that flow only (server thread only)."""
+        self._guarded(conn, handler, "on_tick", handler.on_tick, conn, now)
+
+    def _guarded(
+        self,
+        conn: ServerFlow,
+        handler: FlowHandler,
+        what: str,
+        fn: Callable[[ServerFlow, float], None],
+        *args: Any,
+    ) -> None:
         try:
-            handler.on_tick(conn, now)
+            fn(*args)
         except ProtocolError as e:
             self._drop(conn, handler, e)
         except TransportError as e:
             self._send_failed(conn, handler, e)
         except Exception as e:
-            self.stats["handler_errors"] += 1
-            log.exception("%s: on_tick of %s failed", self.name, conn.name)
-            self._remove(conn, handler, f"handler error: {e!r}")
+            self._handler_failed(conn, handler, what, e)
 
     def _send_failed(
         self, conn: ServerFlow, handler: FlowHandler | None, error: TransportError
