@@ -83,7 +83,6 @@ from typing import Any
 
 import pyarrow as pa
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from zio_spark.codec.records import (
     DAT_RECORDS,
@@ -106,10 +105,8 @@ from zio_spark.protocol.flow import (
     Data,
     Direction,
     EotReceived,
-    Flow,
     FlowState,
     Rejected,
-    Role,
     dat_profile,
 )
 from zio_spark.protocol.message import (
@@ -119,15 +116,13 @@ from zio_spark.protocol.message import (
 )
 from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
 from zio_spark.source.receiver_bound import BoundTaker, answer_stray, bind_port, read_bound_monitor
-from zio_spark.source.receiver_peers import DONE_KEPT, DRAIN_BATCH, Bound, Peer, PeerStatus, Pending
+from zio_spark.source.receiver_peers import DONE_KEPT, Bound, Peer, PeerStatus, Pending
 from zio_spark.storage.spool import Record, Spool
 from zio_spark.transport.curve import client_kwargs
+from zio_spark.transport.flow_client import ClientFlow, ClientHandler, FlowClient, Offer
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.loop import Loop
 from zio_spark.transport.port import (
-    BadMessage,
-    ClientPort,
-    SocketMode,
     socket_type_name,
 )
 
@@ -239,7 +234,9 @@ class Receiver:
         # call, a commit's ack or a stop; closed by the thread when it ends (or by stop()
         # if it never started).
         self._loop = Loop(tick=_TURN_S, name="zio-receiver", clock=clock)
-        self._appended = False  # a bound port's drain appended records: flush this turn
+        self._appended = False  # a drain appended records: flush this turn
+        self._busy = False  # the turn's poll found input waiting
+        self._looked = self.started_at
         self._ran = False
         for ep in endpoints:
             self._add(ep)
@@ -459,9 +456,8 @@ class Receiver:
             self.fatal = e
             peer.status.state = "failed"
             peer.status.last_error = str(e)
-            if peer.flow is not None:
+            if peer.flow is not None or peer.client is not None:
                 self._end_flow(peer, eot=True)
-            peer.retry_at = float("inf")
             if peer.bound is not None:
                 peer.status.state = "failed"  # _end_flow filed it as done
             return False
@@ -557,6 +553,21 @@ class Receiver:
                 return
             peer = Peer(endpoint, PeerStatus(endpoint), mode or self.mode)
             self._peers[endpoint] = peer
+        # The flow's engine: connects, sends our offer, watches the socket, times out a
+        # silent giver and reconnects with back-off; the receiver takes every message.
+        peer.client = FlowClient(
+            endpoint,
+            _EndpointTaker(self, peer),
+            ctx=self.ctx,
+            mode=peer.mode,
+            port_options=client_kwargs(self.curve),
+            connect_timeout=self.connect_timeout,
+            reconnect=self.reconnect,
+            patient=True,
+            connect_now=False,
+            name=f"zio source {endpoint}",
+        )
+        peer.client.attach(self._loop)
         if self.reconnect and endpoint in self.spool.peers.left_open:
             # The previous runner's flow to this plain giver ended without an EOT (it was
             # killed): the giver may still hold that flow open, and a reference giver
@@ -571,27 +582,24 @@ class Receiver:
             )
             self.spool.peers.keep_open(endpoint)  # still open: keep it
             self._unreachable(peer, why)
+            peer.client.give_up(why)
 
     def _remove(self, endpoint: str) -> None:
         with self._lock:
             peer = self._peers.pop(endpoint, None)
-        if peer is not None:
-            self._end_flow(peer, eot=True)
+        if peer is not None and peer.client is not None:
+            peer.client.send_eot(timeout_ms=100)
+            peer.client.close("endpoint removed", linger_ms=100)
             # The giver left (its group peer is gone; the echo is not awaited): no flow of
             # it is left open to stumble into, as when its socket disconnects. A stale
             # plain_flows.json entry would make the next runner refuse it once it is back.
             self._mark_open(peer, False)
 
-    def _open(self, peer: Peer, now: float) -> None:
-        port = ClientPort(
-            self.ctx, mode=peer.mode, linger_ms=0, send_timeout_ms=1000, **self._curve_kwargs()
-        )
-        monitor = port.socket.get_monitor_socket(_CLIENT_EVENTS)
-        port.connect(peer.endpoint)
-        flow = Flow(Role.CLIENT)
+    def _offer(self, peer: Peer, conn: ClientFlow) -> Offer:
+        """The BOT of a new flow to ``peer``: our offer (the reply states what the giver
+        does, see :func:`~zio_spark.protocol.negotiate.client_terms`)."""
         producer = peer.producer or self.spool.peers.producer_of(peer.endpoint)
         resume = self.spool.next_seq(producer) - 1 if producer else 0
-        # Our offer; the reply states what the giver does (see client_terms).
         attrs: dict[str, Any] = {
             "stream": self.stream,
             "ack": True,
@@ -599,15 +607,9 @@ class Receiver:
             "encoding": [ENCODING],
             "batch": self.batch,
         }
-        port.send(flow.send_bot(Direction.INJECT, self.credit, attrs))
-        peer.port, peer.flow, peer.monitor, peer.sent = port, flow, monitor, attrs
-        peer.opened_at = now
-        peer.connected = peer.handshaked = peer.handshake_failed = False
-        peer.handshake_error = None
+        peer.port, peer.flow, peer.link, peer.sent = conn.port, conn.flow, conn, attrs
         peer.status.state = "connecting"
-
-    def _curve_kwargs(self) -> dict[str, Any]:
-        return client_kwargs(self.curve)
+        return Offer(Direction.INJECT, self.credit, attrs)
 
     def _send(self, peer: Peer, msg: Message, timeout_ms: float = 1000) -> None:
         if peer.bound is not None:
@@ -617,6 +619,8 @@ class Receiver:
             peer.port.send(msg, timeout_ms=timeout_ms)
 
     def _end_flow(self, peer: Peer, *, eot: bool) -> None:
+        """End ``peer``'s flow here (with an EOT first if ``eot``); no new flow opens for
+        an endpoint we connect to."""
         b = peer.bound
         if b is not None:
             if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
@@ -630,75 +634,85 @@ class Receiver:
             if peer.conn is not None:
                 b.server.remove(peer.conn, "ended by the receiver")
             return
-        if peer.port is not None:
-            if eot and peer.flow is not None and peer.flow.state is FlowState.READY:
-                with contextlib.suppress(ProtocolError, TransportError):
-                    peer.port.send(peer.flow.send_eot(), timeout_ms=100)
-            if peer.monitor is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    peer.port.socket.disable_monitor()
-                peer.monitor.close(0)
-            peer.port.close(linger_ms=100 if eot else 0)
-        peer.port = peer.flow = peer.monitor = None
+        if peer.client is not None:
+            if eot:
+                peer.client.send_eot(timeout_ms=100)
+            peer.client.give_up(peer.status.last_error or "ended", linger_ms=100 if eot else 0)
 
     def _fail(self, peer: Peer, why: str, now: float) -> None:
-        self.stats["flow_failures"] += 1
-        peer.status.failures += 1
-        peer.status.last_error = why
         if peer.bound is not None:
+            self.stats["flow_failures"] += 1
+            peer.status.failures += 1
+            peer.status.last_error = why
             # A client flow: the client opens a new one (a new BOT) if it wants to.
             peer.status.state = "failed"
             log.warning("zio source: giver client %s: %s; flow dropped", peer.endpoint, why)
             self._end_flow(peer, eot=False)
             return
-        if not self.reconnect:
+        assert peer.client is not None
+        peer.client.fail(why, "taker_errors", now)  # counted in _failed, via on_failure
+
+    def _failed(self, peer: Peer, why: str, counter: str, final: bool) -> None:
+        """A flow to ``peer`` failed (its engine's :meth:`ClientHandler.on_failure`)."""
+        if counter == "protocol_errors":  # a message that did not parse
+            self.stats["dropped"] += 1
+        if counter == "disconnects":
+            # The giver's socket is gone (its process ended or it closed the port): no
+            # flow of it is left open to stumble into.
+            self._mark_open(peer, False)
+        if counter == "bot_timeouts" and final:
+            self._unreachable(peer, why)  # the engine gives up
+            return
+        self.stats["flow_failures"] += 1
+        peer.status.failures += 1
+        peer.status.last_error = why
+        if final:
             peer.status.state = "failed"
             log.warning("zio source: producer %s: %s", peer.endpoint, why)
-            self._end_flow(peer, eot=False)
-            peer.retry_at = float("inf")
             return
         peer.status.state = "waiting"
+        assert peer.client is not None
         log.warning(
-            "zio source: producer %s: %s; reconnecting in %.1f s", peer.endpoint, why, peer.backoff
+            "zio source: producer %s: %s; reconnecting in %.1f s",
+            peer.endpoint,
+            why,
+            peer.client.backoff.delay,
         )
-        self._end_flow(peer, eot=False)
-        peer.retry_at = now + peer.backoff
-        peer.backoff = min(peer.backoff * 2, 5.0)
+
+    def _closed(self, peer: Peer, now: float) -> None:
+        """A flow to ``peer`` ended (its engine's :meth:`ClientHandler.on_close`): what it
+        took before is kept."""
+        flow_was = peer.flow
+        peer.port = peer.flow = peer.link = None
+        if flow_was is not None and peer.producer is not None:
+            self._appended |= self._append_pending(peer, now)
 
     def _unreachable(self, peer: Peer, why: str) -> None:
-        """A producer we can never talk to as configured: the query fails, saying why."""
+        """A producer we can never talk to as configured: the query fails, saying why
+        (the caller, or the flow's engine, gives up on it)."""
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
         peer.status.state = "failed"
         peer.status.last_error = why
         self.unreachable[peer.endpoint] = why
         log.error("zio source: %s", why)
-        self._end_flow(peer, eot=False)
-        peer.retry_at = float("inf")
         if self.error is None:
             self.error = TransportError(why, endpoint=peer.endpoint)
-
-    def _no_bot(self, peer: Peer, now: float) -> None:
-        """No BOT came back within connectTimeout: say what the socket monitor saw."""
-        why, mismatch = self._diagnosis(peer)
-        if mismatch or not self.reconnect:
-            self._unreachable(peer, why)
-        else:
-            self._fail(peer, why, now)
 
     def why_no_flow(self, endpoint: str) -> str | None:
         """Why ``endpoint`` has no flow yet (as the socket monitor saw it), or None."""
         peer = self._peers.get(endpoint)
         if peer is None or peer.status.state not in ("connecting", "waiting"):
             return None
-        if peer.port is None:
+        conn = peer.link
+        if conn is None:
             return peer.status.last_error
-        return self._diagnosis(peer)[0]
+        return self._diagnosis(conn)[0]
 
-    def _diagnosis(self, peer: Peer) -> tuple[str, bool]:
+    def _diagnosis(self, conn: ClientFlow) -> tuple[str, bool]:
         """What we know of a connection that brought no BOT; True if the socket kinds
         cannot match (no use retrying)."""
-        ours = socket_type_name("client", peer.mode or SocketMode.ROUTERDEALER)
+        ours = socket_type_name("client", conn.mode)
         theirs = "SERVER" if ours == "DEALER" else "ROUTER"
         fix = (
             "set option socket=clientserver (it needs a draft-enabled pyzmq; see the README "
@@ -707,47 +721,27 @@ class Receiver:
             else "set option socket=routerdealer"
         )
         t = self.connect_timeout
-        if peer.handshake_error is not None:
+        seen, endpoint = conn.seen, conn.endpoint
+        if seen.handshake_error is not None:
             return (
-                f"{peer.endpoint}: the security handshake failed ({peer.handshake_error}); "
+                f"{endpoint}: the security handshake failed ({seen.handshake_error}); "
                 "check the CURVE keys (curveServerKey is the producer's public key)",
                 False,
             )
-        if peer.handshake_failed:
+        if seen.refused:
             return (
-                f"{peer.endpoint} did not answer our BOT within {t:g} s and every ZMTP "
+                f"{endpoint} did not answer our BOT within {t:g} s and every ZMTP "
                 f"handshake with it failed: our socket is a {ours}, so the producer's is "
                 f"probably a {theirs}, and the two never exchange a message; {fix}",
                 True,
             )
-        if not peer.connected:
-            return f"nothing accepted a connection at {peer.endpoint} within {t:g} s", False
+        if not seen.connected:
+            return f"nothing accepted a connection at {endpoint} within {t:g} s", False
         return (
-            f"{peer.endpoint} accepted our {ours} but sent no BOT within {t:g} s "
+            f"{endpoint} accepted our {ours} but sent no BOT within {t:g} s "
             f"(is it a ZIO flow server giving stream {self.stream!r}?)",
             False,
         )
-
-    def _on_monitor(self, peer: Peer, now: float) -> None:
-        assert peer.monitor is not None
-        while peer.monitor is not None and peer.monitor.poll(0):
-            event = parse_monitor_message(peer.monitor.recv_multipart())["event"]
-            if event == zmq.EVENT_CONNECTED:
-                peer.connected = True
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                peer.handshaked = True
-            elif event in _HANDSHAKE_FAILED:
-                peer.handshake_error = _HANDSHAKE_FAILED[event]
-            elif event == zmq.EVENT_DISCONNECTED:
-                if peer.handshaked:
-                    # The giver's socket is gone (its process ended or it closed the
-                    # port): no flow of it is left open to stumble into.
-                    self._mark_open(peer, False)
-                    self._fail(peer, "disconnected", now)
-                    return
-                # The ZMTP handshake failed (libzmq checks socket types there): wait for
-                # connectTimeout, then say so (_no_bot) instead of reconnecting in silence.
-                peer.handshake_failed = True
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -766,7 +760,10 @@ class Receiver:
                 if self.error is None:
                     self.error = e
             for peer in self._flows():
-                self._end_flow(peer, eot=False)
+                if peer.client is not None:
+                    peer.client.close("the receiver stopped", linger_ms=0)
+                else:
+                    self._end_flow(peer, eot=False)
             for b in self._bound:
                 with contextlib.suppress(zmq.ZMQError):
                     b.port.socket.disable_monitor()
@@ -779,12 +776,19 @@ class Receiver:
         """Stop: send an EOT on every open flow and take what arrives until each echo
         (the giver got our EOT: a plain giver's flow is over on both sides), bounded by
         ``min(5 s, connectTimeout)``. Records that arrive meanwhile are stored."""
+        self._ending = True  # the turns below only take input, up to each echo
         ending = []
         for peer in self._flows():
             flow = peer.flow
-            if flow is None or flow.state is not FlowState.READY:
+            if peer.client is not None:
+                # No new flow from here on; one still waiting for its BOT reply closes
+                # (it never started: nothing to end with an EOT).
+                if peer.client.send_eot(timeout_ms=_EOT_SEND_MS):
+                    ending.append(peer)
+                else:
+                    peer.client.close("the receiver stopped", linger_ms=0)
                 continue
-            if peer.port is None and peer.bound is None:
+            if flow is None or flow.state is not FlowState.READY:
                 continue
             try:
                 self._send(peer, flow.send_eot(), timeout_ms=_EOT_SEND_MS)
@@ -797,7 +801,6 @@ class Receiver:
         def waiting() -> list[Peer]:
             return [p for p in ending if p.flow is not None and p.flow.state is FlowState.EOT_SENT]
 
-        self._ending = True  # the turns below only take input, up to each echo
         while waiting() and self.clock() < deadline:
             self._loop.turn(0.02)
         for p in waiting():
@@ -811,49 +814,26 @@ class Receiver:
                 self.stats["eot_echoed"] += 1
 
     def _sockets(self) -> list[Any]:
-        """What the loop polls this turn: every open port and its monitor."""
-        out: list[Any] = []
-        for b in self._bound:
-            if b.monitor is not None:
-                out.append(b.monitor)
-        for peer in self._peers.values():
-            if peer.port is not None:
-                out.append(peer.port.socket)
-                if peer.monitor is not None:
-                    out.append(peer.monitor)
-        return out
+        """What the receiver polls itself: the bound ports' monitors (the flows' sockets
+        are their engines')."""
+        return [b.monitor for b in self._bound if b.monitor is not None]
 
-    def _process(self, ready: Collection[object], now: float) -> None:
-        """One turn's input: drain the ports that have some, store it (one flush), and
-        pay credit. While stopping (:meth:`_end_with_eot`) only input is taken."""
-        looked = self.clock()
-        busy = any(key != self._loop.waker.fd for key in ready)
-        if busy:
+    def _look(self, ready: Collection[object]) -> None:
+        """A turn's poll came back: note whether anything was waiting, read the bound
+        ports' monitors."""
+        self._looked = self.clock()
+        self._busy = any(key != self._loop.waker.fd for key in ready)
+        if self._busy:
             self._quiet_since = None
-        with self._lock:
-            peers = list(self._peers.values())
-        appended, self._appended = self._appended, False
         for b in self._bound:
             if b.monitor is not None and b.monitor in ready:
                 read_bound_monitor(b, self.stats)
-        for peer in peers:
-            if peer.port is None:
-                continue
-            if peer.monitor is not None and peer.monitor in ready:
-                self._on_monitor(peer, now)
-                if peer.port is None:
-                    continue
-            if peer.port.socket in ready:
-                appended |= self._drain(peer, now)
-            if (
-                not self._ending
-                and peer.port is not None
-                and peer.flow is not None
-                and peer.flow.state is FlowState.BOT_SENT
-                and now - peer.opened_at > self.connect_timeout
-            ):
-                self._no_bot(peer, now)
-        if appended:
+
+    def _settle(self, now: float) -> None:
+        """After every flow's input of a turn: store it (one flush for all producers),
+        then pay credit. While stopping (:meth:`_end_with_eot`) only store."""
+        if self._appended:
+            self._appended = False
             self.spool.flush()
         if self._ending:
             return
@@ -872,22 +852,9 @@ class Receiver:
             self._pay(peer, now, out)
         if self._held_now or self._withheld_since:
             self._count_withheld()
-        if not busy and self._quiet_since is None:
+        if not self._busy and self._quiet_since is None:
             self._quiet_since = self.clock()
-        self.looked_at = looked
-
-    def _open_due(self, now: float) -> None:
-        """Open the flows due (new endpoints, and after a back-off): polled next turn."""
-        if self._ending:
-            return
-        with self._lock:
-            peers = list(self._peers.values())
-        for peer in peers:
-            if peer.port is None and now >= peer.retry_at:
-                try:
-                    self._open(peer, now)
-                except TransportError as e:
-                    self._fail(peer, f"cannot connect: {e}", now)
+        self.looked_at = self._looked
 
     def _count_withheld(self) -> None:
         """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
@@ -929,36 +896,13 @@ class Receiver:
                 return False
         return True
 
-    def _drain(self, peer: Peer, now: float) -> bool:
-        assert peer.port is not None
-        appended = False
-        budget = 10_000  # bounded, so one busy peer does not starve the others
-        while budget > 0:
-            port, flow = peer.port, peer.flow
-            if port is None or flow is None:
-                break
-            try:
-                got = port.recv_many(min(budget, DRAIN_BATCH), 0)
-            except TransportError as e:
-                self._fail(peer, str(e), now)
-                break
-            if not got:
-                break
-            budget -= len(got)
-            for msg in got:
-                if isinstance(msg, BadMessage):
-                    self.stats["dropped"] += 1
-                    self._fail(peer, f"bad message: {msg.error}", now)
-                    budget = 0
-                    break
-                if not self._take(peer, msg, now):
-                    budget = 0
-                    break
-        # What arrived before a failure was valid and in order: it is kept.
-        appended = self._append_pending(peer, now) or appended
+    def _drained(self, peer: Peer, now: float) -> None:
+        """One read of ``peer``'s socket is over: store what it brought."""
+        if peer.flow is None or peer.producer is None:
+            return
+        self._appended |= self._append_pending(peer, now)
         if peer.said_idle and peer.flow is not None:
             peer.status.idle = True
-        return appended
 
     def _on_message(self, peer: Peer, msg: Message, now: float) -> None:
         assert peer.flow is not None
@@ -981,13 +925,15 @@ class Receiver:
             if peer.flow.state is FlowState.EOT_RECEIVED:
                 self._send(peer, peer.flow.send_eot())
             peer.status.state = "ended"
-            self._end_flow(peer, eot=False)
-            self._mark_open(peer, False)
             # An acknowledging producer resumes after what we hold on a new flow; a plain
             # giver starts over (a reference server gives its whole stream to each new
             # flow): reopening would take the same records again, endlessly.
             again = self.reconnect and peer.terms.ack and peer.bound is None
-            peer.retry_at = now + peer.backoff if again else float("inf")
+            if peer.client is not None:
+                peer.client.end("end of transmission", reopen=again, now=now)
+            else:
+                self._end_flow(peer, eot=False)
+            self._mark_open(peer, False)
             if self.reconnect and not again and peer.bound is None:
                 log.info(
                     "zio source: plain giver %s ended its flow (EOT); not reopening it, "
@@ -1017,7 +963,8 @@ class Receiver:
         peer.producer = producer
         peer.terms = terms
         peer.arrow = terms.encoding == ENCODING
-        peer.backoff = 0.2
+        if peer.client is not None:
+            peer.client.backoff.reset()
         peer.pending = self._pending.setdefault(producer, Pending())
         st = peer.status
         st.producer, st.state = producer, "receiving"
@@ -1097,21 +1044,6 @@ class Receiver:
         out[peer.producer] += n
 
 
-# Socket monitor events the receiver reads: a client port's handshake and connection,
-# and a bound port's accepted connections that never complete the ZMTP handshake.
-_HANDSHAKE_FAILED: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol error",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
-}
-_CLIENT_EVENTS = (
-    zmq.EVENT_CONNECTED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 # A drain appends every so many DATs or bytes: enough to spread an append's fixed cost
 # over many one-record DATs, small enough that records reach the spool (and the status
 # the availableNow trigger watches) steadily.
@@ -1129,7 +1061,9 @@ _TURN_S = 0.05
 
 
 class _Turns:
-    """The receiver's turns as a :class:`~zio_spark.transport.loop.LoopPart`."""
+    """The receiver's own share of each loop turn (a
+    :class:`~zio_spark.transport.loop.LoopPart`): after the flows' engines took their
+    input, store it and pay credit."""
 
     def __init__(self, receiver: Receiver) -> None:
         self.receiver = receiver
@@ -1138,8 +1072,46 @@ class _Turns:
         return self.receiver._sockets()
 
     def process(self, ready: Collection[object], now: float) -> None:
-        self.receiver._process(ready, now)
+        self.receiver._look(ready)
 
     def tick(self, now: float) -> float | None:
-        self.receiver._open_due(now)
+        self.receiver._settle(now)
         return None
+
+
+class _EndpointTaker(ClientHandler):
+    """The taker of the flows to one endpoint we connect to (its
+    :class:`~zio_spark.transport.flow_client.FlowClient`'s handler): every message goes
+    the receiver's way (:meth:`Receiver._take`, the same for both topologies)."""
+
+    disconnected_text = "disconnected"
+
+    def __init__(self, receiver: Receiver, peer: Peer) -> None:
+        self.receiver = receiver
+        self.peer = peer
+
+    def offer(self, conn: ClientFlow) -> Offer:
+        return self.receiver._offer(self.peer, conn)
+
+    def on_message(self, conn: ClientFlow, msg: Message) -> bool:
+        if self.peer.flow is conn.flow:
+            self.receiver._take(self.peer, msg, self.receiver.clock())
+        return True
+
+    def on_drained(self, conn: ClientFlow, now: float) -> None:
+        if self.peer.flow is conn.flow:
+            self.receiver._drained(self.peer, now)
+
+    def on_failure(self, conn: ClientFlow | None, why: str, counter: str, final: bool) -> None:
+        self.receiver._failed(self.peer, why, counter, final)
+
+    def on_close(self, conn: ClientFlow, reason: str) -> None:
+        if self.peer.flow is conn.flow:
+            self.receiver._closed(self.peer, self.receiver.clock())
+
+    def closed_unanswered(self, conn: ClientFlow) -> str:
+        # Patient: only a connection that had completed its handshake fails at once.
+        return self.disconnected_text
+
+    def no_reply(self, conn: ClientFlow, timeout: float) -> tuple[str, bool]:
+        return self.receiver._diagnosis(conn)

@@ -21,6 +21,7 @@ from zio_spark.storage.spool import Record
 from zio_spark.transport.port import ClientPort, PeerId, ServerPort
 
 if TYPE_CHECKING:
+    from zio_spark.transport.flow_client import ClientFlow, FlowClient
     from zio_spark.transport.flow_server import FlowServer, ServerFlow
 
 __all__ = ["DONE_KEPT", "DRAIN_BATCH", "Bound", "Peer", "PeerStatus", "Pending"]
@@ -92,15 +93,15 @@ class Peer:
     endpoint: str
     status: PeerStatus
     mode: str | None = None
+    # Endpoints we connect to: the flows' engine, and the open flow's connection and
+    # port (None between flows).
+    client: FlowClient | None = None
+    link: ClientFlow | None = None
     port: ClientPort | None = None
     flow: Flow | None = None
-    monitor: zmq.Socket[bytes] | None = None
     producer: str | None = None
     arrow: bool = False
-    opened_at: float = 0.0
-    retry_at: float = 0.0
     acked: int = 0  # last ack sent
-    backoff: float = 0.2
     # The BOT we sent (client flows): the reply's attributes count only where they are
     # not an echo of it. ``terms``: what was agreed (acks, encoding, producer id).
     sent: dict[str, Any] = field(default_factory=dict)
@@ -109,13 +110,7 @@ class Peer:
     bound: Bound | None = None
     rid: PeerId | None = None
     conn: ServerFlow | None = None  # its flow in the bound port's server
-    # Socket kinds may not match (the handshake failed, or nothing ever came back):
-    # reported when no BOT comes within connectTimeout.
     pay_one: bool = False  # credit as PAYs of 1 (see _pay)
-    handshake_failed: bool = False
-    handshake_error: str | None = None
-    handshaked: bool = False
-    connected: bool = False
     # Most records seen in one Arrow DAT (0: none yet). A giver that ignores the
     # ``batch`` we ask for in BOT sends bigger DATs: credit is then sized by what it
     # really sends, and one credit at a time until its first DAT shows the size.

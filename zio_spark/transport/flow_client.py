@@ -15,8 +15,11 @@ reconnections; every flow gets a fresh :class:`ClientFlow` connection object). P
    or EOT_SENT; givers send here), ``on_drained`` after each read of the socket;
 4. the end: a server's EOT goes to ``on_eot``; the engine echoes it, ends the flow and
    opens a new one after the current back-off delay. The echo of *our* EOT
-   (:meth:`FlowClient.send_eot`) ends it for good. ``on_close(conn, reason)`` runs for
-   every flow that was opened, whatever ended it (``conn.failure`` is set if it failed).
+   (:meth:`FlowClient.send_eot`) ends it for good. A handler that takes every message
+   itself (``on_message``) ends a flow with :meth:`FlowClient.end`, reopening it later
+   or never. ``on_close(conn, reason)`` runs for every flow that was opened, whatever
+   ended it (``conn.failure`` is set if it failed); ``on_failure`` for every failure,
+   before the close, with its counter's name and whether no flow will open again.
 
 Failures (each counted in ``stats["flow_failures"]`` and a named counter, logged with
 the client's ``name``; the same failure again is logged at INFO): a connect error
@@ -243,8 +246,10 @@ class ClientFlow:
     def pay(self, amount: int | None = None, attrs: Mapping[str, Any] | None = None) -> None:
         self.send(self.flow.pay(amount, attrs))
 
-    def send_eot(self, attrs: Mapping[str, Any] | None = None) -> None:
-        self.send(self.flow.send_eot(attrs))
+    def send_eot(
+        self, attrs: Mapping[str, Any] | None = None, timeout_ms: float = SEND_TIMEOUT_MS
+    ) -> None:
+        self.send(self.flow.send_eot(attrs), timeout_ms)
 
     def close(self, linger_ms: int = 0) -> None:
         if self.monitor is not None:
@@ -297,6 +302,11 @@ class ClientHandler:
 
     def on_close(self, conn: ClientFlow, reason: str) -> None:
         """The flow ended (``conn.failure`` is set if it failed)."""
+
+    def on_failure(self, conn: ClientFlow | None, why: str, counter: str, final: bool) -> None:
+        """A flow failed (``conn`` None: no connection was made), before it is closed;
+        ``counter`` names the failure's kind (see the module docstring), ``final`` says
+        that no new flow will open (else one opens after ``client.backoff.delay``)."""
 
     def closed_unanswered(self, conn: ClientFlow) -> str:
         """Why a flow failed whose connection closed before the server's BOT."""
@@ -383,7 +393,7 @@ class FlowClient:
         self.socket_type: str | None = None
         self.curve_public_key: bytes | None = None
         self.retry_at = 0.0
-        self.ending = False  # no new flow: send_eot() or close() was called
+        self.ending = False  # no new flow: send_eot(), close() or end(reopen=False)
         self.gave_up: str | None = None  # why no new flow will open, if so
         self.last_error: str | None = None
         self.error: BaseException | None = None  # what ended the own thread, if anything
@@ -499,28 +509,32 @@ class FlowClient:
             self._guarded(conn, now, self.handler.on_tick, conn, now)
         return None
 
-    def close(self, reason: str = "client closed") -> None:
-        """End the flow without an EOT (its port lingers ``linger_ms``); no new flow opens
-        (idempotent; client thread, or any thread once the loop has ended)."""
+    def close(self, reason: str = "client closed", linger_ms: int | None = None) -> None:
+        """End the flow without an EOT (its port lingers ``linger_ms``, None: the client's
+        own); no new flow opens (idempotent; client thread, or any thread once the loop
+        has ended)."""
         if self._closed:
             return
         self._closed = True
         self.ending = True
         if self._loop is not None:
             self._loop.remove(self)
-        self._end(reason, linger_ms=self.linger_ms)
+        self._end(reason, linger_ms=self.linger_ms if linger_ms is None else linger_ms)
 
     # -- control (client thread) ------------------------------------------------------
 
-    def send_eot(self, attrs: Mapping[str, Any] | None = None) -> bool:
-        """End the flow with an EOT; no new flow opens afterwards. True if an echo can be
-        awaited (the flow was READY and the EOT went out)."""
+    def send_eot(
+        self, attrs: Mapping[str, Any] | None = None, timeout_ms: float = SEND_TIMEOUT_MS
+    ) -> bool:
+        """End the flow with an EOT (waiting at most ``timeout_ms`` to queue it); no new
+        flow opens afterwards. True if an echo can be awaited (the flow was READY and the
+        EOT went out)."""
         self.ending = True
         conn = self.conn
         if conn is None or conn.flow.state is not FlowState.READY:
             return False
         try:
-            conn.send_eot(attrs)
+            conn.send_eot(attrs, timeout_ms)
         except TransportError as e:
             log.warning("%s: cannot send EOT: %s", self.name, e)
             self._end(f"cannot send EOT: {e}")
@@ -535,10 +549,20 @@ class FlowClient:
             now = time.monotonic()
             self._guarded(conn, now, self.handler.on_tick, conn, now)
 
-    def give_up(self, why: str) -> None:
-        """End the flow (no EOT) and never open another; ``gave_up`` says why."""
+    def give_up(self, why: str, linger_ms: int = 0) -> None:
+        """End the flow (no EOT; its port lingers ``linger_ms``) and never open another;
+        ``gave_up`` says why."""
         self.gave_up = why
-        self._end(why)
+        self._end(why, linger_ms)
+
+    def end(self, reason: str, *, reopen: bool, now: float | None = None) -> None:
+        """End the open flow here, not as a failure (a handler that took the server's EOT
+        itself): a new flow opens after the current back-off delay if ``reopen`` (and
+        ``reconnect``), else none (a giver whose EOT is final)."""
+        if not reopen:
+            self.ending = True
+        self._end(reason)
+        self.retry_at = (time.monotonic() if now is None else now) + self.backoff.delay
 
     def fail(self, why: str, counter: str, now: float | None = None) -> None:
         """Fail the open flow (a handler's verdict): count, log, back off, reconnect."""
@@ -678,6 +702,7 @@ class FlowClient:
             self.last_error = why
             log.error("%s: %s", self.name, why)
             conn.failure = why
+            self._on_failure(conn, why, "bot_timeouts", True)
             self.give_up(why)
         else:
             self._fail(why, "bot_timeouts", now)
@@ -690,12 +715,21 @@ class FlowClient:
         self.last_error = why
         if self.conn is not None:
             self.conn.failure = why
-        if not self._may_open() or not self.reconnect:
+        final = not self._may_open() or not self.reconnect
+        if final:
             log.log(level, "%s: %s", self.name, why)
         else:
             log.log(level, "%s: %s; reconnecting in %.1f s", self.name, why, self.backoff.delay)
+        self._on_failure(self.conn, why, counter, final)
         self._end(why)
         self.retry_at = now + self.backoff.failed()
+
+    def _on_failure(self, conn: ClientFlow | None, why: str, counter: str, final: bool) -> None:
+        try:
+            self.handler.on_failure(conn, why, counter, final)
+        except Exception:  # a handler bug must not take the loop down
+            self.stats["handler_errors"] += 1
+            log.exception("%s: on_failure failed", self.name)
 
     def _end(self, reason: str, linger_ms: int = 0) -> None:
         conn, self.conn = self.conn, None
