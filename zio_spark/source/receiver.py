@@ -471,6 +471,8 @@ class Receiver:
         peer.status.duplicates += total - new
         peer.status.last_data = now
         self.stats["records"] += new
+        if new > 0:
+            self._appended = True  # flushed this turn, before any credit is paid
         return new > 0
 
     def _on_data(self, peer: Peer, data: Data) -> None:
@@ -685,7 +687,7 @@ class Receiver:
         flow_was = peer.flow
         peer.port = peer.flow = peer.link = None
         if flow_was is not None and peer.producer is not None:
-            self._appended |= self._append_pending(peer, now)
+            self._append_pending(peer, now)
 
     def _unreachable(self, peer: Peer, why: str) -> None:
         """A producer we can never talk to as configured: the query fails, saying why
@@ -900,7 +902,7 @@ class Receiver:
         """One read of ``peer``'s socket is over: store what it brought."""
         if peer.flow is None or peer.producer is None:
             return
-        self._appended |= self._append_pending(peer, now)
+        self._append_pending(peer, now)
         if peer.said_idle and peer.flow is not None:
             peer.status.idle = True
 

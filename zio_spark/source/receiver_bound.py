@@ -121,7 +121,7 @@ class BoundTaker(FlowHandler):
         peer, r = self.peer, self.receiver
         if peer is None or peer.flow is None or peer.producer is None:
             return
-        r._appended |= r._append_pending(peer, now)
+        r._append_pending(peer, now)
         if peer.said_idle and peer.flow is not None:
             peer.status.idle = True  # what it sent before is stored (appended above)
 

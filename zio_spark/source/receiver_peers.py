@@ -24,12 +24,10 @@ if TYPE_CHECKING:
     from zio_spark.transport.flow_client import ClientFlow, FlowClient
     from zio_spark.transport.flow_server import FlowServer, ServerFlow
 
-__all__ = ["DONE_KEPT", "DRAIN_BATCH", "Bound", "Peer", "PeerStatus", "Pending"]
+__all__ = ["DONE_KEPT", "Bound", "Peer", "PeerStatus", "Pending"]
 
 # Client flows of a bound port that ended or failed, kept for status().
 DONE_KEPT = 1000
-# Messages taken from a port per recv_many call while draining.
-DRAIN_BATCH = 256
 
 
 @dataclass
