@@ -1,7 +1,7 @@
 """The source's receiver: takes records from ZIO producers into the spool, with credit.
 
 (The loop, the client flows, the spool writing and the public API; the bind mode's
-handler is in ``receiver_bound``, the per-flow state in ``receiver_peers``.)
+handler is in ``bound_takers``, the per-flow state in ``receiver_peers``.)
 
 Runs in Spark's long-lived streaming runner process (never in a reader's ``__init__``:
 sockets do not pickle). One thread owns every socket and drives them all through one
@@ -64,7 +64,7 @@ own statement (:func:`~zio_spark.protocol.negotiate.server_terms`); the reply st
 ``resume``/``ack``/``encoding``/``batch`` to a zio-spark producer, and only the reversed
 direction and a credit no larger than the offer to a plain client. The partition id is
 the client's ``producer``, or ``origin:<n>`` from the BOT's coord for a plain client (see
-:class:`~zio_spark.source.receiver_bound.BoundTaker`). Each bound port is an inline
+:class:`~zio_spark.source.bound_takers.BoundTaker`). Each bound port is an inline
 :class:`~zio_spark.transport.flow_server.FlowServer` on the receiver's loop. A client
 flow that ends or fails is dropped (the client opens a new one); a plain client that
 vanishes without EOT keeps its entry until the receiver stops (stock libzmq does not say
@@ -115,7 +115,7 @@ from zio_spark.protocol.message import (
     Message,
 )
 from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
-from zio_spark.source.receiver_bound import BoundTaker, answer_stray, bind_port, read_bound_monitor
+from zio_spark.source.bound_takers import BoundTaker, answer_stray, bind_port, read_bound_monitor
 from zio_spark.source.receiver_peers import DONE_KEPT, Bound, Peer, PeerStatus, Pending
 from zio_spark.storage.spool import Record, Spool
 from zio_spark.transport.curve import client_kwargs
