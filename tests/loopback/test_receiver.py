@@ -203,16 +203,6 @@ class PlainGiver(RawGiver):
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    t = threading.Thread(target=c.term, daemon=True)
-    t.start()
-    t.join(10)
-    assert not t.is_alive(), "zmq context did not terminate: a socket was left open"
-
-
-@pytest.fixture
 def spool(tmp_path) -> Iterator[Spool]:
     s = Spool(tmp_path / "spool", sync=False)
     yield s

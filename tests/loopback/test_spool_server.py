@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -62,8 +63,7 @@ def test_default_bind_is_loopback_and_advertised_as_bound(server: SegmentServer)
     assert server.endpoint == server.bound
 
 
-def test_reader_without_curve_gets_nothing(server: SegmentServer) -> None:
-    ctx = zmq.Context()
+def test_reader_without_curve_gets_nothing(server: SegmentServer, ctx: zmq.Context[Any]) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     try:
@@ -72,7 +72,6 @@ def test_reader_without_curve_gets_nothing(server: SegmentServer) -> None:
         assert sock.poll(1500) == 0, "a reader without CURVE got an answer"
     finally:
         sock.close(0)
-        ctx.term()
     assert server.requests == 0
 
 

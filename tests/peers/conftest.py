@@ -17,13 +17,6 @@ from typing import Any
 import pytest
 import zmq
 
-from tests.support import TrackingContext, tracked_context
-
-
-@pytest.fixture
-def ctx() -> Iterator[TrackingContext]:
-    yield from tracked_context()
-
 
 @pytest.fixture(
     params=["routerdealer", pytest.param("clientserver", marks=pytest.mark.requires_draft)]
