@@ -671,3 +671,21 @@ def test_the_default_window_holds_more_than_the_sources_default_backlog():
     backlog = parse_source_options({"endpoints": "tcp://127.0.0.1:1"}).max_backlog
     assert 2 * backlog <= DEFAULT_WINDOW
     assert backlog * 100 * 2 <= DEFAULT_WINDOW_BYTES  # 100 B records, two batches
+
+
+def test_advertise_takes_one_zre_options_or_a_group_with_keywords(
+    make_producer: Callable[..., Producer], ctx: zmq.Context[Any]
+) -> None:
+    from tests.support import free_endpoint
+    from zio_spark.errors import ConfigError
+    from zio_spark.options import ZreOptions
+
+    producer = make_producer()
+    with pytest.raises(ConfigError, match=r"interval.*no ZRE keyword beside a ZreOptions"):
+        producer.advertise(ZreOptions("daq"), interval=0.5)
+    client = Producer(connect=free_endpoint(), ctx=ctx, linger_ms=0)
+    try:
+        with pytest.raises(ConfigError, match=r"group.*'daq'.*client mode has no port"):
+            client.advertise(ZreOptions("daq"))
+    finally:
+        client.close(timeout=SHORT, flush=False)

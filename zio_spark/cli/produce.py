@@ -63,7 +63,7 @@ def run_produce(args: argparse.Namespace) -> int:
             args.group,
             beacon_port=args.beacon_port,
             broadcast=args.broadcast,
-            interface_addr=args.interface_addr,
+            interface=args.interface_addr,
         )
     verb = "connecting to" if args.connect else "producing on"
     print(

@@ -59,6 +59,7 @@ import zmq
 
 from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
+from zio_spark.options import ZreOptions
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import Delivery, ProducerBacklog
 from zio_spark.transport.flow_client import FlowClient
@@ -395,26 +396,56 @@ class Producer:
         """
         self._backlog.flush(timeout)
 
-    def advertise(self, group: str, **zre: object) -> None:
-        """Join ZRE ``group`` and advertise this producer's flow port in it.
+    def advertise(
+        self,
+        group: str | ZreOptions,
+        *,
+        beacon_port: int | None = None,
+        broadcast: str | None = None,
+        interface: str | None = None,
+        interval: float | None = None,
+    ) -> None:
+        """Join a ZRE group and advertise this producer's flow port in it.
 
-        ``zre`` goes to :func:`~zio_spark.transport.discovery.advertise` (``beacon_port``,
-        ``broadcast``, ``interface_addr``, ``interval``); the node stops with :meth:`close`.
+        ``group`` is the group's name, with the ZRE settings as keywords (defaults as
+        :class:`~zio_spark.options.ZreOptions`), or one :class:`ZreOptions` (then no
+        keyword). The node stops with :meth:`close`.
         """
         from zio_spark.transport.discovery import advertise
 
+        name = group.group if isinstance(group, ZreOptions) else group
         if self._server is None:
             raise ConfigError(
                 "group",
-                group,
+                name,
                 "a bound producer: a producer in client mode has no port to advertise",
             )
+        given = {
+            k: v
+            for k, v in (
+                ("beacon_port", beacon_port),
+                ("broadcast", broadcast),
+                ("interface", interface),
+                ("interval", interval),
+            )
+            if v is not None
+        }
+        if isinstance(group, ZreOptions):
+            if given:
+                key = next(iter(given))
+                raise ConfigError(key, given[key], "no ZRE keyword beside a ZreOptions")
+            zre = group
+        else:
+            base = ZreOptions(group)  # its defaults, written once there
+            zre = ZreOptions(
+                group,
+                beacon_port=base.beacon_port if beacon_port is None else beacon_port,
+                broadcast=broadcast,
+                interface=interface,
+                interval=base.interval if interval is None else interval,
+            )
         self._zre = advertise(
-            group,
-            self.endpoint,
-            self._server.port.socket_type,
-            name=self.producer_id,
-            **zre,  # type: ignore[arg-type]
+            zre, self.endpoint, self._server.port.socket_type, name=self.producer_id
         )
 
     def close(self, timeout: float | None = 30.0, *, flush: bool = True) -> Delivery:
