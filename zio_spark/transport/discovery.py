@@ -200,7 +200,7 @@ class NodeCache:
     interval of the first caller wins. A node that stopped is replaced."""
 
     def __init__(self) -> None:
-        self._nodes: dict[tuple[str, int, str, str | None], ZreNode] = {}
+        self._nodes: dict[tuple[str, int, str | None, str | None], ZreNode] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

@@ -50,6 +50,7 @@ from zio_spark.protocol.flow import (
     FlowState,
     pay_ack,
 )
+from zio_spark.protocol.message import Message
 from zio_spark.protocol.negotiate import Terms, client_terms, server_terms
 from zio_spark.transport.flow_client import ClientFlow, ClientHandler, Offer
 from zio_spark.transport.flow_server import FlowHandler, ServerFlow
@@ -371,6 +372,13 @@ class GiverHandler(FlowHandler, ClientHandler):
             attrs["encoding"] = ENCODING
             attrs.update(self.backlog.stated(giving, None) or {})
         conn.accept(None, attrs)
+
+    def on_message(self, conn: ServerFlow | ClientFlow, msg: Message) -> bool:
+        """No fast lane: a giver's input (PAY, EOT) goes to the flow machine."""
+        return False
+
+    def on_drained(self, conn: ServerFlow | ClientFlow, now: float) -> None:
+        """Nothing batched per read: credit is acted on as it arrives."""
 
     def on_data(self, conn: ServerFlow | ClientFlow, data: Data) -> None:
         """Never called: the flow machine refuses DATs sent to a giver."""
