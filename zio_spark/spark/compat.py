@@ -2,7 +2,7 @@
 
 zio-spark runs on every Spark whose pyspark has the Python data source API (4.0 on; the
 Databricks runtimes that backport it onto 3.5). Where an older API lacks a hook, the
-source degrades as the README's "Spark versions" table says:
+source degrades as the "Spark versions" table of docs/running.md says:
 
 ============================== ============ ========= ===============================
 probe                          4.0          4.1       4.2 / 4.3
@@ -151,7 +151,7 @@ _PROBES = {
     "HAS_STREAM_ARROW_WRITER": lambda: find("DataSourceStreamArrowWriter") is not None,
 }
 
-# What each missing capability costs (the README's "Spark versions" table, in words).
+# What each missing capability costs (docs/running.md's "Spark versions" table, in words).
 DEGRADED = {
     "HAS_DATASOURCE_API": "no Python data source API: format('zio') is unknown to this Spark",
     "HAS_ADMISSION_CONTROL": "latestOffset() without arguments; option maxRecordsPerTrigger "
