@@ -20,6 +20,7 @@ import zmq
 from tests.peers.zio_reference import ReferenceClientGiver
 from tests.support import wait_until
 from zio_spark.errors import TransportError
+from zio_spark.options import Curve
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
 
@@ -268,7 +269,7 @@ def test_bind_with_curve_takes_an_encrypted_producer_client(ctx, spool, things):
 
     server_pub, server_sec = zmq.curve_keypair()
     client_pub, client_sec = zmq.curve_keypair()
-    _, endpoint = _bound(things, spool, ctx, curve=(server_pub, server_pub, server_sec))
+    _, endpoint = _bound(things, spool, ctx, curve=Curve(server_pub, server_pub, server_sec))
     prod = Producer(
         connect=endpoint,
         producer_id="sealed",

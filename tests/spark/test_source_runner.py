@@ -16,8 +16,8 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 from tests.support import runner_reader, wait_until
 from zio_spark.errors import ConfigError
 from zio_spark.options import parse_source_options
+from zio_spark.source import runtime as runtime_mod
 from zio_spark.source.sealer import Sealer
-from zio_spark.spark import source as source_mod
 from zio_spark.storage.spool import Record, Spool
 
 # -- partitions ---------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_a_failed_background_seal_fails_the_next_spark_call(producers, tmp_path,
 def test_the_first_latest_offset_waits_for_the_first_records(producers, tmp_path, monkeypatch):
     """Spark runs a query's first batch whatever the offsets: it must not be empty when a
     producer has records (the bound is raised here so a slow machine cannot flake)."""
-    monkeypatch.setattr(source_mod, "_FIRST_WAIT", 30.0)
+    monkeypatch.setattr(runtime_mod, "FIRST_WAIT", 30.0)
     prod = producers("first")
     prod.send_many([b"f"] * 100)
     reader = runner_reader(prod.endpoint, tmp_path)

@@ -33,10 +33,12 @@ from zio_spark.protocol.message import (
 )
 from zio_spark.protocol.negotiate import server_terms
 from zio_spark.source.receiver_peers import DONE_KEPT, Bound, Peer, PeerStatus
+from zio_spark.transport.curve import server_curve
 from zio_spark.transport.flow_server import FlowHandler, ServerFlow
 from zio_spark.transport.port import PeerId, ServerPort, format_peer
 
 if TYPE_CHECKING:
+    from zio_spark.options import Curve
     from zio_spark.source.receiver import Receiver
 
 __all__ = ["BoundTaker", "answer_stray", "bind_port", "read_bound_monitor"]
@@ -52,7 +54,7 @@ def bind_port(
     endpoint: str,
     ctx: zmq.Context[zmq.Socket[bytes]],
     mode: str | None,
-    curve: tuple[bytes, bytes, bytes] | None,
+    curve: Curve | None,
 ) -> tuple[ServerPort, str, zmq.Socket[bytes]]:
     """Bind a server port on ``endpoint``: the port, the address as bound and a monitor.
 
@@ -61,10 +63,9 @@ def bind_port(
     TransportError
         If ``endpoint`` cannot be bound (in use for more than 5 s, malformed).
     """
-    kwargs: dict[str, Any] = {}
-    if curve is not None:  # as the server: our own key pair
-        kwargs = {"curve_secret_key": curve[2], "curve_public_key": curve[1]}
-    port = ServerPort(ctx, mode=mode, linger_ms=0, send_timeout_ms=1000, sndhwm=0, **kwargs)
+    # As the server: our own key pair, our public key is what our clients use.
+    server = None if curve is None else server_curve(curve.secret_key, curve.public_key)
+    port = ServerPort(ctx, curve=server, mode=mode, linger_ms=0, send_timeout_ms=1000, sndhwm=0)
     try:
         # A receiver of this process that just stopped may still hold the address
         # for a moment (libzmq closes sockets in its I/O thread): retry briefly.
@@ -254,7 +255,8 @@ def read_bound_monitor(b: Bound, stats: Counter[str]) -> None:
             )
             log.warning(
                 "zio source: a client of %s failed the ZMTP handshake: our socket is a "
-                '%s and it cannot talk to the client\'s (%s; README section "Sockets")',
+                "%s and it cannot talk to the client's (%s; docs/flows.md section "
+                '"Sockets: CLIENT/SERVER or ROUTER/DEALER")',
                 b.actual,
                 ours,
                 fix,

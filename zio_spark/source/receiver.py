@@ -98,6 +98,7 @@ from zio_spark.errors import (
     StorageError,
     TransportError,
 )
+from zio_spark.options import Curve
 from zio_spark.protocol.credit import BacklogCredit, dat_records_for, echoes_offer, pays
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -118,7 +119,6 @@ from zio_spark.protocol.negotiate import Terms, client_terms, pay_attrs
 from zio_spark.source.bound_takers import BoundTaker, answer_stray, bind_port, read_bound_monitor
 from zio_spark.source.receiver_peers import DONE_KEPT, Bound, Peer, PeerStatus, Pending
 from zio_spark.storage.spool import Record, Spool
-from zio_spark.transport.curve import client_kwargs
 from zio_spark.transport.flow_client import ClientFlow, ClientHandler, FlowClient, Offer
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.loop import Loop
@@ -172,7 +172,7 @@ class Receiver:
         stream: str = "zio",
         connect_timeout: float = 30.0,
         mode: str | None = None,
-        curve: tuple[bytes, bytes, bytes] | None = None,
+        curve: Curve | None = None,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         reconnect: bool = True,
         bind: Iterable[str] = (),
@@ -220,7 +220,7 @@ class Receiver:
         self.unreachable: dict[str, str] = {}
         # Per producer: the position its first flow's BOT stated (``last``), lowered only
         # by a later statement below it (a restarted producer that lost records). What
-        # "all it held when we started" means, by the protocol (see spark/source.py).
+        # "all it held when we started" means, by the protocol (see source/plan.py Completeness).
         self.positions: dict[str, int] = {}
         self.started_at = clock()
         # When the loop last looked at its sockets (after a poll): a flow whose
@@ -562,7 +562,7 @@ class Receiver:
             _EndpointTaker(self, peer),
             ctx=self.ctx,
             mode=peer.mode,
-            port_options=client_kwargs(self.curve),
+            port_options={} if self.curve is None else {"curve": self.curve},
             connect_timeout=self.connect_timeout,
             reconnect=self.reconnect,
             patient=True,
@@ -717,8 +717,8 @@ class Receiver:
         ours = socket_type_name("client", conn.mode)
         theirs = "SERVER" if ours == "DEALER" else "ROUTER"
         fix = (
-            "set option socket=clientserver (it needs a draft-enabled pyzmq; see the README "
-            'section "Sockets")'
+            "set option socket=clientserver (it needs a draft-enabled pyzmq; see docs/flows.md "
+            'section "Sockets: CLIENT/SERVER or ROUTER/DEALER")'
             if ours == "DEALER"
             else "set option socket=routerdealer"
         )
