@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import zmq
 
 from tests.support import spark_session
 from zio_spark.source.producer import Producer
@@ -17,9 +16,8 @@ def spark():
 
 
 @pytest.fixture
-def producers():
+def producers(ctx):
     """``make(producer_id)``: a loopback producer (bound, any port), closed at teardown."""
-    ctx = zmq.Context()
     made: list[Producer] = []
 
     def make(producer_id: str) -> Producer:
@@ -30,4 +28,3 @@ def producers():
     yield make
     for p in made:
         p.close(flush=False, timeout=5)
-    ctx.term()

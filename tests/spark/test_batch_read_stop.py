@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import zmq
 
 import tests.loopback.test_receiver as rt  # module import: its tests are not re-collected
@@ -29,13 +28,6 @@ class LateGiver(rt.PlainGiver):
         for v in self.late:
             self.send(ident, {"flow": "DAT"}, (v,))
         self.send(ident, {"flow": "EOT"})
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
 
 
 def test_records_a_plain_giver_sends_until_our_eot_are_in_the_result(

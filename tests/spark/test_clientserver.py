@@ -9,17 +9,15 @@ skip: CLIENT/SERVER sockets cannot be used without the draft API (FACTS.md).
 from __future__ import annotations
 
 import pytest
-import zmq
 
 from tests.support import check_published, rate_values, wait_published
 
 pytestmark = pytest.mark.requires_draft
 
 
-def test_source_reads_every_record_once_over_clientserver(spark, tmp_path):
+def test_source_reads_every_record_once_over_clientserver(spark, ctx, tmp_path):
     from zio_spark.source.producer import Producer
 
-    ctx = zmq.Context()
     n = 3000
     prod = Producer(ctx=ctx, producer_id="cs-1", linger_ms=0, mode="clientserver")
     try:
@@ -45,7 +43,6 @@ def test_source_reads_every_record_once_over_clientserver(spark, tmp_path):
         assert {bytes(r.value) for r in rows} == {f"cs-{i}".encode() for i in range(n)}
     finally:
         prod.close(flush=False, timeout=5)
-        ctx.term()
 
 
 def test_sink_publishes_every_row_once_over_clientserver(spark, tmp_path):

@@ -34,7 +34,9 @@ def queue(tmp_path: Path) -> Iterator[QueueBroker]:
     b.stop()
 
 
-def test_sink_to_queue_to_source_every_row_once(spark, queue: QueueBroker, tmp_path: Path):
+def test_sink_to_queue_to_source_every_row_once(
+    spark, ctx: zmq.Context, queue: QueueBroker, tmp_path: Path
+):
     src = tmp_path / "in"
     src.mkdir()
     expected = []
@@ -62,7 +64,6 @@ def test_sink_to_queue_to_source_every_row_once(spark, queue: QueueBroker, tmp_p
         .start()
     )
     sink_q = None
-    ctx = zmq.Context()
     producer = ctx.socket(zmq.DEALER)
     producer.linger = 0
     try:
@@ -103,7 +104,6 @@ def test_sink_to_queue_to_source_every_row_once(spark, queue: QueueBroker, tmp_p
             if q is not None:
                 q.stop()
         producer.close()
-        ctx.term()
     assert sorted(seq for _, _, seq in got) == list(range(1, len(got) + 1))
     assert len(got) == FILES * LINES + 1
     values = sorted(v for k, v, _ in got if k != b"pzq-1")

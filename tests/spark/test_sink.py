@@ -166,9 +166,8 @@ class RawTaker:
     back per DAT, echoes EOT. Keeps (value, flow object) per DAT.
     """
 
-    def __init__(self, credit: int = 8) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
+    def __init__(self, ctx: zmq.Context[Any], credit: int = 8) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.bind("tcp://127.0.0.1:*")
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -209,11 +208,10 @@ class RawTaker:
         self._stop.set()
         self._thread.join(5)
         self.sock.close(0)
-        self.ctx.term()
 
 
-def test_plain_zio_taker_receives_record_format(spark):
-    taker = RawTaker()
+def test_plain_zio_taker_receives_record_format(spark, ctx):
+    taker = RawTaker(ctx)
     try:
         df = spark.range(0, 300, numPartitions=2).selectExpr(
             "cast(id as string) as value",

@@ -18,12 +18,10 @@ from tests.support import rate_values
 
 
 @pytest.fixture
-def taker() -> Iterator[ReferenceServer]:
-    ctx: zmq.Context[Any] = zmq.Context()
+def taker(ctx: zmq.Context[Any]) -> Iterator[ReferenceServer]:
     server = ReferenceServer(ctx, role="taker", flavor="cpp", sockets="routerdealer")
     yield server
     server.close()
-    ctx.term()
 
 
 def _values(spark, n: int, partitions: int):
@@ -149,14 +147,13 @@ def test_commit_and_abort_send_no_command_bot_to_a_plain_or_unknown_taker(taker)
     assert taker.bots == [] and taker.errors == []
 
 
-def test_commit_reaches_a_consumer_known_from_an_earlier_batch(tmp_path):
+def test_commit_reaches_a_consumer_known_from_an_earlier_batch(ctx: zmq.Context[Any], tmp_path):
     from zio_spark.sink.client import StagingWriter
     from zio_spark.sink.consumer import Consumer
     from zio_spark.sink.driver import SinkDriver
     from zio_spark.spark.sink import ZioCommitMessage, sink_options
 
     commit_batch = SinkDriver().commit
-    ctx: zmq.Context[Any] = zmq.Context()
     c = Consumer("tcp://127.0.0.1:*", tmp_path / "c", ctx=ctx, linger_ms=0, fsync=False)
     try:
         opts = sink_options({"endpoint": c.endpoint, "stream": "s", "connectTimeout": "5s"})
@@ -172,4 +169,3 @@ def test_commit_reaches_a_consumer_known_from_an_earlier_batch(tmp_path):
         assert c.is_committed("s", 3)
     finally:
         c.close()
-        ctx.term()

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-import zmq
-
 from tests.support import wait_until
 from zio_spark.source.producer import Producer
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
 
 
 def test_stream_all_records_once(spark, ctx, tmp_path):

@@ -100,12 +100,10 @@ class _SilentGiver:
 
 
 @pytest.fixture
-def silent_giver():
-    ctx = zmq.Context()
+def silent_giver(ctx):
     g = _SilentGiver(ctx)
     yield g
     g.close()
-    ctx.term()
 
 
 def test_a_plain_giver_that_gives_nothing_fails_the_run_not_an_empty_success(
@@ -151,16 +149,14 @@ def test_an_endpoint_never_reached_fails_the_available_now_run(tmp_path):
 
 
 @pytest.fixture
-def ref_giver():
+def ref_giver(ctx):
     """A reference-style plain giver (C++ flavour): one flow at a time, no resume, dies on
     a BOT mid-flow; 200k values, so a flow is still going when the reader stops."""
-    ctx = zmq.Context()
     ref = ReferenceServer(
         ctx, role="giver", flavor="cpp", values=[b"x%d" % i for i in range(200_000)]
     )
     yield ref
     ref.close()
-    ctx.term()
 
 
 def _open_flows(tmp_path) -> dict[str, str]:
@@ -374,10 +370,9 @@ def _withheld_ms(recv, producer: str) -> int:
     return recv.holdups().get(producer, {}).get("withheldMs", 0)
 
 
-def test_a_plain_giver_held_back_by_max_backlog_is_not_taken_as_done(tmp_path):
+def test_a_plain_giver_held_back_by_max_backlog_is_not_taken_as_done(ctx, tmp_path):
     """Quiet counts only while the giver holds credit: step batches slower than
     plainGiverQuiet (the giver held back by maxBacklog meanwhile) lose nothing."""
-    ctx = zmq.Context()
     n = 2000
     ref = ReferenceServer(ctx, role="giver", flavor="cpp", values=[b"h%d" % i for i in range(n)])
     reader = runner_reader(ref.endpoint, tmp_path, maxBacklog="500", plainGiverQuiet="300ms")
@@ -401,7 +396,6 @@ def test_a_plain_giver_held_back_by_max_backlog_is_not_taken_as_done(tmp_path):
     finally:
         reader.stop()
         ref.close()
-        ctx.term()
 
 
 def _latest_in_thread(reader, start) -> tuple[threading.Thread, dict]:
@@ -627,12 +621,10 @@ class _DrippingGiver(_SilentGiver):
 
 
 @pytest.fixture
-def dripping_giver():
-    ctx = zmq.Context()
+def dripping_giver(ctx):
     g = _DrippingGiver(ctx)
     yield g
     g.close()
-    ctx.term()
 
 
 def _warnings(caplog) -> list[str]:

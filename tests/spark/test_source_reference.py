@@ -16,13 +16,6 @@ from tests.peers.zio_reference import ReferenceServer
 
 
 @pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.term()
-
-
-@pytest.fixture
 def reference(ctx):
     """``make(flavor, values)``: a reference server giver, closed at teardown."""
     made: list[ReferenceServer] = []
@@ -112,9 +105,9 @@ def test_batch_read_of_a_reference_giver_returns_every_record(spark, reference, 
     assert {r.producer for r in rows} == {server.endpoint}
 
 
-def test_batch_read_of_a_silent_endpoint_raises_its_error(spark, tmp_path):
+def test_batch_read_of_a_silent_endpoint_raises_its_error(spark, ctx, tmp_path):
     """Nothing listens: the read fails naming the endpoint and why, not an assertion."""
-    with zmq.Context() as c, c.socket(zmq.ROUTER) as probe:
+    with ctx.socket(zmq.ROUTER) as probe:
         port = probe.bind_to_random_port("tcp://127.0.0.1")
     endpoint = f"tcp://127.0.0.1:{port}"  # closed again: nothing listens there now
     df = (
