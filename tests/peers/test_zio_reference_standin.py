@@ -200,6 +200,8 @@ def test_cpp_server_bot_reply_is_the_client_bot_echoed(
     if wire_mode == "routerdealer":
         assert got.frames[0] == b"" and len(got.frames) == 4  # DEALER side: [b"", ...]
     assert srv.bots[0]["encoding"] == "x"
+    # The stand-in records its reply after sending it: the client may read it first.
+    assert srv.wait_until(lambda: len(srv.replies) == 1)
     assert srv.replies[0]["credit"] == 7
 
 
