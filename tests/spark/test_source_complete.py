@@ -192,7 +192,11 @@ def test_a_plain_giver_that_went_away_leaves_no_open_flow_behind(ref_giver, tmp_
         wait_until(lambda: sum(rt.spool.backlog().values()) >= 500, what="records flowing")
         assert ref_giver.endpoint in _open_flows(tmp_path)
         ref_giver.close()  # its process ends: the connection drops, no flow is left open
-        wait_until(lambda: _open_flows(tmp_path) == {}, what="the flow marked gone")
+        wait_until(
+            lambda: _open_flows(tmp_path) == {},
+            what="the flow marked gone",
+            detail=lambda: (_open_flows(tmp_path), rt.receiver.status()),
+        )
     finally:
         reader.stop()
 

@@ -290,3 +290,31 @@ def test_our_eot_ends_the_flow_for_good_at_its_echo() -> None:
     assert c.conn is None and rig.handler.closed == [("end of transmission", None)]  # type: ignore[attr-defined]
     c.tick(100.0)
     assert len(rig.ports) == 1 and not c.send_eot()
+
+
+def test_a_handlers_failure_after_the_server_went_is_the_disconnect() -> None:
+    """A PAY that could not be queued because the server's process ended: the monitor's
+    disconnect, already there, decides (a handler counting on ``disconnects`` to forget
+    an open flow sees it); with no such event the handler's own verdict stands."""
+
+    class Failing(Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failures: list[tuple[str, str]] = []
+
+        def on_failure(self, conn: ClientFlow | None, why: str, counter: str, final: bool) -> None:
+            self.failures.append((why, counter))
+
+    for server_gone in (True, False):
+        handler = Failing()
+        rig = Rig(handler)
+        c = rig.client
+        c.tick(0.0)
+        rig.reply(rig.server().accept(), 0.1)
+        if server_gone:
+            rig.port.socket.monitor.events.append(zmq.EVENT_DISCONNECTED)
+        c.fail("cannot send PAY: no peer is connected", "taker_errors", 0.2)
+        assert c.conn is None
+        expected = "disconnects" if server_gone else "taker_errors"
+        assert [counter for _, counter in handler.failures] == [expected]
+        assert c.stats["disconnects"] == (1 if server_gone else 0)

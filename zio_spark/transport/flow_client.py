@@ -565,8 +565,18 @@ class FlowClient:
         self.retry_at = (time.monotonic() if now is None else now) + self.backoff.delay
 
     def fail(self, why: str, counter: str, now: float | None = None) -> None:
-        """Fail the open flow (a handler's verdict): count, log, back off, reconnect."""
-        self._fail(why, counter, time.monotonic() if now is None else now)
+        """Fail the open flow (a handler's verdict): count, log, back off, reconnect.
+
+        What the monitor already saw is read first: a send that failed because the server
+        went away (no peer to queue to) is then the disconnect it is, not a handler error.
+        """
+        now = time.monotonic() if now is None else now
+        conn = self.conn
+        if conn is not None and conn.monitor is not None:
+            self._on_monitor(conn, now)
+            if self.conn is not conn:  # the monitor had seen the connection go
+                return
+        self._fail(why, counter, now)
 
     def diagnosis(self) -> str | None:
         """Why there is no flow yet, as far as is known: the last failure, or what the
