@@ -109,6 +109,35 @@ def tracked_context() -> Iterator[TrackingContext]:
         pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
 
 
+class Background:
+    """A blocking call run in a thread of its own; :meth:`result` joins it with a
+    deadline and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable[[], Any], name: str = "background") -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:
+            self._error = e
+
+    def running_after(self, seconds: float) -> bool:
+        """True if still running after ``seconds`` (a bounded wait for a non-event)."""
+        self.thread.join(seconds)
+        return self.thread.is_alive()
+
+    def result(self, timeout: float = 5.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.thread.name} still running after {timeout} s"
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (bind to 0, read, release)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

@@ -9,7 +9,6 @@ Endpoints are 127.0.0.1 random ports, unique inproc names or ipc under tmp_path.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.support import Background
 from zio_spark.errors import LocalProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import Credit, Data, Direction, Flow, FlowState, Role
 from zio_spark.protocol.message import DatCodec, Message, encode_frames, encode_single
@@ -127,34 +127,6 @@ def make_ends(
     return make
 
 
-class Background:
-    """Run a blocking call in a thread; ``result()`` joins it with a deadline."""
-
-    def __init__(self, fn: Callable[[], Any], name: str = "flow-end") -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._value = fn()
-        except BaseException as e:
-            self._error = e
-
-    def running_after(self, seconds: float) -> bool:
-        """True if still running after ``seconds`` (a bounded wait for a non-event)."""
-        self._thread.join(seconds)
-        return self._thread.is_alive()
-
-    def result(self, timeout: float = WAIT) -> Any:
-        self._thread.join(timeout)
-        assert not self._thread.is_alive(), f"background call still running after {timeout} s"
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
 @pytest.fixture
 def background() -> Iterator[Callable[..., Background]]:
     made: list[Background] = []
@@ -168,7 +140,7 @@ def background() -> Iterator[Callable[..., Background]]:
     # A test that failed half-way may leave a call blocked on its own deadline: let it
     # finish before the port fixtures close the sockets under it.
     for bg in made:
-        bg._thread.join(WAIT + 1)
+        bg.thread.join(WAIT + 1)
 
 
 def payloads(n: int) -> list[tuple[bytes, ...]]:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.support import Background
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import (
     BotReceived,
@@ -199,29 +200,6 @@ def client(make_client: MakeClient) -> Callable[..., FlowEndpoint]:
         return FlowEndpoint(port, Role.CLIENT)
 
     return make
-
-
-class Background:
-    """Run a blocking call in a thread; ``result()`` joins it with a deadline."""
-
-    def __init__(self, fn: Callable[[], Any], name: str) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._value = fn()
-        except BaseException as e:
-            self._error = e
-
-    def result(self, timeout: float = WAIT) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"{self.thread.name} still running after {timeout} s"
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 @pytest.fixture

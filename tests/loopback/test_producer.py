@@ -22,6 +22,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceClientTaker
+from tests.support import Background
 from zio_spark.codec.records import decode_batch
 from zio_spark.errors import TransportError
 from zio_spark.protocol.flow import BotReceived, Direction, FlowState, Role
@@ -152,33 +153,6 @@ def send_columns(producer: Producer, cols: dict[str, list[Any]], **kw: Any) -> i
     return producer.send_many(
         cols["values"], keys=cols["keys"], headers=cols["headers"], granules=cols["granules"], **kw
     )
-
-
-class Background:
-    """Run a blocking call in a thread; ``result()`` joins it with a deadline."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._value = fn()
-        except BaseException as e:
-            self._error = e
-
-    def running_after(self, seconds: float) -> bool:
-        self.thread.join(seconds)
-        return self.thread.is_alive()
-
-    def result(self, timeout: float = WAIT) -> Any:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"background call still running after {timeout} s"
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 @pytest.fixture
