@@ -466,7 +466,7 @@ def test_flow_server_survives_garbage_and_serves_good_peer(
         expected["good-after"] = good_flow_client(ctx, endpoint, "good-after", 50)
         wait_until(lambda: "good-after" in done, 10, "the last good flow to close")
         max_flows = sampler.stop()
-        assert server._thread is not None and server._thread.is_alive()
+        assert server.running  # its own thread is alive
         assert server.error is None
         assert server.stats["handler_errors"] == 0
         assert server.stats["call_errors"] == 0
@@ -573,7 +573,7 @@ def test_producer_survives_garbage_and_serves_its_taker(
         assert not t.is_alive(), "good taker hung"
         assert not errors, f"good taker failed: {errors[0]!r}"
         max_flows = sampler.stop()
-        assert server._thread is not None and server._thread.is_alive()
+        assert server.running  # its own thread is alive
         assert server.error is None
         assert server.stats["handler_errors"] == 0
         assert [s for s, _ in got] == list(range(1, n + 1))

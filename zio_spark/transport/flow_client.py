@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -78,7 +77,7 @@ from zio_spark.protocol.flow import (
     Role,
 )
 from zio_spark.protocol.message import DatCodec, Message
-from zio_spark.transport.loop import Loop
+from zio_spark.transport.loop import Loop, LoopThread
 from zio_spark.transport.port import BadMessage, ClientPort
 from zio_spark.transport.wire import PortKind, SocketMode, silent_peer_hint
 
@@ -399,8 +398,7 @@ class FlowClient:
         self.error: BaseException | None = None  # what ended the own thread, if anything
         self._closed = False
         self._loop: Loop | None = None
-        self._own_loop = False
-        self._thread: threading.Thread | None = None
+        self._own: LoopThread | None = None  # start(): a loop and thread of its own
         if connect_now:
             self.conn = self._connect()
 
@@ -412,15 +410,13 @@ class FlowClient:
             raise TransportError(f"{self.name} is already driven by a loop")
         loop = Loop(tick=self.tick_s, name=self.name, stats=self.stats)
         self.attach(loop)
-        self._own_loop = True
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        self._own = LoopThread(loop, self._run)
         return self
 
     @property
     def alive(self) -> bool:
         """True while the own thread runs."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._own is not None and self._own.alive
 
     def attach(self, loop: Loop) -> None:
         """Be driven by ``loop``; :meth:`call_soon` then goes through it."""
@@ -435,17 +431,12 @@ class FlowClient:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the own thread (if any) and :meth:`close` (idempotent)."""
-        loop = self._loop
-        if self._own_loop and loop is not None:
-            loop.stop()
-            if self._thread is not None:
-                self._thread.join(timeout)
-                if self._thread.is_alive():
-                    raise TransportError(
-                        f"{self.name}: loop did not stop within {timeout} s", endpoint=self.endpoint
-                    )
-                self._thread = None
-            loop.close()
+        if self._own is not None:
+            if not self._own.stop(timeout):
+                raise TransportError(
+                    f"{self.name}: loop did not stop within {timeout} s", endpoint=self.endpoint
+                )
+            self._own = None
         self.close()
 
     def _run(self) -> None:

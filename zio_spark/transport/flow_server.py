@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -49,7 +48,7 @@ from zio_spark.protocol.flow import (
     Role,
 )
 from zio_spark.protocol.message import DatCodec, Message
-from zio_spark.transport.loop import Loop
+from zio_spark.transport.loop import Loop, LoopThread
 from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
 
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
@@ -204,9 +203,8 @@ class FlowServer:
         self.flows: dict[PeerId, tuple[ServerFlow, FlowHandler]] = {}
         self.stats: collections.Counter[str] = collections.Counter()
         self._calls: collections.deque[Callable[[], None]] = collections.deque()
-        self._thread: threading.Thread | None = None
+        self._own: LoopThread | None = None  # start(): a loop and thread of its own
         self._loop: Loop | None = None  # the loop driving it (own or shared), if any
-        self._own_loop = False
         self._closed = False
         self.error: BaseException | None = None
         if loop is not None:
@@ -227,27 +225,20 @@ class FlowServer:
             raise TransportError(f"{self.name} is already driven by a loop")
         loop = Loop(tick=self.tick_s, name=self.name, stats=self.stats)
         self.attach(loop)
-        self._own_loop = True
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
+        self._own = LoopThread(loop, self._run)
         return self
 
     @property
     def running(self) -> bool:
         """True while the server's own thread runs (:meth:`start`)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._own is not None and self._own.alive
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the own thread (if any), end every flow and close the port (idempotent)."""
-        loop = self._loop
-        if self._own_loop and loop is not None:
-            loop.stop()
-            if self._thread is not None:
-                self._thread.join(timeout)
-                if self._thread.is_alive():
-                    raise TransportError(f"{self.name} did not stop within {timeout} s")
-                self._thread = None
-            loop.close()
+        if self._own is not None:
+            if not self._own.stop(timeout):
+                raise TransportError(f"{self.name} did not stop within {timeout} s")
+            self._own = None
         self.close()
 
     def __enter__(self) -> FlowServer:

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import zmq
 
-__all__ = ["Loop", "LoopPart", "Waker"]
+__all__ = ["Loop", "LoopPart", "LoopThread", "Waker"]
 
 log = logging.getLogger("zio_spark.transport")
 
@@ -210,3 +210,27 @@ class Loop:
     def close(self) -> None:
         """Close the waker (once the loop has ended); the parts are their owners'."""
         self.waker.close()
+
+
+class LoopThread:
+    """A part's own thread (the engines' standalone :meth:`start`): runs ``run``, the
+    part's loop body around ``loop.run()``, until :meth:`stop`."""
+
+    def __init__(self, loop: Loop, run: Callable[[], None]) -> None:
+        self.loop = loop
+        self.thread = threading.Thread(target=run, name=loop.name, daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def stop(self, timeout: float) -> bool:
+        """Stop the loop, join the thread and close the loop; False (loop left open) if
+        the thread did not end within ``timeout`` s."""
+        self.loop.stop()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            return False
+        self.loop.close()
+        return True
