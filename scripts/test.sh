@@ -23,20 +23,38 @@ bash scripts/build-draft-pyzmq.sh || { echo "test.sh: scripts/build-draft-pyzmq.
 
 SUMMARY=()
 FAILED=0
+FAILED_LOGS=()
+logs=.cache/test-logs
+rm -rf "$logs" && mkdir -p "$logs"
 # pass NAME CMD...: run one pass, record its result and duration; never stops the script.
+# Its output also goes to .cache/test-logs/N.log, so the summary can repeat what a failed
+# pass said at its start (a crash's first lines scroll away above a long thread dump).
 pass() {
-  local name=$1 t0=$SECONDS rc
+  local name=$1 t0=$SECONDS rc log
   shift
+  log=$logs/$((${#SUMMARY[@]} + 1)).log
   echo
   echo "== $name"
-  "$@"
-  rc=$?
+  ZIO_TEST_CURRENT_FILE=$log.current "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
   if ((rc == 0)); then
     SUMMARY+=("$(printf '%-28s ok      %5ss' "$name" $((SECONDS - t0)))")
   else
     FAILED=$((FAILED + 1))
+    FAILED_LOGS+=("$name|$log")
     SUMMARY+=("$(printf '%-28s FAILED  %5ss  (exit %s)' "$name" $((SECONDS - t0)) "$rc")")
   fi
+}
+
+# failure_digest NAME LOG: the lines of a failed pass worth seeing at the end of the output:
+# its FAILED/ERROR lines, and the start of a fatal error (the crashing thread's stack).
+failure_digest() {
+  echo "-- $1 (whole output: $2)"
+  grep -E '^(FAILED|ERROR) ' "$2" | head -20
+  if [ -s "$2.current" ] && grep -q -E 'Fatal Python error' "$2"; then
+    echo "the process died in: $(cat "$2.current")"
+  fi
+  grep -m1 -A30 -E 'Fatal Python error' "$2"
 }
 
 start=$SECONDS
@@ -59,6 +77,9 @@ echo
 echo "== summary ($((SECONDS - start)) s, $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg))"
 printf '%s\n' "${SUMMARY[@]}"
 if ((FAILED)); then
+  echo
+  echo "== what the failed passes said"
+  for entry in "${FAILED_LOGS[@]}"; do failure_digest "${entry%%|*}" "${entry#*|}"; done
   echo "test.sh: $FAILED of ${#SUMMARY[@]} passes FAILED"
   exit 1
 fi

@@ -39,6 +39,16 @@ os.environ["ZIO_ZRE_INTERFACE_ADDR"] = "127.0.0.1"
 os.environ["ZIO_SPOOL_SERVER_HOST"] = "127.0.0.1"
 
 
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    """With ``ZIO_TEST_CURRENT_FILE`` set (scripts/test.sh sets it), keep the id of the
+    test now running in that file: if the process dies (a native crash dumps only thread
+    stacks), the summary can name the test it died in."""
+    path = os.environ.get("ZIO_TEST_CURRENT_FILE")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(nodeid + "\n")
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("requires_draft") is None:
         return

@@ -97,13 +97,40 @@ def terminate(ctx: TrackingContext, timeout_s: float = TERM_TIMEOUT_S) -> list[s
     return names
 
 
+def _threads_left(before: set[threading.Thread], timeout_s: float) -> list[threading.Thread]:
+    """Threads not in ``before`` still running after waiting up to ``timeout_s`` for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not left or time.monotonic() >= deadline:
+            return left
+        left[0].join(max(0.0, min(0.05, deadline - time.monotonic())))
+
+
 def tracked_context() -> Iterator[TrackingContext]:
     """Body of a ``ctx`` fixture: yields a :class:`TrackingContext`, then fails the test
-    if it leaked a socket or the context would not terminate."""
+    if it leaked a socket or the context would not terminate.
+
+    A socket may only be closed by the thread that uses it (libzmq aborts the whole
+    process otherwise). So when a thread the test started still runs at teardown (after a
+    bounded wait for it to end) and sockets are still open, the test fails naming both and
+    the context is left alone, instead of closing sockets under that thread.
+    """
     import pytest
 
+    before = set(threading.enumerate())
     context = TrackingContext()
     yield context
+    if context.open_sockets():
+        left = _threads_left(before, TERM_TIMEOUT_S)
+        still_open = [repr(s) for s in context.open_sockets()]
+        if left and still_open:
+            pytest.fail(
+                f"test left {len(left)} thread(s) running "
+                f"({', '.join(t.name for t in left)}) with {len(still_open)} zmq socket(s) "
+                f"open: {still_open}; the sockets were not closed under them",
+                pytrace=False,
+            )
     leaked = terminate(context)
     if leaked:
         pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
