@@ -687,3 +687,32 @@ def test_requests_survive_the_wire(req: RangeRequest | HeldQuery) -> None:
     event = pair.to_server(pair.client.pay(1, encode_request(req)))
     assert isinstance(event, Credit)
     assert decode_request(event.attrs) == req
+
+
+@PROPS
+@given(held_ranges(), st.integers(1, 6), st.integers(1, 5), st.lists(st.integers(0, 6)))
+def test_acks_during_a_range_give_a_prefix_then_a_refusal_never_other_records(
+    case: tuple[Window, int, int], credit: int, batch: int, frees: list[int]
+) -> None:
+    """Acks free records from the front while a (speculative) copy reads: the reader gets
+    the range whole, or a prefix of it in order and then not_held; nothing else."""
+    window, start, end = case
+    h = Harness(credit, window)
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end))
+    i = 0
+    while h.reader.state not in (ReaderState.DONE, ReaderState.REFUSED):
+        h.pump(batch)
+        free = frees[i] if i < len(frees) else 0
+        held = h.window
+        assert held is not None
+        h.window = Window(min(held.first + free, held.end), held.end)
+        if h.pair.client.credit:
+            h.deliver_pay(h.pair.client.pay())
+        i += 1
+    assert h.seqs == list(range(start, start + len(h.seqs)))
+    if h.reader.state is ReaderState.DONE:
+        assert h.seqs == list(range(start, end)) and h.replies == [Done(0, start, end)]
+    else:
+        (refusal,) = h.replies
+        # Refused only because acks freed the next record (the window's end stayed).
+        assert isinstance(refusal, NotHeld) and refusal.first > start + len(h.seqs)
