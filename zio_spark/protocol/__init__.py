@@ -7,6 +7,8 @@ imports it in a fresh interpreter and checks ``sys.modules``. One module per pro
 - :mod:`.flow` -- the ZIO flow state machine (BOT/PAY/DAT/EOT) and zio-spark profile.
 - :mod:`.negotiate` -- the profile's handshake terms, read so that an echoed BOT means
   a plain peer.
+- :mod:`.ranges` -- range reads (direct mode): the capability, range and held requests
+  on PAY, their answers on DAT, the giver's serving rule and the reader's checks.
 - :mod:`.sink` -- the sink profile: data BOT (``spark_batch``), commit/abort commands and
   their replies, the EOT echo.
 - :mod:`.zre` -- the 36/ZRE wire codec: beacons, identities, commands.

@@ -31,7 +31,10 @@ it holds now" means without waiting on a clock); in PAY, ``ack`` (the highest re
 number whose delivery is final). A PAY with ``credit`` 0 is legal only when it carries
 ``ack``: the taker must be able to acknowledge while it holds no credit (all of it out
 with a giver that has nothing to send), and a reference giver just adds 0 to its credit.
-A PAY of 0 without ``ack`` stays a violation. In an Arrow DAT (and the giver's BOT),
+The range requests of :mod:`.ranges` (``range``, ``held``) make a PAY of 0 legal too: a
+range reader may have paid all its credit for an earlier range, and they go only to a
+giver that stated the capability. A PAY of 0 with none of these stays a violation.
+In an Arrow DAT (and the giver's BOT),
 ``more`` (false: the giver holds nothing more to send right now) and ``blocked_ms`` (the
 giver's total time blocked waiting for acks, in ms) state the giver's own state, now and
 then, never on every DAT. :func:`profile_bot`, :func:`pay_ack` and :func:`dat_profile`
@@ -89,6 +92,8 @@ __all__ = [
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _RESERVED = frozenset({"flow", "direction", "credit"})
+# PAY attributes that make a PAY of 0 legal: an ack, a range request (ranges.py).
+_ZERO_PAY_KEYS = frozenset({"ack", "range", "held"})
 
 
 class FlowKind(str, Enum):
@@ -454,8 +459,8 @@ class Flow:
         if self.is_giver:
             raise self._local("a giver (extract) cannot send PAY", field="direction")
         n = self.credit if amount is None else amount
-        # Profile: a PAY of 0 is an ack-only PAY, legal only when it carries "ack".
-        lowest = 0 if attrs and "ack" in attrs else 1
+        # Profile: a PAY of 0 is legal only when it carries "ack" or a range request.
+        lowest = 0 if attrs and not _ZERO_PAY_KEYS.isdisjoint(attrs) else 1
         if isinstance(n, bool) or not isinstance(n, int) or not (lowest <= n <= self.credit):
             raise self._local(
                 f"PAY amount must be {lowest}..{self.credit} (credit held), got {n!r}",
@@ -552,8 +557,12 @@ class Flow:
         self._in_transfer("PAY")
         if not self.is_giver:
             raise self._remote("PAY received by the taker (wrong direction)", field="flow")
-        if obj.get("credit") == 0 and "ack" in obj and type(obj["credit"]) is int:
-            amount = 0  # profile: an ack-only PAY
+        if (
+            obj.get("credit") == 0
+            and type(obj["credit"]) is int
+            and not _ZERO_PAY_KEYS.isdisjoint(obj)
+        ):
+            amount = 0  # profile: an ack-only PAY, or a range request (ranges.py)
         else:
             try:
                 amount = _check_credit_value(obj.get("credit"), "PAY", local=False)

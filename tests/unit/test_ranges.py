@@ -1,0 +1,719 @@
+"""Range reads (protocol/ranges.py): negotiation, the request and answer codecs, the
+giver's serving rule and the reader's checks, alone and over a flow pair.
+
+The echoes are built as in test_negotiate.py: a reference server answers a client's BOT
+with the client's own attributes, ``direction`` flipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zio_spark.errors import FlowControlError, LocalProtocolError, RemoteProtocolError
+from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, FlowPair
+from zio_spark.protocol.message import FLOW_FORM, Message
+from zio_spark.protocol.ranges import (
+    CAPABILITY,
+    SEQ_MAX,
+    VERSION,
+    Done,
+    HeldQuery,
+    HeldReport,
+    NotHeld,
+    RangeGiver,
+    RangeReader,
+    RangeRequest,
+    RangeTerms,
+    ReaderState,
+    Records,
+    UnknownProducer,
+    Window,
+    client_range_terms,
+    decode_reply,
+    decode_request,
+    encode_reply,
+    encode_request,
+    forbid_requests,
+    offer_attrs,
+    server_asks_range,
+    state_capability,
+)
+
+CAPABLE = RangeTerms(VERSION, "p1")
+READER_BOT = {"direction": "inject", "credit": 8, **offer_attrs({"stream": "s"})}
+GIVER_EXTRAS = state_capability({"producer": "p1", "stream": "s", "ack": True, "last": 9})
+
+
+def echo(bot: dict[str, Any]) -> dict[str, Any]:
+    flipped = {"inject": "extract", "extract": "inject"}[bot["direction"]]
+    return {**bot, "direction": flipped}
+
+
+# ---------------------------------------------------------------------- negotiation
+
+
+def test_a_capable_giver_states_the_version_with_its_producer() -> None:
+    assert GIVER_EXTRAS[CAPABILITY] == VERSION == 1
+    reply = {"direction": "extract", "credit": 8, **GIVER_EXTRAS}
+    terms = client_range_terms(READER_BOT, reply)
+    assert terms == RangeTerms(1, "p1") and terms.capable
+
+
+def test_stating_the_capability_needs_a_producer_id() -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        state_capability({"stream": "s"})
+    assert e.value.field == "producer"
+
+
+def test_an_echo_of_the_readers_bot_is_not_capable() -> None:
+    terms = client_range_terms(READER_BOT, echo(READER_BOT))
+    assert terms == RangeTerms() and not terms.capable
+
+
+def test_an_echo_cannot_carry_the_capability_because_the_reader_never_sends_it() -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        offer_attrs({"ranges": 1})
+    assert e.value.field == CAPABILITY
+    with pytest.raises(LocalProtocolError) as e:
+        offer_attrs({"read": "stream"})
+    assert e.value.field == "read"
+    assert offer_attrs() == {"read": "range"}
+
+
+def test_the_capability_without_an_own_producer_does_not_count() -> None:
+    # A plain server that happened to state "ranges" but no profile (no own producer).
+    assert not client_range_terms(READER_BOT, {**echo(READER_BOT), "ranges": 1}).capable
+    # Its producer echoed (we sent one) is not its own statement either.
+    sent = {**READER_BOT, "producer": "p1"}
+    assert not client_range_terms(sent, {**echo(sent), "ranges": 1}).capable
+
+
+def test_a_newer_version_is_spoken_as_ours() -> None:
+    reply = {**GIVER_EXTRAS, "ranges": 7}
+    assert client_range_terms(READER_BOT, reply).version == VERSION
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, False, 1.0, "1", [1], {}])
+def test_a_malformed_capability_is_a_remote_error(bad: object) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        client_range_terms(READER_BOT, {**GIVER_EXTRAS, "ranges": bad})
+    assert e.value.field == "ranges" and e.value.value == bad
+
+
+def test_a_server_sees_whether_the_client_opens_a_range_flow() -> None:
+    assert server_asks_range(READER_BOT)
+    assert not server_asks_range({"direction": "inject", "credit": 8, "ack": True})
+    for bad in ("stream", "", 1, True, ["range"]):
+        with pytest.raises(RemoteProtocolError) as e:
+            server_asks_range({"read": bad})
+        assert e.value.field == "read"
+
+
+# --------------------------------------------------------------------- request codec
+
+
+def test_requests_round_trip() -> None:
+    for req in (
+        RangeRequest(0, "p1", 1, 1),
+        RangeRequest(5, "p", 10, 20),
+        RangeRequest(SEQ_MAX, "é", 0, SEQ_MAX),
+        HeldQuery(3, "p2"),
+    ):
+        attrs = encode_request(req)
+        assert decode_request(attrs) == req
+    assert encode_request(RangeRequest(1, "p", 2, 3)) == {
+        "range": {"id": 1, "producer": "p", "start": 2, "end": 3}
+    }
+    assert encode_request(HeldQuery(4, "p")) == {"held": {"id": 4, "producer": "p"}}
+
+
+def test_a_pay_without_a_request_is_credit_only() -> None:
+    assert decode_request({}) is None
+    assert decode_request({"ack": 4}) is None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "field"),
+    [
+        ({"range": 1}, "range"),
+        ({"range": [1, 2]}, "range"),
+        ({"held": "p"}, "held"),
+        ({"range": {"producer": "p", "start": 1, "end": 2}}, "range.id"),
+        ({"range": {"id": -1, "producer": "p", "start": 1, "end": 2}}, "range.id"),
+        ({"range": {"id": True, "producer": "p", "start": 1, "end": 2}}, "range.id"),
+        ({"range": {"id": 1, "start": 1, "end": 2}}, "range.producer"),
+        ({"range": {"id": 1, "producer": "", "start": 1, "end": 2}}, "range.producer"),
+        ({"range": {"id": 1, "producer": 7, "start": 1, "end": 2}}, "range.producer"),
+        ({"range": {"id": 1, "producer": "p", "end": 2}}, "range.start"),
+        ({"range": {"id": 1, "producer": "p", "start": 1.5, "end": 2}}, "range.start"),
+        ({"range": {"id": 1, "producer": "p", "start": 1, "end": 2**63}}, "range.end"),
+        ({"range": {"id": 1, "producer": "p", "start": 3, "end": 2}}, "range.start"),
+        ({"held": {"id": "1", "producer": "p"}}, "held.id"),
+        ({"held": {"id": 1, "producer": None}}, "held.producer"),
+        ({"range": {}, "held": {}}, "range"),
+    ],
+)
+def test_malformed_requests_name_the_field(attrs: dict[str, Any], field: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_request(attrs)
+    assert e.value.field == field
+    assert field.split(".")[-1] in str(e.value)
+
+
+def test_encoding_a_bad_request_is_a_local_error() -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        encode_request(RangeRequest(1, "p", 5, 4))
+    assert e.value.field == "range.start"
+    with pytest.raises(LocalProtocolError) as e:
+        encode_request(HeldQuery(-1, "p"))
+    assert e.value.field == "held.id"
+
+
+def test_requests_on_a_flow_without_range_reads_are_refused() -> None:
+    forbid_requests({"ack": 3})
+    for key in ("range", "held"):
+        with pytest.raises(RemoteProtocolError) as e:
+            forbid_requests({key: {}})
+        assert e.value.field == key
+
+
+# ----------------------------------------------------------------------- reply codec
+
+
+def test_replies_round_trip() -> None:
+    for reply in (
+        Done(1, 4, 9),
+        Done(2, 4, 4),
+        NotHeld(3, 10, 12),
+        NotHeld(3, 12, 12),
+        UnknownProducer(4),
+        UnknownProducer(5, query=True),
+        HeldReport(6, "p", 1, 1),
+        HeldReport(7, "p", 3, 900),
+    ):
+        assert decode_reply(encode_reply(reply)) == reply
+    assert encode_reply(NotHeld(3, 10, 12)) == {
+        "range": {"id": 3, "status": "not_held", "first": 10, "end": 12}
+    }
+    assert encode_reply(UnknownProducer(5, query=True)) == {
+        "held": {"id": 5, "status": "unknown_producer"}
+    }
+    assert decode_reply({"seq": 4}) is None
+
+
+@pytest.mark.parametrize(
+    ("attrs", "field"),
+    [
+        ({"range": {"id": 1}}, "range.status"),
+        ({"range": {"id": 1, "status": "held", "first": 1, "end": 2}}, "range.status"),
+        ({"held": {"id": 1, "status": "done", "start": 1, "end": 2}}, "held.status"),
+        ({"range": {"id": 1, "status": "done", "start": 3, "end": 2}}, "range.start"),
+        ({"range": {"id": 1, "status": "not_held", "first": 3, "end": 2}}, "range.first"),
+        ({"range": {"id": 1, "status": "not_held", "end": 2}}, "range.first"),
+        ({"held": {"id": 1, "status": "held", "first": 1, "end": 2}}, "held.producer"),
+        ({"held": {"status": "held"}}, "held.id"),
+        ({"held": None}, "held"),
+        ({"range": {}, "held": {}}, "range"),
+    ],
+)
+def test_malformed_replies_name_the_field(attrs: dict[str, Any], field: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_reply(attrs)
+    assert e.value.field == field
+
+
+# ------------------------------------------------------------------------ the giver
+
+
+def giver_with(req: RangeRequest | HeldQuery) -> RangeGiver:
+    giver = RangeGiver()
+    assert giver.on_pay(encode_request(req)) == req
+    return giver
+
+
+def test_the_giver_serves_a_held_range_in_batches_then_done() -> None:
+    giver = giver_with(RangeRequest(0, "p", 3, 10))
+    window = Window(1, 20)
+    spans = []
+    while True:
+        act = giver.next(window, 3)
+        if not isinstance(act, Records):
+            break
+        spans.append((act.first, act.count))
+        giver.sent(act)
+    assert spans == [(3, 3), (6, 3), (9, 1)]
+    assert act == Done(0, 3, 10)
+    assert giver.request is None and giver.next(window, 3) is None
+
+
+def test_the_giver_may_send_fewer_records_than_planned() -> None:
+    giver = giver_with(RangeRequest(0, "p", 1, 5))
+    act = giver.next(Window(1, 5), 4)
+    assert act == Records(1, 4)
+    giver.sent(act, 1)  # a byte budget cut the DAT short
+    assert giver.next(Window(1, 5), 4) == Records(2, 3)
+
+
+def test_a_zero_length_range_in_the_window_is_done_at_once() -> None:
+    for start in (1, 5, 9):
+        giver = giver_with(RangeRequest(0, "p", start, start))
+        assert giver.next(Window(1, 9), 10) == Done(0, start, start)
+
+
+def test_a_zero_length_range_outside_the_window_is_refused() -> None:
+    assert giver_with(RangeRequest(0, "p", 0, 0)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
+    assert giver_with(RangeRequest(0, "p", 10, 10)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
+
+
+def test_a_range_already_freed_is_refused_with_the_held_window() -> None:
+    giver = giver_with(RangeRequest(2, "p", 10, 20))
+    assert giver.next(Window(15, 30), 5) == NotHeld(2, 15, 30)
+    assert giver.request is None
+
+
+def test_a_range_beyond_the_end_is_refused_never_waited_for() -> None:
+    giver = giver_with(RangeRequest(0, "p", 10, 31))
+    assert giver.next(Window(1, 30), 5) == NotHeld(0, 1, 30)
+
+
+def test_records_freed_while_a_range_is_sent_end_it_refused() -> None:
+    # A speculative copy reads while the commit of the first copy frees the records.
+    giver = giver_with(RangeRequest(0, "p", 10, 20))
+    act = giver.next(Window(10, 20), 4)
+    assert act == Records(10, 4)
+    giver.sent(act)
+    assert giver.next(Window(12, 20), 4) == Records(14, 4)  # freed behind us: fine
+    assert giver.next(Window(15, 20), 4) == NotHeld(0, 15, 20)
+
+
+def test_an_unknown_producer_is_refused() -> None:
+    assert giver_with(RangeRequest(0, "px", 1, 2)).next(None, 1) == UnknownProducer(0)
+    assert giver_with(HeldQuery(0, "px")).next(None, 1) == UnknownProducer(0, query=True)
+
+
+def test_a_held_query_reports_the_window() -> None:
+    giver = giver_with(HeldQuery(4, "p"))
+    assert giver.producer == "p"
+    assert giver.next(Window(7, 7), 1) == HeldReport(4, "p", 7, 7)
+    assert giver.producer is None
+
+
+def test_one_request_at_a_time_with_increasing_ids() -> None:
+    giver = giver_with(RangeRequest(1, "p", 1, 5))
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(HeldQuery(2, "p")))
+    assert e.value.field == "held.id" and "one at a time" in str(e.value)
+    assert giver.next(Window(1, 1), 1) == NotHeld(1, 1, 1)
+    for rid in (0, 1):
+        with pytest.raises(RemoteProtocolError) as e:
+            giver.on_pay(encode_request(RangeRequest(rid, "p", 1, 2)))
+        assert e.value.field == "range.id" and e.value.value == rid
+    assert giver.on_pay({}) is None
+    assert giver.on_pay(encode_request(RangeRequest(2, "p", 1, 2))) is not None
+
+
+def test_the_giver_refuses_misuse_locally() -> None:
+    giver = RangeGiver()
+    assert giver.next(Window(1, 2), 1) is None
+    with pytest.raises(LocalProtocolError):
+        giver.next(Window(1, 2), 0)
+    with pytest.raises(LocalProtocolError):
+        giver.sent(Records(1, 1))
+    giver = giver_with(RangeRequest(0, "p", 1, 5))
+    with pytest.raises(LocalProtocolError) as e:
+        giver.sent(Records(2, 1))
+    assert e.value.field == "first"
+    with pytest.raises(LocalProtocolError) as e:
+        giver.sent(Records(1, 2), 3)
+    assert e.value.field == "count"
+    with pytest.raises(LocalProtocolError) as e:
+        giver.sent(Records(1, 9))
+    assert e.value.field == "count"
+    with pytest.raises(LocalProtocolError):
+        Window(3, 2)
+    with pytest.raises(LocalProtocolError):
+        Window(-1, 2)
+
+
+# ----------------------------------------------------------------------- the reader
+
+
+def test_a_reader_without_the_capability_never_builds_a_request() -> None:
+    pair = FlowPair()
+    pair.handshake(Direction.INJECT, 8, client_attrs=offer_attrs(), server_attrs=None)
+    reader = RangeReader(RangeTerms())
+    sent_before = pair.client.sent
+    for call in (
+        lambda: reader.request("p", 1, 2),
+        lambda: reader.query("p"),
+        lambda: reader.send_request(pair.client, "p", 1, 2),
+        lambda: reader.send_query(pair.client, "p"),
+    ):
+        with pytest.raises(LocalProtocolError) as e:
+            call()
+        assert e.value.field == CAPABILITY
+    assert pair.client.sent == sent_before and reader.state is ReaderState.IDLE
+
+
+def test_the_reader_checks_records_arrive_in_order_once_each() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 5, 10)
+    assert reader.on_dat({"seq": 5}) is None
+    reader.records(5, 2)
+    assert reader.state is ReaderState.RECEIVING and reader.received == 2
+    for first, count, field in ((5, 1, "seq"), (6, 1, "seq"), (8, 1, "seq"), (7, 4, "count")):
+        r = RangeReader(CAPABLE)
+        r.request("p", 5, 10)
+        r.records(5, 2)
+        with pytest.raises(RemoteProtocolError) as e:
+            r.records(first, count)
+        assert e.value.field == field and r.state is ReaderState.ERROR
+        with pytest.raises(LocalProtocolError):
+            r.on_dat({})
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.records(7, 0)
+    assert e.value.field == "count"
+
+
+def test_done_must_match_what_arrived() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 5, 10)
+    reader.records(5, 4)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(Done(0, 5, 10)))  # record 9 never came
+    assert e.value.field == "range.end"
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 5, 10)
+    reader.records(5, 5)
+    with pytest.raises(RemoteProtocolError):
+        reader.on_dat(encode_reply(Done(0, 5, 11)))
+
+
+def test_a_zero_length_range_is_done_with_no_records() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 4, 4)
+    assert reader.on_dat(encode_reply(Done(0, 4, 4))) == Done(0, 4, 4)
+    assert reader.state is ReaderState.DONE
+
+
+def test_answers_must_match_the_open_request() -> None:
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(Done(0, 1, 1)))  # nothing asked
+    assert e.value.field == "range.id"
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat({"seq": 1})  # records, nothing asked
+    assert e.value.field == "flow"
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 1, 2)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(NotHeld(7, 1, 1)))
+    assert e.value.field == "range.id" and e.value.value == 7
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 1, 2)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(HeldReport(0, "p", 1, 2)))
+    assert e.value.field == "held"
+    reader = RangeReader(CAPABLE)
+    reader.query("p")
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(HeldReport(0, "q", 1, 2)))
+    assert e.value.field == "held.producer"
+
+
+def test_a_refusal_must_be_true_to_its_window() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 5, 10)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(NotHeld(0, 1, 20)))  # covers the range: a lie
+    assert e.value.field == "range.first"
+
+
+def test_after_a_refusal_or_done_the_reader_asks_again() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", 5, 10)
+    reader.records(5, 2)
+    refusal = reader.on_dat(encode_reply(NotHeld(0, 8, 30)))
+    assert refusal == NotHeld(0, 8, 30) and reader.state is ReaderState.REFUSED
+    assert reader.request("p", 7, 8) == encode_request(RangeRequest(1, "p", 7, 8))
+    with pytest.raises(LocalProtocolError) as e:
+        reader.query("p")  # one at a time
+    assert e.value.field == "state"
+    reader.records(7, 1)
+    assert reader.on_dat(encode_reply(Done(1, 7, 8))) == Done(1, 7, 8)
+    assert reader.query("p") == encode_request(HeldQuery(2, "p"))
+    assert reader.on_dat(encode_reply(UnknownProducer(2, query=True))) == UnknownProducer(
+        2, query=True
+    )
+    assert reader.state is ReaderState.REFUSED
+
+
+def test_a_bad_request_changes_nothing() -> None:
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(LocalProtocolError) as e:
+        reader.request("p", 3, 2)
+    assert e.value.field == "range.start"
+    assert reader.state is ReaderState.IDLE
+    assert reader.request("p", 2, 3) == encode_request(RangeRequest(0, "p", 2, 3))
+
+
+# ------------------------------------------------------------------ over a flow pair
+
+
+class Harness:
+    """A range reader (client taker) and a giver (server) joined by a FlowPair; the
+    giver's DATs carry ``{"seq": first, "n": count}`` for their records (the real codec
+    puts them in an Arrow ``seq`` column)."""
+
+    def __init__(self, credit: int, window: Window | None, *, capable: bool = True) -> None:
+        self.pair = FlowPair()
+        offer = offer_attrs({"stream": "s"})
+        bot = self.pair.to_server(self.pair.client.send_bot(Direction.INJECT, credit, offer))
+        assert isinstance(bot, BotReceived) and server_asks_range(bot.attrs)
+        sent = {"direction": "inject", "credit": credit, **offer}
+        extras = state_capability({"producer": "p", "stream": "s"}) if capable else dict(offer)
+        reply = self.pair.to_client(self.pair.server.accept(None, extras))
+        assert isinstance(reply, BotReceived)
+        self.reader = RangeReader(client_range_terms(sent, dict(reply.attrs)))
+        self.giver = RangeGiver()
+        self.window = window
+        self.seqs: list[int] = []
+        self.replies: list[Any] = []
+
+    def deliver_pay(self, msg: Any) -> None:
+        event = self.pair.to_server(msg)
+        assert isinstance(event, Credit)
+        self.giver.on_pay(event.attrs)
+
+    def pump(self, batch: int, cut: int = 0) -> None:
+        """The giver sends while it holds credit and has something to send; each DAT is
+        delivered at once. ``cut`` > 0 sends that many fewer records than planned."""
+        server = self.pair.server
+        while server.credit > 0:
+            window = self.window if self.giver.producer == "p" else None
+            act = self.giver.next(window, batch)
+            if act is None:
+                return
+            if isinstance(act, Records):
+                n = max(1, act.count - cut)
+                msg = server.send_dat((b"x" * n,), {"seq": act.first, "n": n})
+                self.giver.sent(act, n)
+            else:
+                msg = server.send_dat((), encode_reply(act))
+            event = self.pair.to_client(msg)
+            assert isinstance(event, Data)
+            reply = self.reader.on_dat(event.attrs)
+            if reply is None:
+                first, n = event.attrs["seq"], event.attrs["n"]
+                self.reader.records(first, n)
+                self.seqs.extend(range(first, first + n))
+            else:
+                self.replies.append(reply)
+
+
+def test_a_range_over_a_flow_pair_with_credit_one() -> None:
+    h = Harness(1, Window(1, 100))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", 10, 14))
+    while h.reader.state is not ReaderState.DONE:
+        h.pump(batch=2)
+        if h.pair.client.credit:
+            h.deliver_pay(h.pair.client.pay())
+    assert h.seqs == [10, 11, 12, 13] and h.replies == [Done(0, 10, 14)]
+    # The giver kept a credit: the next request goes out on a PAY of 0.
+    assert h.pair.client.credit == 0 and h.pair.server.credit == 1
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", 14, 15))
+    h.pump(batch=2)
+    assert h.seqs[-1] == 14 and h.pair.server.credit == 0
+    h.deliver_pay(h.pair.client.pay())
+    h.pump(batch=2)
+    assert h.replies[-1] == Done(1, 14, 15) and h.reader.state is ReaderState.DONE
+
+
+def test_a_held_query_is_one_round_trip() -> None:
+    h = Harness(4, Window(3, 42))
+    h.deliver_pay(h.reader.send_query(h.pair.client, "p", 1))
+    h.pump(batch=1)
+    assert h.replies == [HeldReport(0, "p", 3, 42)] and h.reader.state is ReaderState.IDLE
+
+
+def test_an_echoing_server_is_never_sent_a_request() -> None:
+    h = Harness(4, Window(1, 9), capable=False)
+    assert not h.reader.terms.capable
+    with pytest.raises(LocalProtocolError):
+        h.reader.send_request(h.pair.client, "p", 1, 2)
+    assert h.pair.client.sent == 1  # the BOT only
+
+
+def test_a_pay_of_zero_needs_a_request_or_an_ack() -> None:
+    h = Harness(2, Window(1, 9))
+    with pytest.raises(LocalProtocolError):
+        h.pair.client.pay(0, {"other": 1})
+    h2 = Harness(2, Window(1, 9))
+    h2.deliver_pay(h2.reader.send_request(h2.pair.client, "p", 1, 1, credit=0))
+    assert h2.giver.request == RangeRequest(0, "p", 1, 1)
+    h3 = Harness(2, Window(1, 9))
+    with pytest.raises(FlowControlError):
+        h3.pair.server.receive(Message(FLOW_FORM, '{"flow": "PAY", "credit": 0, "other": 1}'))
+
+
+# ------------------------------------------------------------------------ properties
+
+PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def held_ranges(draw: st.DrawFn) -> tuple[Window, int, int]:
+    first = draw(st.integers(0, 50))
+    end = draw(st.integers(first, first + 60))
+    start = draw(st.integers(first, end))
+    stop = draw(st.integers(start, end))
+    return Window(first, end), start, stop
+
+
+@PROPS
+@given(
+    held_ranges(),
+    st.integers(1, 8),
+    st.integers(1, 7),
+    st.lists(st.integers(0, 8), min_size=1, max_size=20),
+    st.integers(0, 3),
+)
+def test_a_held_range_arrives_exactly_once_in_order_whatever_the_credit(
+    case: tuple[Window, int, int], credit: int, batch: int, pays: list[int], cut: int
+) -> None:
+    window, start, end = case
+    h = Harness(credit, window)
+    first_pay = min(pays[0], credit)
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end, credit=first_pay))
+    i = 1
+    while h.reader.state is not ReaderState.DONE:
+        h.pump(batch, cut)
+        held = h.pair.client.credit
+        if held:
+            amount = max(1, min(pays[i % len(pays)], held))
+            h.deliver_pay(h.pair.client.pay(amount))
+        i += 1
+        assert i < 10_000
+    assert h.seqs == list(range(start, end))
+    assert h.replies == [Done(0, start, end)]
+    # Credit stayed the flow's: nothing in flight, both halves add up.
+    assert h.pair.client.credit + h.pair.server.credit == credit
+
+
+@st.composite
+def unheld_ranges(draw: st.DrawFn) -> tuple[Window, int, int]:
+    first = draw(st.integers(0, 50))
+    end = draw(st.integers(first, first + 60))
+    start = draw(st.integers(0, end + 20))
+    stop = draw(st.integers(start, end + 30))
+    if first <= start and stop <= end:  # held: move one bound out
+        if draw(st.booleans()) and first > 0:
+            start = draw(st.integers(0, first - 1))
+        else:
+            stop = draw(st.integers(end + 1, end + 30))
+    return Window(first, end), start, stop
+
+
+@PROPS
+@given(unheld_ranges(), st.integers(1, 5), st.integers(1, 5))
+def test_a_range_not_fully_held_is_refused_with_the_held_bounds(
+    case: tuple[Window, int, int], credit: int, batch: int
+) -> None:
+    window, start, end = case
+    h = Harness(credit, window)
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end))
+    h.pump(batch)
+    assert h.seqs == []
+    assert h.replies == [NotHeld(0, window.first, window.end)]
+    assert h.reader.state is ReaderState.REFUSED
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 2**64) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=6,
+)
+bot_attrs = st.dictionaries(
+    st.sampled_from(["producer", "ranges", "stream", "ack", "read", "resume", "x"]),
+    json_values,
+    max_size=5,
+)
+
+
+@PROPS
+@given(bot_attrs, bot_attrs)
+def test_the_capability_counts_only_as_the_servers_own_statement(
+    ours: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    ours.pop("ranges", None)
+    try:
+        sent = {"direction": "inject", "credit": 4, **offer_attrs(ours)}
+    except LocalProtocolError:
+        return  # a "read" we would never send
+    # An echo, whatever else the peer adds: capable only with its own ranges and producer.
+    reply = {**echo(sent), **extra}
+    try:
+        terms = client_range_terms(sent, reply)
+    except RemoteProtocolError:
+        return
+    own_producer = isinstance(extra.get("producer"), str) and extra["producer"] != sent.get(
+        "producer"
+    )
+    # (null states nothing, as for the other profile attributes)
+    assert terms.capable == (extra.get("ranges") is not None and own_producer)
+    assert not client_range_terms(sent, echo(sent)).capable
+
+
+@PROPS
+@given(
+    st.one_of(
+        st.builds(
+            RangeRequest,
+            st.integers(0, SEQ_MAX),
+            st.text(min_size=1, max_size=8),
+            st.integers(0, 100),
+            st.integers(100, SEQ_MAX),
+        ),
+        st.builds(HeldQuery, st.integers(0, SEQ_MAX), st.text(min_size=1, max_size=8)),
+    )
+)
+def test_requests_survive_the_wire(req: RangeRequest | HeldQuery) -> None:
+    pair = FlowPair()
+    pair.handshake(Direction.INJECT, 3)
+    event = pair.to_server(pair.client.pay(1, encode_request(req)))
+    assert isinstance(event, Credit)
+    assert decode_request(event.attrs) == req
+
+
+@PROPS
+@given(held_ranges(), st.integers(1, 6), st.integers(1, 5), st.lists(st.integers(0, 6)))
+def test_acks_during_a_range_give_a_prefix_then_a_refusal_never_other_records(
+    case: tuple[Window, int, int], credit: int, batch: int, frees: list[int]
+) -> None:
+    """Acks free records from the front while a (speculative) copy reads: the reader gets
+    the range whole, or a prefix of it in order and then not_held; nothing else."""
+    window, start, end = case
+    h = Harness(credit, window)
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end))
+    i = 0
+    while h.reader.state not in (ReaderState.DONE, ReaderState.REFUSED):
+        h.pump(batch)
+        free = frees[i] if i < len(frees) else 0
+        held = h.window
+        assert held is not None
+        h.window = Window(min(held.first + free, held.end), held.end)
+        if h.pair.client.credit:
+            h.deliver_pay(h.pair.client.pay())
+        i += 1
+    assert h.seqs == list(range(start, start + len(h.seqs)))
+    if h.reader.state is ReaderState.DONE:
+        assert h.seqs == list(range(start, end)) and h.replies == [Done(0, start, end)]
+    else:
+        (refusal,) = h.replies
+        # Refused only because acks freed the next record (the window's end stayed).
+        assert isinstance(refusal, NotHeld) and refusal.first > start + len(h.seqs)

@@ -1,0 +1,930 @@
+"""Range reads: a taker asks a giver for records ``[start, end)`` of one producer.
+
+Theory of operation (docs/direct-read.md has the sequences and the wiring):
+
+In the direct read mode a Spark task fetches its offset range straight from the giver
+that holds it, and the driver only learns each producer's held window. Both are requests
+on an ordinary ZIO flow of the zio-spark profile: the client is the *range reader* (a
+taker, direction ``inject``), the server the giver. Credit stays the flow's
+(:mod:`.flow`): every message the giver sends in answer is a DAT and costs one credit.
+
+**Capability, stated so that an echo cannot fool it** (as in :mod:`.negotiate`). A giver
+that can serve ranges states ``"ranges": 1`` (the version it speaks) in every BOT it
+writes; a client of ours never sends ``ranges``, so a reference server echoing our BOT
+never carries it, and the statement counts only together with the giver's own
+``producer`` (the profile). A range reader opens its flow with ``"read": "range"``; a
+capable giver then sends nothing on credit alone, only what requests ask for. A reader
+whose server did not state ``ranges`` sends no request at all (:class:`RangeReader`
+raises :class:`~zio_spark.errors.LocalProtocolError` before anything is built) and ends
+the flow: no data moved, the query keeps the spool path for that producer.
+
+**Requests** ride on a PAY (the taker's only message in transfer), together with any
+credit, which may be 0 for them (:mod:`.flow` allows it):
+
+- ``"range": {"id": k, "producer": p, "start": s, "end": e}``: the records with sequence
+  numbers ``s <= seq < e`` (the per-producer numbers of the spool path, from 1).
+- ``"held": {"id": k, "producer": p}``: the producer's held window.
+
+``id`` is the reader's number for the request, unique within the flow and increasing;
+every answer repeats it. One request at a time: a new one only after the answer ended.
+
+**Answers** are DATs. The records of a range come in DATs of the flow's encoding (Arrow
+with a ``seq`` column, or plain DATs with ``seq``), in order, each record once. Then one
+DAT without payload ends it:
+
+- ``"range": {"id": k, "status": "done", "start": s, "end": e}`` -- all of ``[s, e)`` was
+  sent (none for ``s == e``);
+- ``"range": {"id": k, "status": "not_held", "first": a, "end": b}`` -- the giver holds
+  ``[a, b)`` for that producer, which does not cover the rest of the range. May follow
+  some records (acks freed them while a speculative copy read): the reader discards the
+  range and raises :class:`~zio_spark.errors.DataLossError` with these numbers;
+- ``"range": {"id": k, "status": "unknown_producer"}`` -- the giver serves no such id.
+
+and a held query is answered by one DAT
+``"held": {"id": k, "producer": p, "status": "held", "first": a, "end": b}`` (or
+``"status": "unknown_producer"``).
+
+**The rule for serving** is one comparison, made before every DAT of the range: with
+``[first, end)`` the producer's held window now (``first``: the oldest record not yet
+acknowledged, ``end``: the next sequence number to assign), the rest ``[next, e)`` of the
+request is served only if ``first <= next`` and ``e <= end``. So a zero-length range is
+answered ``done`` where its position lies in the window, and ``not_held`` elsewhere (a
+giver whose window moved back restarted and lost records). A range that reaches beyond
+``end`` is refused, never waited for: the planner asks only up to an end the giver
+reported, and a giver's end never moves back while it lives, so such a request means the
+giver restarted without its records; waiting would block the task, and after a restart
+the numbers may name other records -- different data, where a re-read must give the same
+rows or fail.
+
+The giver frees records only on acks (``ack`` in PAY, as in the spool path), so a retried
+or speculative task re-reads exactly what the first attempt read, or is refused.
+
+Everything here is pure: attribute mappings in, attribute dicts and events out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from zio_spark.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from zio_spark.protocol.flow import Flow, profile_bot
+from zio_spark.protocol.message import Message
+from zio_spark.protocol.negotiate import own_statements
+
+__all__ = [
+    "CAPABILITY",
+    "READ",
+    "READ_RANGE",
+    "SEQ_MAX",
+    "VERSION",
+    "Done",
+    "HeldQuery",
+    "HeldReport",
+    "NotHeld",
+    "RangeGiver",
+    "RangeReader",
+    "RangeRequest",
+    "RangeTerms",
+    "ReaderState",
+    "Records",
+    "Reply",
+    "Request",
+    "UnknownProducer",
+    "Window",
+    "client_range_terms",
+    "decode_reply",
+    "decode_request",
+    "encode_reply",
+    "encode_request",
+    "forbid_requests",
+    "offer_attrs",
+    "server_asks_range",
+    "state_capability",
+]
+
+VERSION = 1
+"""The version of the range protocol this module speaks."""
+
+CAPABILITY = "ranges"
+"""Giver BOT attribute: the range protocol version it serves (an integer >= 1)."""
+
+READ = "read"
+READ_RANGE = "range"
+"""Taker BOT attribute ``read: "range"``: this flow carries range requests, no stream."""
+
+SEQ_MAX = 2**63 - 1
+"""Largest sequence number or request id (the Arrow ``seq`` column is an int64)."""
+
+_REQUEST_KEYS = ("range", "held")
+
+
+# ------------------------------------------------------------------------- negotiation
+
+
+@dataclass(frozen=True, slots=True)
+class RangeTerms:
+    """What a range reader learned from the giver's BOT.
+
+    ``version`` is the range protocol version both speak (None: the giver did not state
+    the capability as its own; send it no request). ``producer`` is the giver's own
+    ``producer`` statement.
+    """
+
+    version: int | None = None
+    producer: str | None = None
+
+    @property
+    def capable(self) -> bool:
+        return self.version is not None
+
+
+NOT_CAPABLE = RangeTerms()
+
+
+def offer_attrs(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The extras of a range reader's BOT: ``attrs`` plus ``read: "range"``.
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``attrs`` holds ``ranges`` (a reader never states it: its echo would then
+        pass for the giver's statement) or another ``read``.
+    """
+    out = dict(attrs or {})
+    if CAPABILITY in out:
+        raise LocalProtocolError(
+            f"a range reader's BOT must not carry {CAPABILITY!r} (got {out[CAPABILITY]!r}): "
+            "an echo of it would pass for the giver's statement",
+            field=CAPABILITY,
+            value=out[CAPABILITY],
+        )
+    if out.get(READ, READ_RANGE) != READ_RANGE:
+        raise LocalProtocolError(
+            f"BOT {READ} must be {READ_RANGE!r} on a range flow, got {out[READ]!r}",
+            field=READ,
+            value=out[READ],
+        )
+    out[READ] = READ_RANGE
+    return out
+
+
+def state_capability(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A capable giver's BOT extras: ``attrs`` plus ``ranges: VERSION``.
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``attrs`` has no string ``producer``: the statement counts only with the
+        profile, so without it the reader would never use it.
+    """
+    out = dict(attrs or {})
+    if not isinstance(out.get("producer"), str):
+        raise LocalProtocolError(
+            f"a giver stating {CAPABILITY!r} must state its producer id too, got "
+            f"{out.get('producer')!r}",
+            field="producer",
+            value=out.get("producer"),
+        )
+    out[CAPABILITY] = VERSION
+    return out
+
+
+def client_range_terms(sent: Mapping[str, Any], reply: Mapping[str, Any]) -> RangeTerms:
+    """The range terms of a flow we opened as the reader: ``sent`` our BOT's attributes,
+    ``reply`` the server's. Only the server's own statements count (not echoes), and
+    ``ranges`` only together with its own ``producer``.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If the server stated ``ranges`` that is not an integer >= 1, or a profile
+        attribute of the wrong type.
+    """
+    own = own_statements(sent, reply)
+    prof = profile_bot(own)
+    raw = own.get(CAPABILITY)
+    if raw is None:
+        return RangeTerms(None, prof.producer)
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        raise RemoteProtocolError(
+            f"BOT {CAPABILITY} must be an integer >= 1 (a range protocol version), got {raw!r}",
+            field=CAPABILITY,
+            value=raw,
+        )
+    if prof.producer is None:  # no profile: not a statement we trust
+        return NOT_CAPABLE
+    return RangeTerms(min(raw, VERSION), prof.producer)
+
+
+def server_asks_range(bot: Mapping[str, Any]) -> bool:
+    """True if the client's BOT (our server side's view) opens a range flow.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If ``read`` is present but not ``"range"`` (a mode we do not know: serving it
+        as a stream would send data the client did not ask for).
+    """
+    raw = bot.get(READ)
+    if raw is None:
+        return False
+    if raw != READ_RANGE or not isinstance(raw, str):
+        raise RemoteProtocolError(
+            f"BOT {READ} must be {READ_RANGE!r}, got {raw!r}", field=READ, value=raw
+        )
+    return True
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True, slots=True)
+class RangeRequest:
+    """Records ``start <= seq < end`` of ``producer`` (request number ``id``)."""
+
+    id: int
+    producer: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldQuery:
+    """The held window of ``producer`` (request number ``id``)."""
+
+    id: int
+    producer: str
+
+
+Request = RangeRequest | HeldQuery
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Every record of ``[start, end)`` was sent."""
+
+    id: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class NotHeld:
+    """The giver holds ``[first, end)``, which does not cover the request (or its rest)."""
+
+    id: int
+    first: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownProducer:
+    """The giver serves no such producer id. ``query``: the answer to a held query."""
+
+    id: int
+    query: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeldReport:
+    """The producer's held window ``[first, end)``: records ``first .. end - 1``."""
+
+    id: int
+    producer: str
+    first: int
+    end: int
+
+
+Reply = Done | NotHeld | UnknownProducer | HeldReport
+
+
+def _fail(local: bool, text: str, field: str, value: object) -> ProtocolError:
+    if local:
+        return LocalProtocolError(text, field=field, value=value)
+    return RemoteProtocolError(text, field=field, value=value)
+
+
+def _int(obj: Mapping[str, Any], where: str, key: str, local: bool, low: int = 0) -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= SEQ_MAX:
+        raise _fail(
+            local,
+            f"{where}.{key} must be an integer {low}..2**63-1, got {value!r}",
+            f"{where}.{key}",
+            value,
+        )
+    return value
+
+
+def _producer(obj: Mapping[str, Any], where: str, local: bool) -> str:
+    value = obj.get("producer")
+    if not isinstance(value, str) or not value:
+        raise _fail(
+            local,
+            f"{where}.producer must be a non-empty string, got {value!r}",
+            f"{where}.producer",
+            value,
+        )
+    return value
+
+
+def _object(attrs: Mapping[str, Any], key: str, local: bool) -> Mapping[str, Any]:
+    obj = attrs[key]
+    if not isinstance(obj, Mapping):
+        raise _fail(
+            local,
+            f"{key} must be a JSON object, got {type(obj).__name__}: {obj!r:.80}",
+            key,
+            obj,
+        )
+    return obj
+
+
+def _window(obj: Mapping[str, Any], where: str, local: bool) -> tuple[int, int]:
+    first = _int(obj, where, "first", local)
+    end = _int(obj, where, "end", local)
+    if first > end:
+        raise _fail(
+            local,
+            f"{where}: first {first} must be <= end {end} (a window [first, end))",
+            f"{where}.first",
+            first,
+        )
+    return first, end
+
+
+def _check_request(req: Mapping[str, Any], key: str, local: bool) -> Request:
+    rid = _int(req, key, "id", local)
+    producer = _producer(req, key, local)
+    if key == "held":
+        return HeldQuery(rid, producer)
+    start = _int(req, key, "start", local)
+    end = _int(req, key, "end", local)
+    if start > end:
+        raise _fail(
+            local,
+            f"range: start {start} must be <= end {end} (a range [start, end))",
+            "range.start",
+            start,
+        )
+    return RangeRequest(rid, producer, start, end)
+
+
+def encode_request(req: Request) -> dict[str, Any]:
+    """The PAY extras of a request (pass them to :meth:`Flow.pay`).
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field is out of range (as :func:`decode_request` would refuse it).
+    """
+    if isinstance(req, RangeRequest):
+        key = "range"
+        obj: dict[str, Any] = {
+            "id": req.id,
+            "producer": req.producer,
+            "start": req.start,
+            "end": req.end,
+        }
+    else:
+        key = "held"
+        obj = {"id": req.id, "producer": req.producer}
+    _check_request(obj, key, local=True)
+    return {key: obj}
+
+
+def decode_request(attrs: Mapping[str, Any]) -> Request | None:
+    """The request a PAY's extras carry, None if it carries none (credit only).
+
+    Raises
+    ------
+    RemoteProtocolError
+        If both ``range`` and ``held`` are present, or a field is missing, of the wrong
+        type or out of range (``field`` names it, e.g. ``range.start``).
+    """
+    present = [k for k in _REQUEST_KEYS if k in attrs]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise RemoteProtocolError(
+            "a PAY carries one request, got both 'range' and 'held'",
+            field="range",
+            value=present,
+        )
+    key = present[0]
+    return _check_request(_object(attrs, key, local=False), key, local=False)
+
+
+def forbid_requests(attrs: Mapping[str, Any]) -> None:
+    """Check a PAY on a flow that did not agree range reads carries no request.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If it does (the peer sends what was not agreed).
+    """
+    for key in _REQUEST_KEYS:
+        if key in attrs:
+            raise RemoteProtocolError(
+                f"PAY carries a {key!r} request on a flow that did not open with "
+                f"{READ}: {READ_RANGE!r}",
+                field=key,
+                value=attrs[key],
+            )
+
+
+def encode_reply(reply: Reply) -> dict[str, Any]:
+    """The extras of the DAT (without payload) that carries ``reply``.
+
+    Raises
+    ------
+    LocalProtocolError
+        If a field is out of range.
+    """
+    obj: dict[str, Any]
+    if isinstance(reply, Done):
+        key, obj = "range", {"id": reply.id, "status": "done", "start": reply.start}
+        obj["end"] = reply.end
+    elif isinstance(reply, NotHeld):
+        key, obj = "range", {"id": reply.id, "status": "not_held", "first": reply.first}
+        obj["end"] = reply.end
+    elif isinstance(reply, UnknownProducer):
+        key = "held" if reply.query else "range"
+        obj = {"id": reply.id, "status": "unknown_producer"}
+    else:
+        key = "held"
+        obj = {"id": reply.id, "producer": reply.producer, "status": "held"}
+        obj["first"], obj["end"] = reply.first, reply.end
+    _check_reply(obj, key, local=True)
+    return {key: obj}
+
+
+_RANGE_STATUSES = ("done", "not_held", "unknown_producer")
+_HELD_STATUSES = ("held", "unknown_producer")
+
+
+def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
+    rid = _int(obj, key, "id", local)
+    status = obj.get("status")
+    allowed = _RANGE_STATUSES if key == "range" else _HELD_STATUSES
+    if not isinstance(status, str) or status not in allowed:
+        raise _fail(
+            local,
+            f"{key}.status must be one of {', '.join(allowed)}, got {status!r}",
+            f"{key}.status",
+            status,
+        )
+    if status == "unknown_producer":
+        return UnknownProducer(rid, query=key == "held")
+    if status == "done":
+        start = _int(obj, key, "start", local)
+        end = _int(obj, key, "end", local)
+        if start > end:
+            raise _fail(local, f"range: start {start} must be <= end {end}", "range.start", start)
+        return Done(rid, start, end)
+    first, end = _window(obj, key, local)
+    if status == "not_held":
+        return NotHeld(rid, first, end)
+    return HeldReport(rid, _producer(obj, key, local), first, end)
+
+
+def decode_reply(attrs: Mapping[str, Any]) -> Reply | None:
+    """The answer a DAT's extras carry, None for a DAT of records.
+
+    Raises
+    ------
+    RemoteProtocolError
+        If both ``range`` and ``held`` are present, or a field is missing, of the wrong
+        type or out of range (``field`` names it, e.g. ``range.status``).
+    """
+    present = [k for k in _REQUEST_KEYS if k in attrs]
+    if not present:
+        return None
+    if len(present) > 1:
+        raise RemoteProtocolError(
+            "a DAT carries one answer, got both 'range' and 'held'",
+            field="range",
+            value=present,
+        )
+    key = present[0]
+    return _check_reply(_object(attrs, key, local=False), key, local=False)
+
+
+# ------------------------------------------------------------------------- the giver
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A producer's held window now: records ``first .. end - 1`` (``first``: the oldest
+    not yet acknowledged, ``end``: the next sequence number to assign)."""
+
+    first: int
+    end: int
+
+    def __post_init__(self) -> None:
+        for name in ("first", "end"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SEQ_MAX:
+                raise LocalProtocolError(
+                    f"window {name} must be an integer 0..2**63-1, got {v!r}",
+                    field=name,
+                    value=v,
+                )
+        if self.first > self.end:
+            raise LocalProtocolError(
+                f"window first {self.first} must be <= end {self.end}",
+                field="first",
+                value=self.first,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    """Send the records ``first .. first + count - 1`` in one DAT (or fewer, from
+    ``first``: tell :meth:`RangeGiver.sent` how many)."""
+
+    first: int
+    count: int
+
+
+class RangeGiver:
+    """The giver's side of a range flow: which DAT to send next.
+
+    Feed each PAY's extras to :meth:`on_pay` (after :meth:`Flow.receive` accounted for
+    its credit). While the flow holds credit, call :meth:`next` with the current held
+    window of :attr:`producer` (None: this giver serves no such producer) and the most
+    records per DAT; it returns :class:`Records` (encode them in one DAT in the flow's
+    encoding, then call :meth:`sent`), a :class:`Reply` (send
+    ``flow.send_dat((), encode_reply(reply))``: the request is then over), or None
+    (nothing asked). Credit is the flow's: call :meth:`next` only when it holds some.
+    """
+
+    __slots__ = ("_cursor", "_request", "_served")
+
+    def __init__(self) -> None:
+        self._request: Request | None = None
+        self._cursor = 0  # next seq of the current range request
+        self._served = -1  # id of the last request taken, for the increasing-id rule
+
+    @property
+    def request(self) -> Request | None:
+        """The request being answered, if any."""
+        return self._request
+
+    @property
+    def producer(self) -> str | None:
+        """The producer id whose window :meth:`next` needs, if a request is open."""
+        return None if self._request is None else self._request.producer
+
+    def on_pay(self, attrs: Mapping[str, Any]) -> Request | None:
+        """Take the request a PAY carries, if any.
+
+        Raises
+        ------
+        RemoteProtocolError
+            If the request does not decode, arrives while another is open, or its id
+            does not increase.
+        """
+        req = decode_request(attrs)
+        if req is None:
+            return None
+        if self._request is not None:
+            raise RemoteProtocolError(
+                f"request {req.id} arrived while request {self._request.id} is still "
+                "being answered (one at a time)",
+                field=f"{_key(req)}.id",
+                value=req.id,
+            )
+        if req.id <= self._served:
+            raise RemoteProtocolError(
+                f"request id {req.id} must be greater than the last one, {self._served}",
+                field=f"{_key(req)}.id",
+                value=req.id,
+            )
+        self._served = req.id
+        self._request = req
+        if isinstance(req, RangeRequest):
+            self._cursor = req.start
+        return req
+
+    def next(self, window: Window | None, batch: int) -> Records | Reply | None:
+        """What to send next for the open request (see the class docstring).
+
+        Raises
+        ------
+        LocalProtocolError
+            If ``batch`` is not an integer >= 1.
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise LocalProtocolError(
+                f"batch must be an integer >= 1, got {batch!r}", field="batch", value=batch
+            )
+        req = self._request
+        if req is None:
+            return None
+        if window is None:
+            self._request = None
+            return UnknownProducer(req.id, query=isinstance(req, HeldQuery))
+        if isinstance(req, HeldQuery):
+            self._request = None
+            return HeldReport(req.id, req.producer, window.first, window.end)
+        # The one rule: the rest [cursor, end) must lie in the window, now.
+        if window.first > self._cursor or req.end > window.end:
+            self._request = None
+            return NotHeld(req.id, window.first, window.end)
+        if self._cursor == req.end:
+            self._request = None
+            return Done(req.id, req.start, req.end)
+        return Records(self._cursor, min(batch, req.end - self._cursor))
+
+    def sent(self, records: Records, count: int | None = None) -> None:
+        """The DAT for ``records`` went out with ``count`` of them (default: all).
+
+        Raises
+        ------
+        LocalProtocolError
+            If ``records`` is not what :meth:`next` asked for now, or ``count`` is not
+            1..``records.count``.
+        """
+        req = self._request
+        n = records.count if count is None else count
+        if not isinstance(req, RangeRequest) or records.first != self._cursor:
+            raise LocalProtocolError(
+                f"sent records from {records.first}, but the range reads from "
+                f"{self._cursor if isinstance(req, RangeRequest) else 'nothing (no range open)'}",
+                field="first",
+                value=records.first,
+            )
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= records.count:
+            raise LocalProtocolError(
+                f"sent count must be 1..{records.count}, got {n!r}", field="count", value=n
+            )
+        if records.first + records.count > req.end:
+            raise LocalProtocolError(
+                f"records {records.first}..{records.first + records.count - 1} pass the "
+                f"range end {req.end}",
+                field="count",
+                value=records.count,
+            )
+        self._cursor += n
+
+
+def _key(req: Request) -> str:
+    return "range" if isinstance(req, RangeRequest) else "held"
+
+
+# ------------------------------------------------------------------------ the reader
+
+
+class ReaderState(str, Enum):
+    IDLE = "IDLE"  # nothing asked, or the last answer is in
+    REQUESTED = "REQUESTED"  # a request is out, nothing back yet
+    RECEIVING = "RECEIVING"  # records of the range are arriving
+    DONE = "DONE"  # the range arrived whole
+    REFUSED = "REFUSED"  # the giver refused (not held, unknown producer)
+    ERROR = "ERROR"  # the giver broke the protocol; terminal
+
+
+class RangeReader:
+    """The taker's side of a range flow.
+
+    Made with the :class:`RangeTerms` of the flow (:func:`client_range_terms`): without
+    the capability, every request is a :class:`LocalProtocolError` and nothing is built.
+    :meth:`request` / :meth:`query` give the PAY extras (or :meth:`send_request` /
+    :meth:`send_query` the PAY itself). For each DAT, pass its extras to :meth:`on_dat`:
+    an answer comes back as a :class:`Reply`; for a DAT of records (None) decode its
+    payload and pass the span to :meth:`records`, which checks that the records arrive
+    in order, each once, inside the range.
+    """
+
+    __slots__ = ("_cursor", "_next_id", "_request", "state", "terms")
+
+    def __init__(self, terms: RangeTerms) -> None:
+        self.terms = terms
+        self.state = ReaderState.IDLE
+        self._request: Request | None = None
+        self._next_id = 0
+        self._cursor = 0
+
+    @property
+    def current(self) -> Request | None:
+        """The request out now (or last answered)."""
+        return self._request
+
+    @property
+    def received(self) -> int:
+        """Records of the current range received so far."""
+        req = self._request
+        return self._cursor - req.start if isinstance(req, RangeRequest) else 0
+
+    def _ready(self) -> None:
+        if not self.terms.capable:
+            raise LocalProtocolError(
+                f"the giver did not state {CAPABILITY!r} as its own: a range request is "
+                "never sent to it (read this producer through the spool path)",
+                field=CAPABILITY,
+                value=None,
+            )
+        if self.state not in (ReaderState.IDLE, ReaderState.DONE, ReaderState.REFUSED):
+            raise LocalProtocolError(
+                f"cannot send a request in state {self.state.value} (one at a time: "
+                "needs IDLE, DONE or REFUSED)",
+                field="state",
+                value=self.state.value,
+            )
+
+    def _out(self, req: Request) -> dict[str, Any]:
+        attrs = encode_request(req)  # checks the fields before any state changes
+        self._request = req
+        self._next_id += 1
+        self.state = ReaderState.REQUESTED
+        if isinstance(req, RangeRequest):
+            self._cursor = req.start
+        return attrs
+
+    def request(self, producer: str, start: int, end: int) -> dict[str, Any]:
+        """The PAY extras asking for records ``[start, end)`` of ``producer``.
+
+        Raises
+        ------
+        LocalProtocolError
+            Without the capability, with a request still open, or with a bad field.
+        """
+        self._ready()
+        return self._out(RangeRequest(self._next_id, producer, start, end))
+
+    def query(self, producer: str) -> dict[str, Any]:
+        """The PAY extras asking for the held window of ``producer``.
+
+        Raises
+        ------
+        LocalProtocolError
+            As :meth:`request`.
+        """
+        self._ready()
+        return self._out(HeldQuery(self._next_id, producer))
+
+    def send_request(
+        self, flow: Flow, producer: str, start: int, end: int, credit: int | None = None
+    ) -> Message:
+        """:meth:`request` on a PAY of ``flow`` with ``credit`` (default: all it holds,
+        possibly 0).
+
+        Raises
+        ------
+        LocalProtocolError
+            As :meth:`request`, or from :meth:`Flow.pay` (then nothing is out).
+        """
+        self._ready()
+        attrs = encode_request(RangeRequest(self._next_id, producer, start, end))
+        msg = flow.pay(flow.credit if credit is None else credit, attrs)
+        self._out(RangeRequest(self._next_id, producer, start, end))
+        return msg
+
+    def send_query(self, flow: Flow, producer: str, credit: int | None = None) -> Message:
+        """:meth:`query` on a PAY of ``flow`` (see :meth:`send_request`)."""
+        self._ready()
+        attrs = encode_request(HeldQuery(self._next_id, producer))
+        msg = flow.pay(flow.credit if credit is None else credit, attrs)
+        self._out(HeldQuery(self._next_id, producer))
+        return msg
+
+    def _remote(self, text: str, field: str, value: object) -> RemoteProtocolError:
+        self.state = ReaderState.ERROR
+        return RemoteProtocolError(text, field=field, value=value)
+
+    def _check_live(self) -> None:
+        if self.state is ReaderState.ERROR:
+            raise LocalProtocolError("range reader is in ERROR state", field="state")
+
+    def on_dat(self, attrs: Mapping[str, Any]) -> Reply | None:
+        """The answer a DAT carries (the request is then over), or None for records.
+
+        Raises
+        ------
+        RemoteProtocolError
+            If the extras do not decode, answer another request or nothing asked, or
+            a ``done`` does not match the records received (the reader is then in ERROR).
+        """
+        self._check_live()
+        try:
+            reply = decode_reply(attrs)
+        except RemoteProtocolError:
+            self.state = ReaderState.ERROR
+            raise
+        req = self._request
+        waiting = self.state in (ReaderState.REQUESTED, ReaderState.RECEIVING)
+        if reply is None:
+            if not waiting or not isinstance(req, RangeRequest):
+                raise self._remote(
+                    f"a DAT of records arrived in state {self.state.value}, with no range "
+                    "request open",
+                    "flow",
+                    "DAT",
+                )
+            return None
+        key = "held" if isinstance(reply, HeldReport) or getattr(reply, "query", False) else "range"
+        if not waiting or req is None:
+            raise self._remote(
+                f"an answer to request {reply.id} arrived with none open "
+                f"(state {self.state.value})",
+                f"{key}.id",
+                reply.id,
+            )
+        if reply.id != req.id:
+            raise self._remote(
+                f"an answer to request {reply.id} arrived while request {req.id} is open",
+                f"{key}.id",
+                reply.id,
+            )
+        if (key == "held") != isinstance(req, HeldQuery):
+            raise self._remote(
+                f"a {key!r} answer arrived for a {_key(req)!r} request {req.id}",
+                key,
+                reply.id,
+            )
+        if isinstance(reply, Done):
+            assert isinstance(req, RangeRequest)
+            if (reply.start, reply.end) != (req.start, req.end) or self._cursor != req.end:
+                raise self._remote(
+                    f"range {req.id} done as [{reply.start}, {reply.end}) but "
+                    f"[{req.start}, {req.end}) was asked and records up to "
+                    f"{self._cursor - 1} arrived",
+                    "range.end",
+                    reply.end,
+                )
+            self.state = ReaderState.DONE
+        elif isinstance(reply, HeldReport):
+            assert isinstance(req, HeldQuery)
+            if reply.producer != req.producer:
+                raise self._remote(
+                    f"held window of {reply.producer!r} arrived for a query of {req.producer!r}",
+                    "held.producer",
+                    reply.producer,
+                )
+            self.state = ReaderState.IDLE
+        elif isinstance(reply, NotHeld) and isinstance(req, RangeRequest):
+            if reply.first <= self._cursor and req.end <= reply.end:
+                raise self._remote(
+                    f"range {req.id} refused as not held, but the stated window "
+                    f"[{reply.first}, {reply.end}) covers the rest [{self._cursor}, {req.end})",
+                    "range.first",
+                    reply.first,
+                )
+            self.state = ReaderState.REFUSED
+        else:
+            self.state = ReaderState.REFUSED
+        return reply
+
+    def records(self, first: int, count: int) -> None:
+        """A DAT of the range brought records ``first .. first + count - 1``.
+
+        Raises
+        ------
+        RemoteProtocolError
+            ``field="seq"`` if they are not the next ones of the range (a duplicate, a
+            gap or out of order), ``field="count"`` if there are none or they pass its
+            end (the reader is then in ERROR).
+        LocalProtocolError
+            If no range is open (call :meth:`on_dat` first), or ``first``/``count`` are
+            not integers.
+        """
+        self._check_live()
+        req = self._request
+        if not isinstance(req, RangeRequest) or self.state not in (
+            ReaderState.REQUESTED,
+            ReaderState.RECEIVING,
+        ):
+            raise LocalProtocolError(
+                f"records given in state {self.state.value} with no range open",
+                field="state",
+                value=self.state.value,
+            )
+        for name, v in (("first", first), ("count", count)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise LocalProtocolError(
+                    f"records {name} must be an integer, got {v!r}", field=name, value=v
+                )
+        if count < 1:
+            raise self._remote(
+                f"a DAT of range {req.id} holds {count} records, expected >= 1", "count", count
+            )
+        if first != self._cursor:
+            what = "a duplicate" if first < self._cursor else "a gap or out of order"
+            raise self._remote(
+                f"range {req.id}: records from {first} arrived, expected {self._cursor} ({what})",
+                "seq",
+                first,
+            )
+        if first + count > req.end:
+            raise self._remote(
+                f"range {req.id}: records {first}..{first + count - 1} pass its end "
+                f"{req.end} (asked [{req.start}, {req.end}))",
+                "count",
+                count,
+            )
+        self._cursor = first + count
+        self.state = ReaderState.RECEIVING
