@@ -4,6 +4,7 @@
 - :class:`TrackingContext`, :func:`terminate`, :func:`tracked_context`: a zmq context that
   keeps every socket it made, so a leaked socket fails the test instead of being
   garbage-collected quietly.
+- :func:`close_all`: a fixture's teardown of several things, each tried even when one fails.
 - :func:`free_port`, :func:`free_endpoint`: a loopback TCP port nobody listens on (yet).
 - :func:`spark_session`: the local, loopback-only SparkSession the Spark tests share, with
   the workers on this interpreter (``PYSPARK_PYTHON``).
@@ -134,6 +135,22 @@ def tracked_context() -> Iterator[TrackingContext]:
     leaked = terminate(context)
     if leaked:
         pytest.fail(f"test leaked {len(leaked)} zmq socket(s): {leaked}", pytrace=False)
+
+
+def close_all(things: list[Any], close: Callable[[Any], None]) -> None:
+    """Close ``things`` newest first with ``close``; every one is tried even when one
+    fails (a thing left running would keep its sockets past the test), then the first
+    failure is raised, naming how many others failed too."""
+    errors: list[BaseException] = []
+    for thing in reversed(things):
+        try:
+            close(thing)
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        if len(errors) > 1:
+            errors[0].add_note(f"{len(errors) - 1} more thing(s) failed to close: {errors[1:]!r}")
+        raise errors[0]
 
 
 class Background:

@@ -14,11 +14,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
 
-from tests.support import wait_until
+from tests.support import close_all, wait_until
 from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -224,7 +225,8 @@ def closing() -> Iterator[list]:
     """Things to close at teardown, newest first (receivers before their peers)."""
     things: list = []
     yield things
-    for thing in reversed(things):
+
+    def close(thing: Any) -> None:
         if isinstance(thing, Receiver):
             thing.stop()
             assert thing.error is None, thing.error
@@ -232,6 +234,8 @@ def closing() -> Iterator[list]:
             thing.close(flush=False, timeout=5)
         else:
             thing.close()
+
+    close_all(things, close)
 
 
 def _producer(ctx, closing, producer_id: str, bind: str = "tcp://127.0.0.1:*") -> Producer:

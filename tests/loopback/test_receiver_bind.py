@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceClientGiver
-from tests.support import wait_until
+from tests.support import close_all, wait_until
 from zio_spark.errors import TransportError
 from zio_spark.options import Curve
 from zio_spark.source.receiver import Receiver
@@ -38,13 +38,16 @@ def spool(tmp_path) -> Iterator[Spool]:
 def things() -> Iterator[list[Any]]:
     made: list[Any] = []
     yield made
-    for thing in reversed(made):
+
+    def close(thing: Any) -> None:
         if isinstance(thing, Receiver):
             thing.stop()
         elif hasattr(thing, "send_many"):  # a Producer: nothing left to wait for
             thing.close(flush=False, timeout=5)
         else:
             thing.close()
+
+    close_all(made, close)
 
 
 def _bound(things, spool, ctx, **kw) -> tuple[Receiver, str]:

@@ -13,9 +13,18 @@ import pytest
 import zmq
 
 from tests.loopback.conftest import RecordingProxy
+from tests.support import wait_until
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import parse_source_options
-from zio_spark.source.spool_server import SegmentKeys, SegmentServer, _ipc, driver_host, fetch_range
+from zio_spark.source.spool_server import (
+    _HANDSHAKE_FAILED,
+    SegmentKeys,
+    SegmentServer,
+    _await,
+    _ipc,
+    driver_host,
+    fetch_range,
+)
 from zio_spark.storage.spool import Record, Spool, read_sealed
 
 MARKER = b"PLAINTEXT-MARKER-7f3a9c"
@@ -82,6 +91,34 @@ def test_reader_with_another_reader_key_is_refused(server: SegmentServer) -> Non
     # Refused at the handshake (ZAP said no), not a timeout.
     assert time.monotonic() - t0 < 10
     assert err.value.endpoint == server.endpoint
+    assert server.requests == 0
+
+
+def test_a_request_sent_after_the_refusal_fails_instead_of_blocking(
+    server: SegmentServer, ctx: zmq.Context[Any]
+) -> None:
+    """A reader thread descheduled between connect and send (a busy executor) sends after
+    the refused handshake dropped the DEALER's only pipe: a blocking send would never
+    return. The wait before the send names the refusal."""
+    keys = _other_reader(server.keys)
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    try:
+        sock.curve_serverkey = keys.server_public.encode("ascii")
+        sock.curve_publickey = keys.reader_public.encode("ascii")
+        sock.curve_secretkey = keys.reader_secret.encode("ascii")
+        sock.connect(server.endpoint)
+        # the state the race leaves: no room to send (the refusal dropped the pipe)
+        wait_until(lambda: not sock.poll(0, zmq.POLLOUT), what="the pipe dropped", timeout=20.0)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="refused our CURVE handshake"):
+            _await(sock, monitor, zmq.POLLOUT, 20.0, server.endpoint, "could not send to")
+        assert time.monotonic() - t0 < 10
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
     assert server.requests == 0
 
 

@@ -354,7 +354,14 @@ class _FlowDied(Exception):
 class _Wire:
     """One reference port: serverish (ROUTER/SERVER, bind) or clientish (DEALER/CLIENT)."""
 
-    def __init__(self, ctx: zmq.Context[Any], sockets: str, serverish: bool) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        sockets: str,
+        serverish: bool,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self._stop = stop
         if sockets not in SOCKETS:
             raise ValueError(f"sockets must be one of {SOCKETS}, got {sockets!r}")
         self.draft = sockets == "clientserver"
@@ -401,6 +408,12 @@ class _Wire:
         return decode_parts(frames[1:])
 
     def send(self, msg: WireMessage, rid: bytes | int | None) -> None:
+        """Send, waiting for room as the reference's blocking send does, but in slices
+        that notice close(): a DEALER/CLIENT whose only pipe a refused handshake dropped
+        has no room ever, and a plain blocking send would outlive the test."""
+        while self._stop is not None and not self.sock.poll(_SLICE_MS, zmq.POLLOUT):
+            if self._stop.is_set():
+                raise _Stopped
         parts = encode_parts(msg)
         if self.draft:
             frame = zmq.Frame(zmsg_encode(parts))
@@ -607,8 +620,8 @@ class _Peer:
         self.sockets = sockets
         self.origin = origin
         self.timeout_ms = timeout_ms
-        self._wire = _Wire(ctx, sockets, serverish)
         self._stop = threading.Event()
+        self._wire = _Wire(ctx, sockets, serverish, self._stop)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._closed = False

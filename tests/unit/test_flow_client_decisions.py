@@ -278,6 +278,26 @@ def test_a_disconnect_before_the_reply_fails_at_once_unless_patient(patient: boo
     assert len(rig.ports) == 1
 
 
+def test_an_overdue_bot_is_judged_on_what_the_monitor_already_saw() -> None:
+    """The handshake failures a busy loop has not read yet when the BOT timer fires still
+    decide the verdict: the handler's diagnosis sees them (here: the refusal), and the
+    monitor is read before the timeout, not after it."""
+
+    class Diagnosing(Recorder):
+        def no_reply(self, conn: ClientFlow, timeout: float) -> tuple[str, bool]:
+            return f"refused={conn.seen.refused}", conn.seen.refused
+
+    rig = Rig(Diagnosing(), patient=True)
+    c = rig.client
+    c.tick(0.0)
+    rig.port.socket.monitor.events.extend(
+        [zmq.EVENT_CONNECTED, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_DISCONNECTED]
+    )
+    c.tick(10.1)  # the timer, before any process() read the monitor
+    assert c.gave_up == "refused=True" and c.stats["bot_timeouts"] == 1
+    assert c.stats["flow_failures"] == 1 and not rig.port.socket.monitor.events
+
+
 def test_our_eot_ends_the_flow_for_good_at_its_echo() -> None:
     rig = Rig()
     c = rig.client

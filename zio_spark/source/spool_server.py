@@ -276,6 +276,33 @@ _HANDSHAKE_FAILED = (
 )
 
 
+def _await(
+    sock: zmq.Socket[bytes],
+    monitor: zmq.Socket[bytes],
+    event: int,
+    timeout: float,
+    endpoint: str,
+    what: str,
+) -> None:
+    """Wait until ``sock`` is ready for ``event`` (POLLIN/POLLOUT); a refused handshake on
+    ``monitor`` or ``timeout`` s without it raise :class:`TransportError` (``what`` says
+    what did not happen: "no answer from" the segment server)."""
+    poller = zmq.Poller()
+    poller.register(sock, event)
+    poller.register(monitor, zmq.POLLIN)
+    ready = dict(poller.poll(int(timeout * 1000)))
+    if monitor in ready:
+        got = zmq.utils.monitor.recv_monitor_message(monitor)
+        raise TransportError(
+            "the segment server refused our CURVE handshake (event "
+            f"{got['event']!r}, errno {got['value']}): this partition's keys are "
+            "not those of the server's run (a restarted query? a stale task?)",
+            endpoint=endpoint,
+        )
+    if sock not in ready:
+        raise TransportError(f"{what} the segment server within {timeout} s", endpoint=endpoint)
+
+
 def fetch_range(
     endpoint: str,
     keys: SegmentKeys,
@@ -308,24 +335,14 @@ def fetch_range(
         if endpoint.startswith("tcp://["):
             sock.ipv6 = True
         sock.connect(endpoint)
-        sock.send_multipart([b"READ", producer.encode(), str(start).encode(), str(end).encode()])
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        request = [b"READ", producer.encode(), str(start).encode(), str(end).encode()]
+        # Not a plain blocking send: should the handshake fail before it (a thread
+        # descheduled between connect and send, on a busy executor), the DEALER has no pipe
+        # left and a blocking send would never return. Wait for room or the refusal.
+        _await(sock, monitor, zmq.POLLOUT, timeout, endpoint, "could not send our request to")
+        sock.send_multipart(request, zmq.NOBLOCK)
         while True:
-            ready = dict(poller.poll(int(timeout * 1000)))
-            if not ready:
-                raise TransportError(
-                    f"no answer from the segment server within {timeout} s", endpoint=endpoint
-                )
-            if monitor in ready:
-                event = zmq.utils.monitor.recv_monitor_message(monitor)
-                raise TransportError(
-                    "the segment server refused our CURVE handshake (event "
-                    f"{event['event']!r}, errno {event['value']}): this partition's keys are "
-                    "not those of the server's run (a restarted query? a stale task?)",
-                    endpoint=endpoint,
-                )
+            _await(sock, monitor, zmq.POLLIN, timeout, endpoint, "no answer from")
             parts = sock.recv_multipart()
             kind = parts[0] if parts else b""
             if kind == b"END":

@@ -494,6 +494,13 @@ class FlowClient:
         if conn is None:
             return max(0.0, self.retry_at - now) if self._may_open() else None
         if bot_overdue(conn.flow.state, conn.opened_at, now, self.connect_timeout):
+            # What the monitor already saw is read first: the verdict on a silence (a
+            # refused handshake: hopeless) comes from what happened on the wire, not from
+            # whether the loop got round to the monitor before the timer (a busy machine).
+            if conn.monitor is not None:
+                self._on_monitor(conn, now)
+                if self.conn is not conn:
+                    return max(0.0, self.retry_at - now) if self._may_open() else None
             self._no_reply(conn, now)
             return None
         if conn.flow.state in (FlowState.READY, FlowState.EOT_SENT):
