@@ -108,6 +108,20 @@ def _threads_left(before: set[threading.Thread], timeout_s: float) -> list[threa
         left[0].join(max(0.0, min(0.05, deadline - time.monotonic())))
 
 
+def _stacks(threads: list[threading.Thread], depth: int = 8) -> str:
+    """Where each of ``threads`` is now (its innermost ``depth`` frames)."""
+    import sys
+    import traceback
+
+    frames = sys._current_frames()
+    out = []
+    for t in threads:
+        frame = frames.get(t.ident) if t.ident is not None else None
+        where = "".join(traceback.format_stack(frame)[-depth:]) if frame else "  (no frame)\n"
+        out.append(f"thread {t.name}:\n{where}")
+    return "".join(out)
+
+
 def tracked_context() -> Iterator[TrackingContext]:
     """Body of a ``ctx`` fixture: yields a :class:`TrackingContext`, then fails the test
     if it leaked a socket or the context would not terminate.
@@ -129,7 +143,7 @@ def tracked_context() -> Iterator[TrackingContext]:
             pytest.fail(
                 f"test left {len(left)} thread(s) running "
                 f"({', '.join(t.name for t in left)}) with {len(still_open)} zmq socket(s) "
-                f"open: {still_open}; the sockets were not closed under them",
+                f"open: {still_open}; the sockets were not closed under them\n" + _stacks(left),
                 pytrace=False,
             )
     leaked = terminate(context)
