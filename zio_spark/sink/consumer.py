@@ -143,6 +143,7 @@ from zio_spark.storage.sink_folder import (
     SinkFolder,
     Stage,
 )
+from zio_spark.transport.curve import optional_server_curve
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
 
@@ -420,7 +421,7 @@ class Consumer:
                 ctx or zmq.Context.instance(),
                 mode=mode,
                 linger_ms=linger_ms,
-                curve_secret_key=curve_secret_key,
+                curve=optional_server_curve(curve_secret_key),
             )
         except BaseException:
             self._release()
