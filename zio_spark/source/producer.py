@@ -409,7 +409,7 @@ class Producer:
         :class:`~zio_spark.options.ZreOptions`), or one :class:`ZreOptions` (then no
         keyword). The node stops with :meth:`close`.
         """
-        from zio_spark.transport.discovery import advertise
+        from zio_spark.transport.discovery import advertise, zre_options
 
         name = group.group if isinstance(group, ZreOptions) else group
         if self._server is None:
@@ -418,30 +418,13 @@ class Producer:
                 name,
                 "a bound producer: a producer in client mode has no port to advertise",
             )
-        given = {
-            k: v
-            for k, v in (
-                ("beacon_port", beacon_port),
-                ("broadcast", broadcast),
-                ("interface", interface),
-                ("interval", interval),
-            )
-            if v is not None
-        }
-        if isinstance(group, ZreOptions):
-            if given:
-                key = next(iter(given))
-                raise ConfigError(key, given[key], "no ZRE keyword beside a ZreOptions")
-            zre = group
-        else:
-            base = ZreOptions(group)  # its defaults, written once there
-            zre = ZreOptions(
-                group,
-                beacon_port=base.beacon_port if beacon_port is None else beacon_port,
-                broadcast=broadcast,
-                interface=interface,
-                interval=base.interval if interval is None else interval,
-            )
+        zre = zre_options(
+            group,
+            beacon_port=beacon_port,
+            broadcast=broadcast,
+            interface=interface,
+            interval=interval,
+        )
         self._zre = advertise(
             zre, self.endpoint, self._server.port.socket_type, name=self.producer_id
         )
