@@ -362,7 +362,8 @@ ZRE_BROADCAST: Final = "255.255.255.255"
 @dataclass(frozen=True, slots=True)
 class ZreOptions:
     """ZRE discovery settings, as a :class:`~zio_spark.transport.zre_node.ZreNode` takes
-    them (``ZreNode(zre=...)``: the node joins ``group``).
+    them (``ZreNode(zre=...)``: the node joins ``group``; an empty ``group``, used only
+    for a node's own settings, joins none).
 
     ``broadcast`` None and ``interface`` None are the node's defaults
     (``$ZIO_ZRE_BROADCAST``, else :data:`ZRE_BROADCAST`; the address the kernel sends

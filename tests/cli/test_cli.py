@@ -10,8 +10,6 @@ import subprocess
 import sys
 import threading
 
-import zmq
-
 from tests.cli_support import free_endpoint
 from zio_spark.cli.main import build_parser, main
 from zio_spark.codec.records import decode_batch
@@ -163,13 +161,9 @@ def test_bad_usage_exits_2():
     assert main(["produce", "--connect", "tcp://127.0.0.1:1", "--group", "g"]) == 2
 
 
-def test_produce_serves_a_taker_and_reports(capsys):
+def test_produce_serves_a_taker_and_reports(ctx, capsys):
     """`produce` runs in a thread here; a zio-spark taker receives and acks everything."""
-    with zmq.Context() as probe:
-        s = probe.socket(zmq.ROUTER)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        s.close(0)
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = free_endpoint()
     result = {}
     t = threading.Thread(
         target=lambda: result.update(
@@ -193,7 +187,6 @@ def test_produce_serves_a_taker_and_reports(capsys):
         )
     )
     t.start()
-    ctx = zmq.Context()
     port_ = ClientPort(ctx, linger_ms=0)
     port_.connect(endpoint)
     fe = FlowEndpoint(port_, Role.CLIENT)
@@ -212,7 +205,6 @@ def test_produce_serves_a_taker_and_reports(capsys):
     t.join(60)
     assert not t.is_alive()
     port_.close()
-    ctx.term()
     assert result["rc"] == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["queued"] == summary["sent"] == summary["acked"] == 3000
@@ -220,17 +212,13 @@ def test_produce_serves_a_taker_and_reports(capsys):
     assert summary["acks"] is True and summary["topology"] == "bind"
 
 
-def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
+def test_consume_writes_published_batches_as_json_lines(ctx, tmp_path, capsys):
     """`consume` publishes a committed batch to JSONL, text values as text, binary as b64."""
     import pyarrow as pa
 
     from zio_spark.sink.client import StagingWriter, send_command
 
-    with zmq.Context() as probe:
-        s = probe.socket(zmq.ROUTER)
-        port = s.bind_to_random_port("tcp://127.0.0.1")
-        s.close(0)
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = free_endpoint()
     out = tmp_path / "out.jsonl"
     result = {}
     t = threading.Thread(
@@ -252,7 +240,6 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
         )
     )
     t.start()
-    ctx = zmq.Context()
     batch = pa.RecordBatch.from_pydict(
         {
             "value": pa.array([b"hello", b"\xff\x00"], pa.binary()),
@@ -265,7 +252,7 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
     assert w.close() == 2
     send_command(endpoint, "commit", "s", 7, [(0, 0, 2)], ctx=ctx, timeout=30)
     t.join(60)
-    ctx.term()
+    assert not t.is_alive()
     assert result["rc"] == 0
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines == [
@@ -276,7 +263,7 @@ def test_consume_writes_published_batches_as_json_lines(tmp_path, capsys):
     assert summary["records"] == 2
 
 
-def test_consume_with_flows_but_nothing_published_exits_1(tmp_path, capsys):
+def test_consume_with_flows_but_nothing_published_exits_1(ctx, tmp_path, capsys):
     """A writer stages a batch and never commits: a flow came, nothing was published."""
     import pyarrow as pa
 
@@ -286,22 +273,18 @@ def test_consume_with_flows_but_nothing_published_exits_1(tmp_path, capsys):
     endpoint = free_endpoint()
     out = tmp_path / "out.jsonl"
     run = Run(["consume", "--bind", endpoint, "--out", str(out), "--timeout", "4s", "--json"])
-    ctx = zmq.Context()
-    try:
-        w = StagingWriter(endpoint, "s", 1, 0, 0, ctx=ctx, timeout=30)
-        w.write_batch(
-            pa.RecordBatch.from_pydict(
-                {
-                    "value": pa.array([b"x"], pa.binary()),
-                    "key": pa.array([None], pa.binary()),
-                    "headers": pa.array([None], pa.map_(pa.string(), pa.string())),
-                }
-            )
+    w = StagingWriter(endpoint, "s", 1, 0, 0, ctx=ctx, timeout=30)
+    w.write_batch(
+        pa.RecordBatch.from_pydict(
+            {
+                "value": pa.array([b"x"], pa.binary()),
+                "key": pa.array([None], pa.binary()),
+                "headers": pa.array([None], pa.map_(pa.string(), pa.string())),
+            }
         )
-        assert w.close() == 1  # staged, never committed
-        rc, _ = run.result()
-    finally:
-        ctx.destroy(linger=0)
+    )
+    assert w.close() == 1  # staged, never committed
+    rc, _ = run.result()
     assert rc == 1
     stdout, err = capsys.readouterr()
     assert f"flows opened at {endpoint} but nothing was published within --timeout 4 s" in err

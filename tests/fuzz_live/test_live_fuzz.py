@@ -34,6 +34,7 @@ import zmq
 from tests.fuzz_live.live_fuzz_support import durations, mutate, report
 from tests.support import wait_until
 from zio_spark.errors import TransportError
+from zio_spark.options import ZreOptions
 from zio_spark.protocol import message as zio_message
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, Role
 from zio_spark.protocol.zre import (
@@ -799,10 +800,7 @@ def _zre_node(name: str, beacon_port: int, **kw: Any) -> ZreNode:
     """A ZreNode on loopback, beaconing every 0.2 s on ``beacon_port``."""
     return ZreNode(
         name,
-        beacon_port=beacon_port,
-        broadcast="127.255.255.255",
-        interface_addr="127.0.0.1",
-        interval=0.2,
+        zre=ZreOptions("", beacon_port, "127.255.255.255", "127.0.0.1", interval=0.2),
         **kw,
     )
 

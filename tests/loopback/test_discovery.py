@@ -13,9 +13,15 @@ from dataclasses import replace
 import pytest
 
 from tests.support import wait_until
-from zio_spark.errors import ConfigError, TransportError
+from zio_spark.errors import ConfigError, LocalProtocolError, TransportError
 from zio_spark.options import ZreOptions
-from zio_spark.transport.discovery import GroupWatcher, NodeCache, advertise, resolve_targets
+from zio_spark.transport.discovery import (
+    GroupWatcher,
+    NodeCache,
+    advertise,
+    resolve_targets,
+    zre_options,
+)
 from zio_spark.transport.zre_node import ZreNode
 
 BROADCAST = "127.255.255.255"
@@ -32,12 +38,12 @@ def group() -> Iterator[tuple[str, int, list[ZreNode]]]:
     """Two members: a giver server on port ``out`` (ROUTER), a giver client on port
     ``flow`` (DEALER, nothing to connect to)."""
     beacon = _free_udp_port()
-    kw = {"beacon_port": beacon, "broadcast": BROADCAST, "interface_addr": "127.0.0.1"}
-    zre = ZreOptions("daq", beacon_port=beacon, broadcast=BROADCAST, interface="127.0.0.1")
+    zre = ZreOptions(
+        "daq", beacon_port=beacon, broadcast=BROADCAST, interface="127.0.0.1", interval=0.1
+    )
     nodes = [
-        # The settings as one ZreOptions, or (the earlier form) as keywords.
-        advertise(replace(zre, interval=0.1), "tcp://127.0.0.1:41111", "ROUTER", port_name="out"),
-        advertise("daq", "tcp://127.0.0.1:42222", "DEALER", interval=0.1, **kw),
+        advertise(zre, "tcp://127.0.0.1:41111", "ROUTER", port_name="out"),
+        advertise(zre, "tcp://127.0.0.1:42222", "DEALER"),
     ]
     yield "daq", beacon, nodes
     for n in nodes:
@@ -90,11 +96,25 @@ def test_group_port_narrows_to_one_name(group):
     assert added == []
 
 
-def test_a_settings_keyword_beside_zre_options_is_refused():
+def test_zre_options_of_a_user_facing_advertise():
+    """A group name with settings keywords (the others: ZreOptions' defaults), or one
+    ZreOptions and no keyword, the keyword named as the caller spells it."""
+    assert zre_options("daq") == ZreOptions("daq")
+    assert zre_options("daq", interface="127.0.0.1", interval=0.5) == ZreOptions(
+        "daq", interface="127.0.0.1", interval=0.5
+    )
+    zre = ZreOptions("daq", beacon_port=5999)
+    assert zre_options(zre) is zre
     with pytest.raises(ConfigError, match="interval"):
-        advertise(ZreOptions("daq"), "tcp://127.0.0.1:41111", "ROUTER", interval=0.5)
-    with pytest.raises(ConfigError, match="beacon_port"):
-        GroupWatcher(ZreOptions("daq"), print, print, beacon_port=5670)
+        zre_options(zre, interval=0.5)
+    with pytest.raises(ConfigError) as e:
+        zre_options(zre, interface="127.0.0.1", interface_option="interface_addr")
+    assert e.value.option == "interface_addr"
+
+
+def test_an_empty_group_is_refused_as_a_name():
+    with pytest.raises(LocalProtocolError):
+        advertise(ZreOptions(""), "tcp://127.0.0.1:41111", "ROUTER")
 
 
 def test_resolve_targets_lists_the_flow_ports_sorted_through_one_cached_node(group):

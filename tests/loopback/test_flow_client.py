@@ -13,6 +13,7 @@ import zmq
 
 from tests.support import wait_until
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, EotReceived
+from zio_spark.transport.curve import client_curve, server_curve
 from zio_spark.transport.flow_client import ClientFlow, ClientHandler, FlowClient, Offer
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.loop import Loop
@@ -184,7 +185,7 @@ def test_a_refused_curve_handshake_fails_at_once_or_waits_to_be_diagnosed(ctx, p
     _, server_secret = zmq.curve_keypair()
     wrong_public, _ = zmq.curve_keypair()
     client_public, client_secret = zmq.curve_keypair()
-    port = ServerPort(ctx, linger_ms=0, curve_secret_key=server_secret)
+    port = ServerPort(ctx, linger_ms=0, curve=server_curve(server_secret))
     endpoint = port.bind("tcp://127.0.0.1:*")
     srv = FlowServer(port, lambda: Taker([], []), ctx=ctx).start()
     handler = Diagnosed()
@@ -194,11 +195,8 @@ def test_a_refused_curve_handshake_fails_at_once_or_waits_to_be_diagnosed(ctx, p
         ctx=ctx,
         connect_timeout=0.5,
         patient=patient,
-        port_options={
-            "curve_server_key": wrong_public,  # not the server's: the handshake fails
-            "curve_secret_key": client_secret,
-            "curve_public_key": client_public,
-        },
+        # Not the server's public key: the handshake fails.
+        port_options={"curve": client_curve(wrong_public, client_secret, client_public)},
         name="t",
     ).start()
     try:

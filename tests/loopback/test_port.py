@@ -37,7 +37,13 @@ from zio_spark.protocol.message import (
     encode_frames,
     encode_single,
 )
-from zio_spark.transport.curve import client_curve, server_curve, start_authenticator
+from zio_spark.transport.curve import (
+    client_curve,
+    optional_client_curve,
+    optional_server_curve,
+    server_curve,
+    start_authenticator,
+)
 from zio_spark.transport.port import (
     BadMessage,
     ClientPort,
@@ -458,8 +464,6 @@ def test_close_is_idempotent_and_ports_are_context_managers(ctx, inproc_endpoint
         ({"send_timeout_ms": -1}, "send_timeout_ms"),
         ({"on_bad_message": "ignore"}, "on_bad_message"),
         ({"mode": "pushpull"}, "mode"),
-        ({"curve_secret_key": "short"}, "curve_secret_key"),
-        ({"curve_public_key": zmq.curve_keypair()[0]}, "curve_secret_key"),
     ],
 )
 def test_bad_options_are_config_errors(ctx, kwargs, option):
@@ -806,10 +810,10 @@ def test_curve_allowed_client_talks(make_server, make_client, authenticator, tcp
     server_public, server_secret = server_keys
     client_public, client_secret = zmq.curve_keypair()
     authenticator([client_public])
-    server = make_server(curve_secret_key=server_secret)
+    server = make_server(curve=server_curve(server_secret))
     assert server.curve_public_key == server_public
     endpoint = server.bind(tcp_any)
-    client = make_client(curve_server_key=server_public, curve_secret_key=client_secret)
+    client = make_client(curve=client_curve(server_public, client_secret))
     assert client.curve_public_key == client_public
     client.connect(endpoint)
     client.send(flow(BOT, payload=[b"secret"]))
@@ -827,10 +831,10 @@ def test_curve_client_not_in_the_allow_list_gets_nothing(
     allowed_public, allowed_secret = zmq.curve_keypair()
     stranger_public, stranger_secret = zmq.curve_keypair()
     authenticator([allowed_public])
-    server = make_server(curve_secret_key=server_secret, curve_public_key=server_public)
+    server = make_server(curve=server_curve(server_secret, server_public))
     endpoint = server.bind(tcp_any)
 
-    stranger = make_client(curve_server_key=server_public, curve_secret_key=stranger_secret)
+    stranger = make_client(curve=client_curve(server_public, stranger_secret))
     monitor = stranger.socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     try:
         stranger.connect(endpoint)
@@ -843,7 +847,7 @@ def test_curve_client_not_in_the_allow_list_gets_nothing(
         stranger.socket.disable_monitor()
         monitor.close(linger=0)
 
-    allowed = make_client(curve_server_key=server_public, curve_secret_key=allowed_secret)
+    allowed = make_client(curve=client_curve(server_public, allowed_secret))
     allowed.connect(endpoint)
     allowed.send(flow(BOT, origin=1))
     _, msg = server_recv(server)
@@ -864,8 +868,8 @@ def test_curve_payload_never_appears_on_the_wire(
     client_kw: dict[str, Any] = {}
     if curve:
         authenticator([client_public])
-        server_kw = {"curve_secret_key": server_secret}
-        client_kw = {"curve_server_key": server_public, "curve_secret_key": client_secret}
+        server_kw = {"curve": server_curve(server_secret)}
+        client_kw = {"curve": client_curve(server_public, client_secret)}
     server = make_server(**server_kw)
     endpoint = server.bind(tcp_any)
     proxy = recording_proxy(tcp_port(endpoint))
@@ -891,8 +895,8 @@ def test_curve_without_authenticator_admits_any_client_with_the_server_key(
     make_server, make_client, tcp_any, server_keys
 ):
     server_public, server_secret = server_keys
-    server = make_server(curve_secret_key=server_secret)
-    client = make_client(curve_server_key=server_public, curve_secret_key=zmq.curve_keypair()[1])
+    server = make_server(curve=server_curve(server_secret))
+    client = make_client(curve=client_curve(server_public, zmq.curve_keypair()[1]))
     client.connect(server.bind(tcp_any))
     client.send(flow(BOT))
     server_recv(server)
@@ -929,15 +933,27 @@ def test_curve_builders_derive_and_normalise_keys(server_keys):
     assert e.value.option == "curve_public_key"
 
 
-def test_curve_given_in_both_forms_is_refused(ctx, server_keys):
+def test_optional_curve_builders_take_a_user_facing_constructor_s_key_keywords(server_keys):
+    """What Producer and Consumer do with their curve_* keywords: none given, no CURVE;
+    a key without the one it needs names the missing keyword."""
     server_public, server_secret = server_keys
-    with pytest.raises(ConfigError) as e:
-        ServerPort(ctx, curve=server_curve(server_secret), curve_secret_key=server_secret)
-    assert e.value.option == "curve" and "not both" in e.value.expected
-    client = client_curve(server_public, zmq.curve_keypair()[1])
-    with pytest.raises(ConfigError) as e:
-        ClientPort(ctx, curve=client, curve_server_key=server_public, curve_secret_key=b"x")
-    assert e.value.option == "curve" and "not both" in e.value.expected
+    client_public, client_secret = zmq.curve_keypair()
+    assert optional_server_curve(None) is None
+    assert optional_server_curve(server_secret) == server_curve(server_secret)
+    assert optional_client_curve(None, None) is None
+    assert optional_client_curve(server_public, client_secret) == Curve(
+        server_public, client_public, client_secret
+    )
+    for call, option in [
+        (lambda: optional_server_curve("short"), "curve_secret_key"),
+        (lambda: optional_server_curve(None, server_public), "curve_secret_key"),
+        (lambda: optional_client_curve(None, client_secret), "curve_server_key"),
+        (lambda: optional_client_curve(None, None, client_public), "curve_server_key"),
+        (lambda: optional_client_curve(server_public, None, client_public), "curve_secret_key"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert e.value.option == option
 
 
 def test_server_curve_with_another_server_key_is_refused(ctx, server_keys):
@@ -1141,10 +1157,8 @@ def test_clientserver_with_curve(make_server, make_client, authenticator, tcp_an
     server_public, server_secret = server_keys
     client_public, client_secret = zmq.curve_keypair()
     authenticator([client_public])
-    server = make_server(mode="clientserver", curve_secret_key=server_secret)
-    client = make_client(
-        mode="clientserver", curve_server_key=server_public, curve_secret_key=client_secret
-    )
+    server = make_server(mode="clientserver", curve=server_curve(server_secret))
+    client = make_client(mode="clientserver", curve=client_curve(server_public, client_secret))
     client.connect(server.bind(tcp_any))
     client.send(flow(BOT))
     peer, _ = server_recv(server)

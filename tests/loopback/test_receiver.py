@@ -8,6 +8,7 @@ condition with a deadline.
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import subprocess
 import sys
@@ -855,6 +856,26 @@ def test_a_bad_state_attribute_fails_the_flow_naming_it(ctx, spool, closing):
     (st,) = r.status()
     assert "DAT more must be true or false, got 'no'" in (st.last_error or "")
     assert not st.idle and _held(spool, "raw") == 0
+
+
+@pytest.mark.parametrize("reconnect", [False, True])
+def test_each_failed_flow_is_logged_once_naming_the_producer_and_the_cause(
+    ctx, spool, closing, caplog, reconnect
+):
+    """One log line per failure (the flow's engine's), not a second one from the
+    receiver; the counters and the status count the same failures."""
+    caplog.set_level(logging.INFO, logger="zio_spark")
+    giver = ProfileGiver(ctx, [({"more": "no"}, 2)] * 3)
+    closing.append(giver)
+    r = _receiver(closing, spool, [giver.endpoint], ctx, reconnect=reconnect)
+    want = 2 if reconnect else 1
+    wait_until(lambda: r.status()[0].failures >= want, what=f"{want} failures", timeout=20.0)
+    r.stop()  # no more failures, and every line is written
+    cause = "DAT more must be true or false, got 'no'"
+    lines = [rec.getMessage() for rec in caplog.records if cause in rec.getMessage()]
+    (st,) = r.status()
+    assert len(lines) == st.failures == r.stats["flow_failures"] >= want, lines
+    assert all(giver.endpoint in line for line in lines), lines
 
 
 def test_the_producers_stated_blocked_time_is_reported(ctx, spool, closing):

@@ -119,10 +119,11 @@ def make_node(ctx: zmq.Context[Any], beacon_port: int) -> Iterator[Callable[...,
     made: list[ZreNode] = []
 
     def make(name: str, **kw: Any) -> ZreNode:
-        kw.setdefault("beacon_port", beacon_port)
-        kw.setdefault("broadcast", LOOPBACK_BROADCAST)
-        kw.setdefault("interface_addr", "127.0.0.1")
-        kw.setdefault("interval", 0.05)
+        """A node in no group unless ``zre`` is given; ZreOptions' fields as keywords
+        change one of the loopback settings."""
+        zre = ZreOptions("", beacon_port, LOOPBACK_BROADCAST, "127.0.0.1", 0.05)
+        settings = {k: kw.pop(k) for k in ("beacon_port", "interface") if k in kw}
+        kw.setdefault("zre", dataclasses.replace(zre, **settings))
         kw.setdefault("linger_ms", 0)
         kw.setdefault("ctx", ctx)
         node = ZreNode(name, **kw)
@@ -175,8 +176,9 @@ def test_environment_and_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZIO_ZRE_INTERFACE_ADDR", "127.0.0.9")
     node = ZreNode("env")
     assert (node.broadcast, node.interface_addr) == ("127.1.2.255", "127.0.0.9")
-    node = ZreNode("arg", broadcast=LOOPBACK_BROADCAST, interface_addr="127.0.0.1")
+    node = ZreNode("arg", zre=ZreOptions("", broadcast=LOOPBACK_BROADCAST, interface="127.0.0.1"))
     assert (node.broadcast, node.interface_addr) == (LOOPBACK_BROADCAST, "127.0.0.1")
+    assert node.own_groups() == set()  # an empty group: settings only, no group joined
 
 
 def test_without_environment_broadcast_defaults_to_limited_broadcast(
@@ -199,16 +201,16 @@ def test_without_environment_broadcast_defaults_to_limited_broadcast(
 @pytest.mark.parametrize(
     ("kw", "option"),
     [
-        ({"broadcast": "not-an-address"}, "broadcast"),
-        ({"broadcast": "::1"}, "broadcast"),
-        ({"interface_addr": "0.0.0.0"}, "interface_addr"),
-        ({"interface_addr": "224.0.0.1"}, "interface_addr"),
-        ({"interface_addr": "localhost"}, "interface_addr"),
-        ({"interval": 0}, "interval"),
-        ({"interval": math.nan}, "interval"),
-        ({"beacon_port": 0}, "beacon_port"),
-        ({"beacon_port": 65536}, "beacon_port"),
-        ({"beacon_port": True}, "beacon_port"),
+        ({"zre": ZreOptions("", broadcast="not-an-address")}, "broadcast"),
+        ({"zre": ZreOptions("", broadcast="::1")}, "broadcast"),
+        ({"zre": ZreOptions("", interface="0.0.0.0")}, "interface_addr"),
+        ({"zre": ZreOptions("", interface="224.0.0.1")}, "interface_addr"),
+        ({"zre": ZreOptions("", interface="localhost")}, "interface_addr"),
+        ({"zre": ZreOptions("", interval=0)}, "interval"),
+        ({"zre": ZreOptions("", interval=math.nan)}, "interval"),
+        ({"zre": ZreOptions("", beacon_port=0)}, "beacon_port"),
+        ({"zre": ZreOptions("", beacon_port=65536)}, "beacon_port"),
+        ({"zre": ZreOptions("", beacon_port=True)}, "beacon_port"),
         ({"evasive_after": 2.0, "expired_after": 1.0}, "expired_after"),
         ({"max_queued_events": 0}, "max_queued_events"),
         ({"linger_ms": -1}, "linger_ms"),
@@ -235,31 +237,12 @@ def test_settings_as_one_zre_options_object(beacon_port: int) -> None:
     assert (info.value.option, info.value.value) == ("interval", 0.0)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {"beacon_port": 5670},
-        {"broadcast": LOOPBACK_BROADCAST},
-        {"interface_addr": "127.0.0.1"},
-        {"interval": 1.0},
-    ],
-)
-def test_zre_options_and_a_keyword_of_the_older_form_are_refused(kw: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError) as info:
-        ZreNode("both", zre=ZreOptions("G"), **kw)
-    assert info.value.option == next(iter(kw)) and "not both" in info.value.expected
-
-
 def test_two_nodes_made_from_zre_options_meet_in_its_group(
     make_node: Callable[..., ZreNode], beacon_port: int
 ) -> None:
     zre = ZreOptions("Z", beacon_port, LOOPBACK_BROADCAST, "127.0.0.1", 0.05)
-    a = make_node(
-        "za", zre=zre, beacon_port=None, broadcast=None, interface_addr=None, interval=None
-    )
-    b = make_node(
-        "zb", zre=zre, beacon_port=None, broadcast=None, interface_addr=None, interval=None
-    )
+    a = make_node("za", zre=zre)
+    b = make_node("zb", zre=zre)
     events = Events(b)
     a.start()
     b.start()
@@ -627,7 +610,7 @@ def test_api_errors_and_lifecycle(make_node: Callable[..., ZreNode]) -> None:
 
 def test_start_failures_raise_transport_error(make_node: Callable[..., ZreNode]) -> None:
     # An address that is not on this host: bind fails, nothing is sent anywhere.
-    node = make_node("nowhere", interface_addr="203.0.113.7")
+    node = make_node("nowhere", interface="203.0.113.7")
     with pytest.raises(TransportError) as info:
         node.start()
     assert "203.0.113.7" in str(info.value.endpoint)
@@ -722,9 +705,7 @@ def test_node_with_its_own_context_sends_a_leaving_beacon(beacon_port: int) -> N
         listener.settimeout(WAIT)
         node = ZreNode(
             "solo",
-            beacon_port=beacon_port,
-            broadcast=LOOPBACK_BROADCAST,
-            interface_addr="127.0.0.1",
+            zre=ZreOptions("", beacon_port, LOOPBACK_BROADCAST, "127.0.0.1"),
             linger_ms=0,
         )
         with node:

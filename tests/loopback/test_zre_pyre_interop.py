@@ -8,7 +8,7 @@ multicast 225.25.25.25. Run unmodified on a real host it would broadcast on the 
 here it only ever runs inside a private network namespace made by the test, with ``lo``
 and a veth pair whose two ends are both inside it: ``v0`` has 10.99.0.1/24, so pyre
 picks ``v0`` and broadcasts to 10.99.0.255, which never leaves the namespace. Our node
-runs in the same namespace with ``broadcast=10.99.0.255`` and ``interface_addr=10.99.0.1``
+runs in the same namespace with ``broadcast=10.99.0.255`` and ``interface=10.99.0.1``
 (the source address of those broadcasts, where pyre connects back).
 
 Both sides run as child processes (tests/loopback/zre_netns_child.py) that print JSON

@@ -45,6 +45,7 @@ import zmq
 from tests.loopback.pzq_clients import PzqConsumer
 from tests.loopback.test_broker import _start_queue
 from tests.reliability.helpers import KillPlan, chaos_rng, run_with_kills, wait_until
+from tests.support import TrackingContext
 from zio_spark.protocol import pzq
 
 WINDOW = 500  # producer's unacknowledged messages
@@ -257,7 +258,7 @@ def _reap(procs: list[subprocess.Popen[bytes]]) -> None:
     ],
 )
 def test_queue_sigkill_under_load_loses_no_acked_message(
-    tmp_path: Path, size: str, kind: str
+    ctx: TrackingContext, tmp_path: Path, size: str, kind: str
 ) -> None:
     n, kills, timeout = SIZES[size]
     _, rng = chaos_rng(f"queue/{size}/{kind}")
@@ -266,7 +267,6 @@ def test_queue_sigkill_under_load_loses_no_acked_message(
     procs: list[subprocess.Popen[bytes]] = []
     reaped_us: list[int] = []  # when each killed queue process was gone
     stop = threading.Event()
-    ctx: zmq.Context[Any] = zmq.Context()
     threads: list[Producer | Consumer | SilentPzqConsumer] = []
 
     def start(*endpoints: str) -> dict[str, str]:
@@ -319,10 +319,10 @@ def test_queue_sigkill_under_load_loses_no_acked_message(
         for t in threads:
             t.join(10)
         _reap(procs)
-        if any(t.is_alive() for t in threads):
-            ctx.destroy(linger=0)  # a stuck thread's socket would block term() forever
-        else:
-            ctx.term()
+    # A client thread still running holds its socket: the ``ctx`` fixture's teardown then
+    # closes it (linger 0), terminates the context within its deadline and fails the test.
+    stuck = [t.name for t in threads if t.is_alive()]
+    assert not stuck, f"client threads still running 10 s after stop: {stuck}"
 
     again = {
         i: [bisect.bisect(reaped_us, t) for t in sent]  # the queue process of each delivery
@@ -354,11 +354,12 @@ def test_queue_sigkill_under_load_loses_no_acked_message(
 
 
 @pytest.mark.timeout(60)
-def test_idle_probe_router_consumer_is_served_after_a_queue_restart(tmp_path: Path) -> None:
+def test_idle_probe_router_consumer_is_served_after_a_queue_restart(
+    ctx: TrackingContext, tmp_path: Path
+) -> None:
     """Minimal repro: a consumer as the broker's docstring says (ROUTER, PROBE_ROUTER=1)
     stays connected across a queue SIGKILL + restart on the same endpoints; a message
     produced after the restart never reaches it (it takes milliseconds when it works)."""
-    ctx: zmq.Context[Any] = zmq.Context()
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[zmq.Socket[bytes]] = []
     try:
@@ -385,4 +386,3 @@ def test_idle_probe_router_consumer_is_served_after_a_queue_restart(tmp_path: Pa
         for s in socks:
             s.close(linger=0)
         _reap(procs)
-        ctx.term()

@@ -43,6 +43,7 @@ def run_peers(args: argparse.Namespace) -> int:
         interface=args.interface_addr,
     )
     node = ZreNode(zre=zre)  # joins the group
+    node.join(zre.group)  # a no-op once joined; refuses an empty group (LocalProtocolError)
     node.start()
     console = Console(stderr=True)
 

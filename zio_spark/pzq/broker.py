@@ -114,7 +114,7 @@ from zio_spark.storage.store import (
     MessageStore,
     StoreError,
 )
-from zio_spark.transport.curve import apply_server, key_pair
+from zio_spark.transport.curve import apply_server, server_curve, server_keys
 from zio_spark.transport.loop import Waker
 
 if TYPE_CHECKING:
@@ -300,7 +300,8 @@ class QueueBroker:
         self._max_batch = options.max_batch
         self._linger = options.linger_ms
         secret = options.curve_secret_key
-        self._curve = key_pair(secret) if secret is not None else None
+        self._curve = None if secret is None else server_curve(secret)
+        self._keys = server_keys(self._curve)  # (secret, public) for the three sockets
         self._queue_id_wanted = options.queue_id
         self._given_ctx = context
         self._thread: threading.Thread | None = None
@@ -344,7 +345,7 @@ class QueueBroker:
     @property
     def curve_public_key(self) -> bytes | None:
         """The servers' Z85 CURVE public key (clients need it), or None without CURVE."""
-        return self._curve[1] if self._curve else None
+        return None if self._curve is None else self._curve.public_key
 
     @property
     def running(self) -> bool:
@@ -492,7 +493,7 @@ class QueueBroker:
                 # A peer with a fixed routing id that reconnects takes it over, instead
                 # of being refused while its old connection lingers.
                 s.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            apply_server(s, self._curve)
+            apply_server(s, self._keys)
             return s
 
         self._rx = make(zmq.ROUTER, "receive")
@@ -544,7 +545,6 @@ class QueueBroker:
         producer_ep, consumer_ep = self._flow_wanted
         if producer_ep is None and consumer_ep is None:
             return
-        curve = self._curve[0] if self._curve is not None else None
         sync = self.options.sync
         producer: FlowProducerPort | None = None
         consumer: FlowConsumerPort | None = None
@@ -558,7 +558,7 @@ class QueueBroker:
                     window=self._flow_window,
                     max_take=self._max_batch,
                     sync=sync,
-                    curve_secret_key=curve,
+                    curve=self._curve,
                     linger_ms=self._linger,
                 )
             if consumer_ep is not None:
@@ -570,7 +570,7 @@ class QueueBroker:
                     ctx=ctx,
                     max_put=self._max_batch,
                     fsync=sync,
-                    curve_secret_key=curve,
+                    curve=self._curve,
                     linger_ms=self._linger,
                 )
         except BaseException:

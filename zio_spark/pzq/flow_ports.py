@@ -85,6 +85,7 @@ from typing import Any, Final
 import zmq
 
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
+from zio_spark.options import Curve
 from zio_spark.protocol.flow import FlowState
 from zio_spark.protocol.message import join_single, split_single
 from zio_spark.sink.consumer import BatchId, Consumer
@@ -189,8 +190,9 @@ class FlowProducerPort:
         Most messages taken from the store per loop turn.
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
-    mode, curve_secret_key, linger_ms
-        For the :class:`~zio_spark.transport.port.ServerPort`.
+    mode, curve, linger_ms
+        For the :class:`~zio_spark.transport.port.ServerPort` (``curve``: the broker's,
+        a bound port's :class:`~zio_spark.options.Curve`; None: no CURVE).
 
     Raises
     ------
@@ -212,7 +214,7 @@ class FlowProducerPort:
         max_take: int = 4096,
         sync: bool = True,
         mode: str | None = None,
-        curve_secret_key: str | bytes | None = None,
+        curve: Curve | None = None,
         linger_ms: int = 500,
     ) -> None:
         _check_endpoint("flow_producer", endpoint)
@@ -239,7 +241,7 @@ class FlowProducerPort:
                 mode=mode,
                 linger_ms=linger_ms,
                 send_timeout_ms=200,
-                curve_secret_key=curve_secret_key,
+                curve=curve,
             )
             try:
                 self.endpoint = port.bind(endpoint)
@@ -536,8 +538,11 @@ class FlowConsumerPort:
         Called (from the consumer's thread) when a batch was published.
     max_put
         Most records moved per loop turn.
-    fsync, ctx, mode, curve_secret_key, linger_ms
+    fsync, ctx, mode, linger_ms
         For the consumer.
+    curve
+        The broker's CURVE keys, a bound port's :class:`~zio_spark.options.Curve` (None:
+        no CURVE); the consumer takes their secret key.
 
     Raises
     ------
@@ -556,7 +561,7 @@ class FlowConsumerPort:
         max_put: int = 4096,
         fsync: bool = True,
         mode: str | None = None,
-        curve_secret_key: str | bytes | None = None,
+        curve: Curve | None = None,
         linger_ms: int = 500,
     ) -> None:
         _check_endpoint("flow_consumer", endpoint)
@@ -575,7 +580,7 @@ class FlowConsumerPort:
             Path(store_path) / _CONSUMER_FOLDER,
             ctx=ctx,
             mode=mode,
-            curve_secret_key=curve_secret_key,
+            curve_secret_key=None if curve is None else curve.secret_key,
             fsync=fsync,
             linger_ms=linger_ms,
             on_publish=self._published,

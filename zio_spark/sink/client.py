@@ -42,7 +42,6 @@ from zio_spark.protocol.sink import (
     parse_reply,
     parse_staged,
 )
-from zio_spark.transport.curve import ClientCurve, client_kwargs
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
@@ -63,17 +62,16 @@ def _client_port(
     ctx: zmq.Context[zmq.Socket[bytes]] | None,
     endpoint: str,
     mode: str | None,
-    curve: Curve | ClientCurve | None,
+    curve: Curve | None,
     timeout: float,
 ) -> ClientPort:
-    kw = client_kwargs(curve)
     port = ClientPort(
         ctx or zmq.Context.instance(),
         mode=mode,
         linger_ms=0,
         send_timeout_ms=timeout * 1000,
         on_bad_message="raise",
-        **kw,
+        curve=curve,
     )
     try:
         port.connect(endpoint)
@@ -103,15 +101,15 @@ def run_command(
     query: str | None = None,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     mode: str | None = None,
-    curve: Curve | ClientCurve | None = None,
+    curve: Curve | None = None,
     timeout: float = 30.0,
 ) -> CommandReply:
     """Send ``commit`` or ``abort`` to a consumer and return its answer: ``ok`` True
     (``attrs`` has the rest: ``published``, ``rows``, ...) or ``ok`` False with the
     consumer's ``reason``.
 
-    ``curve``: a :class:`~zio_spark.transport.curve.Curve`, or the tuple ``(server public
-    key, our public key, our secret key)``.
+    ``curve``: the consumer's public key and our key pair (a
+    :class:`~zio_spark.options.Curve`; None: no CURVE).
 
     Raises
     ------
@@ -160,7 +158,7 @@ def send_command(
     query: str | None = None,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     mode: str | None = None,
-    curve: Curve | ClientCurve | None = None,
+    curve: Curve | None = None,
     timeout: float = 30.0,
 ) -> dict[str, Any]:
     """:func:`run_command`, with a refusal raised: returns the ``ok`` reply's attributes.
@@ -244,7 +242,7 @@ class StagingWriter:
         timeout: float = 30.0,
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         mode: str | None = None,
-        curve: Curve | ClientCurve | None = None,
+        curve: Curve | None = None,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         if format not in WRITER_FORMATS:

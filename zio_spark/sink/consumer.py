@@ -143,6 +143,7 @@ from zio_spark.storage.sink_folder import (
     SinkFolder,
     Stage,
 )
+from zio_spark.transport.curve import optional_server_curve
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 from zio_spark.transport.port import ServerPort
 
@@ -420,7 +421,7 @@ class Consumer:
                 ctx or zmq.Context.instance(),
                 mode=mode,
                 linger_ms=linger_ms,
-                curve_secret_key=curve_secret_key,
+                curve=optional_server_curve(curve_secret_key),
             )
         except BaseException:
             self._release()
@@ -484,32 +485,32 @@ class Consumer:
 
         A sink with ``option("group", group)`` then spreads its partitions over the
         consumers advertised there. ``group`` is a group name with the ZRE settings
-        beside it, or a :class:`~zio_spark.options.ZreOptions`; both go to
-        :func:`~zio_spark.transport.discovery.advertise`. The node stops with
-        :meth:`close`.
+        beside it (those not given: :class:`~zio_spark.options.ZreOptions`' defaults), or
+        one ``ZreOptions`` (then no keyword). The node stops with :meth:`close`.
 
         Raises
         ------
         ZioSparkError
             If the consumer is closed or already advertised.
         ConfigError, TransportError
-            As :func:`~zio_spark.transport.discovery.advertise`.
+            As :func:`~zio_spark.transport.discovery.advertise`; ConfigError also for a
+            settings keyword beside a ``ZreOptions``.
         """
-        from zio_spark.transport.discovery import advertise
+        from zio_spark.transport.discovery import advertise, zre_options
 
         if self._closed:
             raise ZioSparkError("the consumer is closed")
         if self._zre is not None:
             raise ZioSparkError("the consumer is already advertised")
-        self._zre = advertise(
+        zre = zre_options(
             group,
-            self.endpoint,
-            self.server.port.socket_type,
             beacon_port=beacon_port,
             broadcast=broadcast,
-            interface_addr=interface_addr,
+            interface=interface_addr,
             interval=interval,
+            interface_option="interface_addr",
         )
+        self._zre = advertise(zre, self.endpoint, self.server.port.socket_type)
 
     def _release(self) -> None:
         self.folder.close()

@@ -62,6 +62,7 @@ from zio_spark.errors import ConfigError, TransportError
 from zio_spark.options import ZreOptions
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import Delivery, ProducerBacklog
+from zio_spark.transport.curve import optional_client_curve, optional_server_curve
 from zio_spark.transport.flow_client import FlowClient
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.giver import GiverHandler, GiverPolicy, Giving
@@ -212,10 +213,8 @@ class Producer:
             # DATs are sent only within paid credit, at most the credit offered: a bound.
             port_options: dict[str, Any] = {"sndhwm": credit + _CLIENT_QUEUE_SLACK}
             if curve_server_key is not None or curve_secret_key is not None:
-                port_options.update(
-                    curve_server_key=curve_server_key,
-                    curve_secret_key=curve_secret_key,
-                    curve_public_key=curve_public_key,
+                port_options["curve"] = optional_client_curve(
+                    curve_server_key, curve_secret_key, curve_public_key
                 )
             # The first port is made here, so a bad mode or endpoint fails the constructor.
             client = FlowClient(
@@ -249,8 +248,7 @@ class Producer:
             self.ctx,
             mode=mode,
             linger_ms=linger_ms,
-            curve_secret_key=curve_secret_key,
-            curve_public_key=curve_public_key,
+            curve=optional_server_curve(curve_secret_key, curve_public_key),
             sndhwm=_SEND_QUEUE,
         )
         try:
@@ -411,7 +409,7 @@ class Producer:
         :class:`~zio_spark.options.ZreOptions`), or one :class:`ZreOptions` (then no
         keyword). The node stops with :meth:`close`.
         """
-        from zio_spark.transport.discovery import advertise
+        from zio_spark.transport.discovery import advertise, zre_options
 
         name = group.group if isinstance(group, ZreOptions) else group
         if self._server is None:
@@ -420,30 +418,13 @@ class Producer:
                 name,
                 "a bound producer: a producer in client mode has no port to advertise",
             )
-        given = {
-            k: v
-            for k, v in (
-                ("beacon_port", beacon_port),
-                ("broadcast", broadcast),
-                ("interface", interface),
-                ("interval", interval),
-            )
-            if v is not None
-        }
-        if isinstance(group, ZreOptions):
-            if given:
-                key = next(iter(given))
-                raise ConfigError(key, given[key], "no ZRE keyword beside a ZreOptions")
-            zre = group
-        else:
-            base = ZreOptions(group)  # its defaults, written once there
-            zre = ZreOptions(
-                group,
-                beacon_port=base.beacon_port if beacon_port is None else beacon_port,
-                broadcast=broadcast,
-                interface=interface,
-                interval=base.interval if interval is None else interval,
-            )
+        zre = zre_options(
+            group,
+            beacon_port=beacon_port,
+            broadcast=broadcast,
+            interface=interface,
+            interval=interval,
+        )
         self._zre = advertise(
             zre, self.endpoint, self._server.port.socket_type, name=self.producer_id
         )

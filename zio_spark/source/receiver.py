@@ -567,7 +567,9 @@ class Receiver:
             reconnect=self.reconnect,
             patient=True,
             connect_now=False,
-            name=f"zio source {endpoint}",
+            # The engine logs each failure of this flow (once, with the cause and the
+            # reconnect delay) under this name; _failed only counts it.
+            name=f"zio source: producer {endpoint}",
         )
         peer.client.attach(self._loop)
         if self.reconnect and endpoint in self.spool.peers.left_open:
@@ -655,7 +657,10 @@ class Receiver:
         peer.client.fail(why, "taker_errors", now)  # counted in _failed, via on_failure
 
     def _failed(self, peer: Peer, why: str, counter: str, final: bool) -> None:
-        """A flow to ``peer`` failed (its engine's :meth:`ClientHandler.on_failure`)."""
+        """A flow to ``peer`` failed (its engine's :meth:`ClientHandler.on_failure`).
+
+        Counted and noted in ``peer.status`` here; not logged: the engine has logged it
+        (one line naming the producer's endpoint, the cause and the reconnect delay)."""
         if counter == "protocol_errors":  # a message that did not parse
             self.stats["dropped"] += 1
         if counter == "disconnects":
@@ -663,23 +668,12 @@ class Receiver:
             # flow of it is left open to stumble into.
             self._mark_open(peer, False)
         if counter == "bot_timeouts" and final:
-            self._unreachable(peer, why)  # the engine gives up
+            self._unreachable(peer, why, logged=True)  # the engine gives up
             return
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
         peer.status.last_error = why
-        if final:
-            peer.status.state = "failed"
-            log.warning("zio source: producer %s: %s", peer.endpoint, why)
-            return
-        peer.status.state = "waiting"
-        assert peer.client is not None
-        log.warning(
-            "zio source: producer %s: %s; reconnecting in %.1f s",
-            peer.endpoint,
-            why,
-            peer.client.backoff.delay,
-        )
+        peer.status.state = "failed" if final else "waiting"
 
     def _closed(self, peer: Peer, now: float) -> None:
         """A flow to ``peer`` ended (its engine's :meth:`ClientHandler.on_close`): what it
@@ -689,15 +683,17 @@ class Receiver:
         if flow_was is not None and peer.producer is not None:
             self._append_pending(peer, now)
 
-    def _unreachable(self, peer: Peer, why: str) -> None:
+    def _unreachable(self, peer: Peer, why: str, *, logged: bool = False) -> None:
         """A producer we can never talk to as configured: the query fails, saying why
-        (the caller, or the flow's engine, gives up on it)."""
+        (the caller, or the flow's engine, gives up on it; ``logged``: the engine has
+        already logged ``why``)."""
         self.stats["flow_failures"] += 1
         peer.status.failures += 1
         peer.status.state = "failed"
         peer.status.last_error = why
         self.unreachable[peer.endpoint] = why
-        log.error("zio source: %s", why)
+        if not logged:
+            log.error("zio source: %s", why)
         if self.error is None:
             self.error = TransportError(why, endpoint=peer.endpoint)
 

@@ -4,8 +4,10 @@ Every CURVE key the project accepts goes through :func:`curve_key` (Z85 text, Z8
 or 32 raw bytes, errors naming the option; secret keys are never echoed back), and
 every key pair through :func:`key_pair`. :func:`apply_server` / :func:`apply_client` set
 the socket options. A port takes its keys as one :class:`~zio_spark.options.Curve`:
-:func:`server_curve` / :func:`client_curve` build one from keys in any accepted form, and
-:func:`server_keys` / :func:`client_keys` check one for a port. :class:`CurveAuthenticator`
+:func:`server_curve` / :func:`client_curve` build one from keys in any accepted form
+(:func:`optional_server_curve` / :func:`optional_client_curve` from the optional key
+keywords of a user-facing constructor such as ``Producer``'s), and :func:`server_keys` /
+:func:`client_keys` check one for a port. :class:`CurveAuthenticator`
 (see :func:`start_authenticator`) is the ZAP handler that admits clients from an
 allow-list of public keys. Without an authenticator any client that knows the server's
 public key is accepted.
@@ -16,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -26,25 +27,21 @@ from zio_spark.errors import ConfigError, TransportError
 from zio_spark.options import Curve
 
 __all__ = [
-    "ClientCurve",
     "CurveAuthenticator",
     "apply_client",
     "apply_server",
     "client_curve",
     "client_keys",
-    "client_kwargs",
     "curve_key",
     "key_pair",
+    "optional_client_curve",
+    "optional_server_curve",
     "server_curve",
     "server_keys",
     "start_authenticator",
 ]
 
 log = logging.getLogger("zio_spark.transport")
-
-ClientCurve = tuple[bytes, bytes, bytes]
-"""A client's CURVE settings: ``(server public key, our public key, our secret key)``,
-Z85 bytes each (the order of :class:`zio_spark.options.Curve`)."""
 
 _EXPECTED = "a Z85 CURVE key (40 characters) or 32 raw bytes"
 
@@ -157,6 +154,54 @@ def client_curve(
     return Curve(curve_key(server_key, "curve_server_key"), public, secret)
 
 
+def optional_server_curve(
+    secret_key: str | bytes | None, public_key: str | bytes | None = None
+) -> Curve | None:
+    """:func:`server_curve` from the optional ``curve_secret_key`` / ``curve_public_key``
+    keywords of a user-facing constructor; None (no CURVE) when neither is given.
+
+    Raises
+    ------
+    ConfigError
+        A public key without the secret key, or as :func:`server_curve`.
+    TransportError
+        As :func:`server_curve`.
+    """
+    if secret_key is None:
+        if public_key is not None:
+            raise ConfigError("curve_secret_key", None, "a key whenever curve_public_key is set")
+        return None
+    return server_curve(secret_key, public_key)
+
+
+def optional_client_curve(
+    server_key: str | bytes | None,
+    secret_key: str | bytes | None,
+    public_key: str | bytes | None = None,
+) -> Curve | None:
+    """:func:`client_curve` from the optional ``curve_server_key`` / ``curve_secret_key``
+    / ``curve_public_key`` keywords of a user-facing constructor; None (no CURVE) when
+    none is given.
+
+    Raises
+    ------
+    ConfigError
+        A client key without the server key, the server key without our secret key, or
+        as :func:`client_curve`.
+    TransportError
+        As :func:`client_curve`.
+    """
+    if server_key is None:
+        if secret_key is not None or public_key is not None:
+            raise ConfigError(
+                "curve_server_key", None, "the server's public key whenever a client key is set"
+            )
+        return None
+    if secret_key is None:
+        raise ConfigError("curve_secret_key", None, "the client's secret key with curve_server_key")
+    return client_curve(server_key, secret_key, public_key)
+
+
 def _pair(curve: Curve) -> tuple[bytes, bytes]:
     return key_pair(
         curve.secret_key,
@@ -201,20 +246,6 @@ def client_keys(curve: Curve | None) -> tuple[bytes, tuple[bytes, bytes]] | None
     if curve is None:
         return None
     return curve_key(curve.server_key, "curve.server_key"), _pair(curve)
-
-
-def client_kwargs(curve: Curve | ClientCurve | None) -> dict[str, Any]:
-    """The ``ClientPort`` keyword arguments for ``curve`` (none when it is None).
-
-    Transitional: a port takes ``curve=Curve(...)`` directly; this also turns the old
-    ``(server, public, secret)`` tuple into that keyword.
-    """
-    if curve is None:
-        return {}
-    if isinstance(curve, Curve):
-        return {"curve": curve}
-    server_key, public_key, secret_key = curve
-    return {"curve": Curve(server_key, public_key, secret_key)}
 
 
 class CurveAuthenticator:

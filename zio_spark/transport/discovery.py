@@ -7,6 +7,8 @@ and which left, with the socket mode each needs (from the advertised socket type
 a guess: see :func:`~zio_spark.transport.port.choose_mode`). :func:`resolve_targets`
 lists a group's flow ports once (the sink's driver, which spreads a batch over them),
 through a :class:`NodeCache` that keeps one running node per group and ZRE settings.
+All of them take the group and its settings as one :class:`~zio_spark.options.ZreOptions`;
+:func:`zre_options` makes one from what a user-facing ``advertise`` takes.
 
 Cloud networks usually block UDP broadcast: there, use explicit endpoints instead.
 """
@@ -23,7 +25,15 @@ from zio_spark.options import ZreOptions
 from zio_spark.transport.port import choose_mode
 from zio_spark.transport.zre_node import ZreNode
 
-__all__ = ["FLOW_PORT", "GroupWatcher", "NodeCache", "Target", "advertise", "resolve_targets"]
+__all__ = [
+    "FLOW_PORT",
+    "GroupWatcher",
+    "NodeCache",
+    "Target",
+    "advertise",
+    "resolve_targets",
+    "zre_options",
+]
 
 log = logging.getLogger("zio_spark.transport")
 
@@ -39,77 +49,83 @@ def _connectable(endpoint: str, host: str) -> str:
     return endpoint
 
 
-def _node(
+def zre_options(
     group: str | ZreOptions,
-    name: str | None,
-    beacon_port: int | None,
-    broadcast: str | None,
-    interface_addr: str | None,
-    interval: float | None,
-) -> tuple[ZreNode, str]:
-    """A (not started) node that joins ``group``, and the group's name.
+    *,
+    beacon_port: int | None = None,
+    broadcast: str | None = None,
+    interface: str | None = None,
+    interval: float | None = None,
+    interface_option: str = "interface",
+) -> ZreOptions:
+    """The :class:`~zio_spark.options.ZreOptions` of a user-facing ``advertise(group,
+    ...)`` (``Producer``'s, ``Consumer``'s): ``group`` itself, or a group name with the
+    settings given as keywords (those not given: ``ZreOptions``' defaults).
 
-    ``group`` is a :class:`~zio_spark.options.ZreOptions` (the settings travel with it),
-    or a group name with the settings as keywords (the earlier form, still accepted).
+    Raises
+    ------
+    ConfigError
+        A settings keyword beside a ``ZreOptions``, named as the caller's keyword
+        (``interface_option`` for ``interface``).
     """
+    given = {
+        k: v
+        for k, v in (
+            ("beacon_port", beacon_port),
+            ("broadcast", broadcast),
+            (interface_option, interface),
+            ("interval", interval),
+        )
+        if v is not None
+    }
     if isinstance(group, ZreOptions):
-        given = {
-            "beacon_port": beacon_port,
-            "broadcast": broadcast,
-            "interface_addr": interface_addr,
-            "interval": interval,
-        }
-        both = [k for k, v in given.items() if v is not None]
-        if both:
-            raise ConfigError(both[0], given[both[0]], "either a ZreOptions or this keyword")
-        node = ZreNode(name, zre=group)
-        return node, group.group
-    node = ZreNode(
-        name,
-        beacon_port=beacon_port,
+        if given:
+            key = next(iter(given))
+            raise ConfigError(key, given[key], "no ZRE keyword beside a ZreOptions")
+        return group
+    base = ZreOptions(group)  # its defaults, written once there
+    return ZreOptions(
+        group,
+        beacon_port=base.beacon_port if beacon_port is None else beacon_port,
         broadcast=broadcast,
-        interface_addr=interface_addr,
-        interval=interval,
+        interface=interface,
+        interval=base.interval if interval is None else interval,
     )
-    node.join(group)
-    return node, group
+
+
+def _node(zre: ZreOptions, name: str | None) -> ZreNode:
+    """A (not started) node in ``zre.group``, with ``zre``'s settings."""
+    node = ZreNode(name, zre=zre)
+    node.join(zre.group)  # a no-op once joined; refuses an empty group (LocalProtocolError)
+    return node
 
 
 def advertise(
-    group: str | ZreOptions,
+    zre: ZreOptions,
     endpoint: str,
     socket_type: str,
     *,
     name: str | None = None,
     port_name: str = FLOW_PORT,
-    beacon_port: int | None = None,
-    broadcast: str | None = None,
-    interface_addr: str | None = None,
-    interval: float | None = None,
 ) -> ZreNode:
-    """Start a ZRE node in ``group`` advertising ``endpoint``; the caller stops it.
-
-    ``group`` is a :class:`~zio_spark.options.ZreOptions`, or (earlier form) a group
-    name with ``beacon_port``, ``broadcast``, ``interface_addr`` and ``interval``
-    (defaults: port 5670, ``$ZIO_ZRE_BROADCAST`` or 255.255.255.255, the interface that
-    routes there, 1 s).
+    """Start a ZRE node in ``zre.group`` (with ``zre``'s settings) advertising
+    ``endpoint``; the caller stops it.
 
     Raises
     ------
     ConfigError, TransportError
-        As :class:`~zio_spark.transport.zre_node.ZreNode`; ConfigError also names a
-        settings keyword given beside a ``ZreOptions``.
+        As :class:`~zio_spark.transport.zre_node.ZreNode`.
+    LocalProtocolError
+        If the group or a name is not a valid ZRE name.
     """
-    node, _ = _node(group, name, beacon_port, broadcast, interface_addr, interval)
+    node = _node(zre, name)
     node.advertise_port(port_name, _connectable(endpoint, node.interface_addr), socket_type)
     node.start()
     return node
 
 
 class GroupWatcher:
-    """Follow the flow ports advertised in ``group`` (a
-    :class:`~zio_spark.options.ZreOptions`, or a name with the settings as keywords, as
-    for :func:`advertise`).
+    """Follow the flow ports advertised in ``zre.group`` (with ``zre``'s settings).
 
     ``on_add(endpoint, mode)`` and ``on_remove(endpoint)`` run in the watcher's thread.
     ``port_name`` narrows it to ports of that name (``zio.port.<name>.*``); None follows
@@ -119,16 +135,12 @@ class GroupWatcher:
 
     def __init__(
         self,
-        group: str | ZreOptions,
+        zre: ZreOptions,
         on_add: Callable[[str, str], None],
         on_remove: Callable[[str], None],
         *,
         requested_mode: str | None = None,
         port_name: str | None = FLOW_PORT,
-        beacon_port: int | None = None,
-        broadcast: str | None = None,
-        interface_addr: str | None = None,
-        interval: float | None = None,
         poll: float = 0.2,
     ) -> None:
         self.on_add = on_add
@@ -136,7 +148,7 @@ class GroupWatcher:
         self.requested_mode = requested_mode
         self.port_name = port_name
         self.poll = poll
-        self.node, self.group = _node(group, None, beacon_port, broadcast, interface_addr, interval)
+        self.node, self.group = _node(zre, None), zre.group
         self.known: dict[str, str] = {}
         self.refused: dict[str, str] = {}
         self._stop = threading.Event()

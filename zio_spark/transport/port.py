@@ -103,14 +103,7 @@ from zio_spark.errors import (
 )
 from zio_spark.options import Curve
 from zio_spark.protocol.message import DatCodec, Message, encode_frames
-from zio_spark.transport.curve import (
-    apply_client,
-    apply_server,
-    client_curve,
-    client_keys,
-    server_curve,
-    server_keys,
-)
+from zio_spark.transport.curve import apply_client, apply_server, client_keys, server_keys
 from zio_spark.transport.wire import (
     PeerId,
     PortKind,
@@ -207,10 +200,6 @@ def _check_timeout(timeout_ms: float, option: str = "timeout_ms") -> float:
     if not timeout_ms >= 0:  # also rejects NaN
         raise ConfigError(option, timeout_ms, "a number of milliseconds >= 0")
     return float(timeout_ms)
-
-
-def _both_curve_forms(old: str) -> ConfigError:
-    return ConfigError("curve", "<given>", f"either curve or {old}, not both")
 
 
 class PortOptions(TypedDict, total=False):
@@ -698,11 +687,8 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         ``"return"`` a :class:`BadMessage` from ``recv`` (default) or ``"raise"``
         :class:`~zio_spark.errors.RemoteProtocolError`.
     curve
-        Turns on CURVE as server: our key pair, and our public key as ``server_key`` (see
-        :func:`~zio_spark.transport.curve.server_curve`).
-    curve_secret_key, curve_public_key
-        The older form of ``curve`` (either, not both): Z85 text or 32 raw bytes; the
-        public key is derived from the secret key when omitted.
+        Turns on CURVE as server: our key pair, and our public key as ``server_key`` (build
+        one from keys with :func:`~zio_spark.transport.curve.server_curve`).
     zap_domain
         ZAP domain of the socket (see :func:`~zio_spark.transport.curve.start_authenticator`).
 
@@ -722,19 +708,9 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
         curve: Curve | None = None,
-        curve_secret_key: str | bytes | None = None,
-        curve_public_key: str | bytes | None = None,
         zap_domain: str | None = None,
         **options: Unpack[PortOptions],
     ) -> None:
-        if curve_secret_key is not None or curve_public_key is not None:
-            if curve is not None:
-                raise _both_curve_forms("curve_secret_key/curve_public_key")
-            if curve_secret_key is None:
-                raise ConfigError(
-                    "curve_secret_key", None, "a key whenever curve_public_key is set"
-                )
-            curve = server_curve(curve_secret_key, curve_public_key)
         keys = server_keys(curve)
         self.curve_public_key = keys[1] if keys else None
         super().__init__(
@@ -836,11 +812,8 @@ class ClientPort(_Port[Message, list[bytes]]):
         As for :class:`ServerPort`.
     curve
         Turns on CURVE as client: the server's public key (``server_key``) and this
-        client's key pair, which the server's authenticator checks (see
-        :func:`~zio_spark.transport.curve.client_curve`).
-    curve_server_key, curve_secret_key, curve_public_key
-        The older form of ``curve`` (either, not both): Z85 text or 32 raw bytes; the
-        secret key is required with the server key, the public key derived when omitted.
+        client's key pair, which the server's authenticator checks (build one from keys
+        with :func:`~zio_spark.transport.curve.client_curve`).
 
     Raises
     ------
@@ -856,23 +829,8 @@ class ClientPort(_Port[Message, list[bytes]]):
         ctx: zmq.Context[zmq.Socket[bytes]],
         *,
         curve: Curve | None = None,
-        curve_server_key: str | bytes | None = None,
-        curve_secret_key: str | bytes | None = None,
-        curve_public_key: str | bytes | None = None,
         **options: Unpack[PortOptions],
     ) -> None:
-        if curve_server_key is not None:
-            if curve is not None:
-                raise _both_curve_forms("curve_server_key/curve_secret_key/curve_public_key")
-            if curve_secret_key is None:
-                raise ConfigError(
-                    "curve_secret_key", None, "the client's secret key with curve_server_key"
-                )
-            curve = client_curve(curve_server_key, curve_secret_key, curve_public_key)
-        elif curve_secret_key is not None or curve_public_key is not None:
-            raise ConfigError(
-                "curve_server_key", None, "the server's public key whenever a client key is set"
-            )
         secure: Callable[[zmq.Socket[bytes]], None] | None = None
         self.curve_public_key = None
         keys = client_keys(curve)

@@ -86,7 +86,6 @@ from zio_spark.protocol.zio_ports import (
     zio_port_headers,
 )
 from zio_spark.protocol.zre import (
-    DISCOVERY_PORT,
     Command,
     Hello,
     Join,
@@ -211,26 +210,21 @@ class ZreNode:
     name
         Public name sent in HELLO (default: the first 6 hex digits of the UUID).
     zre
-        Where the node talks and the group it is in: the user's ZRE options
-        (:class:`~zio_spark.options.ZreOptions`: ``beacon_port``, ``broadcast``,
-        ``interface``, ``interval``), and the node joins ``zre.group`` (before
-        :meth:`start`, so it goes out in the HELLO). None: the defaults below, no group.
-        The four keywords that follow are the older form of the same settings (either
-        ``zre`` or them, not both).
+        Where the node talks and the group it is in (:class:`~zio_spark.options.ZreOptions`;
+        None: ``ZreOptions("")``, every default):
+
+        - ``group``: joined before :meth:`start`, so it goes out in the HELLO; empty: no
+          group (join some with :meth:`join`);
+        - ``beacon_port``: the UDP discovery port (default 5670, the ZRE-DISC port).
+          Every node of a cluster must use the same one;
+        - ``broadcast``: the IPv4 address beacons are sent to (None:
+          ``$ZIO_ZRE_BROADCAST``, else ``255.255.255.255``);
+        - ``interface``: the IPv4 address the mailbox binds to and advertises (None:
+          ``$ZIO_ZRE_INTERFACE_ADDR``, else the source address the kernel picks for
+          ``broadcast``). It must be the address our beacons are sent from;
+        - ``interval``: seconds between beacons (default 1.0).
     headers
         HELLO headers (name -> value); see also :meth:`set_header`, :meth:`advertise_port`.
-    beacon_port
-        UDP discovery port (default 5670, the ZRE-DISC port). Every node of a cluster
-        must use the same one.
-    broadcast
-        IPv4 address beacons are sent to (default ``$ZIO_ZRE_BROADCAST``, else
-        ``255.255.255.255``).
-    interface_addr
-        IPv4 address the mailbox binds to and advertises (default
-        ``$ZIO_ZRE_INTERFACE_ADDR``, else the source address the kernel picks for
-        ``broadcast``). It must be the address our beacons are sent from.
-    interval
-        Seconds between beacons (default 1.0).
     evasive_after, expired_after
         Seconds of silence before a peer gets a PING (EVASIVE) and before it is dropped
         (EXIT); defaults 5 and 30.
@@ -257,7 +251,8 @@ class ZreNode:
     ------
     ConfigError
         If an address is not IPv4, a port, interval or timeout is out of range, or no
-        interface address can be derived.
+        interface address can be derived (naming ``beacon_port``, ``broadcast``,
+        ``interface_addr`` or ``interval`` for the ``zre`` settings).
     LocalProtocolError
         If ``name`` or a header is not a str of at most 255 UTF-8 bytes.
 
@@ -274,10 +269,6 @@ class ZreNode:
         *,
         zre: ZreOptions | None = None,
         headers: Mapping[str, str] | None = None,
-        beacon_port: int | None = None,
-        broadcast: str | None = None,
-        interface_addr: str | None = None,
-        interval: float | None = None,
         evasive_after: float = EVASIVE_AFTER,
         expired_after: float = EXPIRED_AFTER,
         max_peers: int = MAX_PEERS,
@@ -292,20 +283,8 @@ class ZreNode:
         self._name = _check_text(
             self._uuid.hex[:6] if name is None else name, "name", allow_empty=True
         )
-        if zre is not None:
-            given = {
-                "beacon_port": beacon_port,
-                "broadcast": broadcast,
-                "interface_addr": interface_addr,
-                "interval": interval,
-            }
-            both = [k for k, v in given.items() if v is not None]
-            if both:
-                raise ConfigError(both[0], given[both[0]], "either zre or this keyword, not both")
-            beacon_port, broadcast = zre.beacon_port, zre.broadcast
-            interface_addr, interval = zre.interface, zre.interval
-        beacon_port = DISCOVERY_PORT if beacon_port is None else beacon_port
-        interval = 1.0 if interval is None else interval
+        zre = ZreOptions("") if zre is None else zre
+        beacon_port, broadcast, interval = zre.beacon_port, zre.broadcast, zre.interval
         if isinstance(beacon_port, bool) or not isinstance(beacon_port, int):
             raise ConfigError("beacon_port", beacon_port, "a UDP port number in 1..65535")
         if not 0 < beacon_port <= 0xFFFF:
@@ -313,7 +292,7 @@ class ZreNode:
         self._beacon_port = beacon_port
         bcast = broadcast if broadcast is not None else _env_or(BROADCAST_ENV, DEFAULT_BROADCAST)
         self._broadcast = str(_ipv4("broadcast", bcast))
-        iface = interface_addr if interface_addr is not None else _env_or(INTERFACE_ENV, None)
+        iface = zre.interface if zre.interface is not None else _env_or(INTERFACE_ENV, None)
         if iface is None:
             iface = _route_source(self._broadcast, beacon_port)
             if iface is None:
@@ -321,7 +300,7 @@ class ZreNode:
                     "interface_addr",
                     None,
                     f"an IPv4 address of this host (none routes to broadcast "
-                    f"{self._broadcast}; set interface_addr or ${INTERFACE_ENV})",
+                    f"{self._broadcast}; set the ZRE interface or ${INTERFACE_ENV})",
                 )
         iface_ip = _ipv4("interface_addr", iface)
         if iface_ip.is_unspecified or iface_ip.is_multicast:
@@ -387,7 +366,7 @@ class ZreNode:
             deliver=self._deliver,
             hello=self._hello,
         )
-        if zre is not None:
+        if zre.group:
             self.join(zre.group)
 
     # -- properties --------------------------------------------------------------------
