@@ -51,13 +51,18 @@ DAT without payload ends it:
 - ``"range": {"id": k, "status": "not_held", "first": a, "end": b}`` -- the giver holds
   ``[a, b)`` for that producer, which does not cover the rest of the range. May follow
   some records (acks freed them while a speculative copy read): the reader discards the
-  range and raises :class:`~zio_spark.errors.DataLossError` with these numbers;
+  range, a data loss with these numbers;
 - ``"range": {"id": k, "status": "other_incarnation", "incarnation": j, "first": a,
-  "end": b}`` -- the giver's incarnation is ``j``, not the request's: never records, the
-  reader raises :class:`~zio_spark.errors.DataLossError` naming both incarnations;
-- ``"range": {"id": k, "status": "unknown_producer"}`` -- the giver serves no such id.
+  "end": b}`` -- the giver's incarnation is ``j``, not the request's: never after a
+  record; a data loss naming both incarnations;
+- ``"range": {"id": k, "status": "unknown_producer"}`` -- the giver serves no such id (a
+  data loss too).
 
-and a held query is answered by one DAT
+For each refusal of a range, :meth:`RangeReader.loss` builds the
+:class:`~zio_spark.errors.DataLossError` (the caller raises it when ``failOnDataLoss``
+holds), naming the range, the producer and the incarnations.
+
+A held query is answered by one DAT
 ``"held": {"id": k, "producer": p, "status": "held", "incarnation": i, "first": a,
 "end": b}`` (or ``"status": "unknown_producer"``). A planner keeps, per producer id,
 ``{incarnation: i, end: b}`` in its offsets and puts ``i`` in every range it plans up to
