@@ -7,23 +7,31 @@ with the client's own attributes, ``direction`` flipped.
 
 from __future__ import annotations
 
+import string
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from zio_spark.errors import FlowControlError, LocalProtocolError, RemoteProtocolError
+from zio_spark.errors import (
+    DataLossError,
+    FlowControlError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from zio_spark.protocol.flow import BotReceived, Credit, Data, Direction, FlowPair
 from zio_spark.protocol.message import FLOW_FORM, Message
 from zio_spark.protocol.ranges import (
     CAPABILITY,
+    INCARNATION_MAX,
     SEQ_MAX,
     VERSION,
     Done,
     HeldQuery,
     HeldReport,
     NotHeld,
+    OtherIncarnation,
     RangeGiver,
     RangeReader,
     RangeRequest,
@@ -38,14 +46,19 @@ from zio_spark.protocol.ranges import (
     encode_reply,
     encode_request,
     forbid_requests,
+    new_incarnation,
     offer_attrs,
     server_asks_range,
     state_capability,
 )
 
-CAPABLE = RangeTerms(VERSION, "p1")
+INC = "a1b2c3d4e5f60718"
+"""The giver's incarnation in most tests (another one is OTHER)."""
+OTHER = "ffee0011ccdd2233"
+CAPABLE = RangeTerms(VERSION, "p1", INC)
+INCARNATION_CHARS = string.ascii_letters + string.digits + "._-"
 READER_BOT = {"direction": "inject", "credit": 8, **offer_attrs({"stream": "s"})}
-GIVER_EXTRAS = state_capability({"producer": "p1", "stream": "s", "ack": True, "last": 9})
+GIVER_EXTRAS = state_capability({"producer": "p1", "stream": "s", "ack": True, "last": 9}, INC)
 
 
 def echo(bot: dict[str, Any]) -> dict[str, Any]:
@@ -60,12 +73,12 @@ def test_a_capable_giver_states_the_version_with_its_producer() -> None:
     assert GIVER_EXTRAS[CAPABILITY] == VERSION == 1
     reply = {"direction": "extract", "credit": 8, **GIVER_EXTRAS}
     terms = client_range_terms(READER_BOT, reply)
-    assert terms == RangeTerms(1, "p1") and terms.capable
+    assert terms == RangeTerms(1, "p1", INC) and terms.capable
 
 
 def test_stating_the_capability_needs_a_producer_id() -> None:
     with pytest.raises(LocalProtocolError) as e:
-        state_capability({"stream": "s"})
+        state_capability({"stream": "s"}, INC)
     assert e.value.field == "producer"
 
 
@@ -118,15 +131,15 @@ def test_a_server_sees_whether_the_client_opens_a_range_flow() -> None:
 
 def test_requests_round_trip() -> None:
     for req in (
-        RangeRequest(0, "p1", 1, 1),
-        RangeRequest(5, "p", 10, 20),
-        RangeRequest(SEQ_MAX, "é", 0, SEQ_MAX),
+        RangeRequest(0, "p1", INC, 1, 1),
+        RangeRequest(5, "p", INC, 10, 20),
+        RangeRequest(SEQ_MAX, "é", INC, 0, SEQ_MAX),
         HeldQuery(3, "p2"),
     ):
         attrs = encode_request(req)
         assert decode_request(attrs) == req
-    assert encode_request(RangeRequest(1, "p", 2, 3)) == {
-        "range": {"id": 1, "producer": "p", "start": 2, "end": 3}
+    assert encode_request(RangeRequest(1, "p", INC, 2, 3)) == {
+        "range": {"id": 1, "producer": "p", "incarnation": INC, "start": 2, "end": 3}
     }
     assert encode_request(HeldQuery(4, "p")) == {"held": {"id": 4, "producer": "p"}}
 
@@ -143,15 +156,30 @@ def test_a_pay_without_a_request_is_credit_only() -> None:
         ({"range": [1, 2]}, "range"),
         ({"held": "p"}, "held"),
         ({"range": {"producer": "p", "start": 1, "end": 2}}, "range.id"),
-        ({"range": {"id": -1, "producer": "p", "start": 1, "end": 2}}, "range.id"),
-        ({"range": {"id": True, "producer": "p", "start": 1, "end": 2}}, "range.id"),
+        (
+            {"range": {"id": -1, "producer": "p", "incarnation": INC, "start": 1, "end": 2}},
+            "range.id",
+        ),
+        (
+            {"range": {"id": True, "producer": "p", "incarnation": INC, "start": 1, "end": 2}},
+            "range.id",
+        ),
         ({"range": {"id": 1, "start": 1, "end": 2}}, "range.producer"),
         ({"range": {"id": 1, "producer": "", "start": 1, "end": 2}}, "range.producer"),
         ({"range": {"id": 1, "producer": 7, "start": 1, "end": 2}}, "range.producer"),
-        ({"range": {"id": 1, "producer": "p", "end": 2}}, "range.start"),
-        ({"range": {"id": 1, "producer": "p", "start": 1.5, "end": 2}}, "range.start"),
-        ({"range": {"id": 1, "producer": "p", "start": 1, "end": 2**63}}, "range.end"),
-        ({"range": {"id": 1, "producer": "p", "start": 3, "end": 2}}, "range.start"),
+        ({"range": {"id": 1, "producer": "p", "incarnation": INC, "end": 2}}, "range.start"),
+        (
+            {"range": {"id": 1, "producer": "p", "incarnation": INC, "start": 1.5, "end": 2}},
+            "range.start",
+        ),
+        (
+            {"range": {"id": 1, "producer": "p", "incarnation": INC, "start": 1, "end": 2**63}},
+            "range.end",
+        ),
+        (
+            {"range": {"id": 1, "producer": "p", "incarnation": INC, "start": 3, "end": 2}},
+            "range.start",
+        ),
         ({"held": {"id": "1", "producer": "p"}}, "held.id"),
         ({"held": {"id": 1, "producer": None}}, "held.producer"),
         ({"range": {}, "held": {}}, "range"),
@@ -166,7 +194,7 @@ def test_malformed_requests_name_the_field(attrs: dict[str, Any], field: str) ->
 
 def test_encoding_a_bad_request_is_a_local_error() -> None:
     with pytest.raises(LocalProtocolError) as e:
-        encode_request(RangeRequest(1, "p", 5, 4))
+        encode_request(RangeRequest(1, "p", INC, 5, 4))
     assert e.value.field == "range.start"
     with pytest.raises(LocalProtocolError) as e:
         encode_request(HeldQuery(-1, "p"))
@@ -192,8 +220,8 @@ def test_replies_round_trip() -> None:
         NotHeld(3, 12, 12),
         UnknownProducer(4),
         UnknownProducer(5, query=True),
-        HeldReport(6, "p", 1, 1),
-        HeldReport(7, "p", 3, 900),
+        HeldReport(6, "p", INC, 1, 1),
+        HeldReport(7, "p", INC, 3, 900),
     ):
         assert decode_reply(encode_reply(reply)) == reply
     assert encode_reply(NotHeld(3, 10, 12)) == {
@@ -230,13 +258,13 @@ def test_malformed_replies_name_the_field(attrs: dict[str, Any], field: str) -> 
 
 
 def giver_with(req: RangeRequest | HeldQuery) -> RangeGiver:
-    giver = RangeGiver()
+    giver = RangeGiver(INC)
     assert giver.on_pay(encode_request(req)) == req
     return giver
 
 
 def test_the_giver_serves_a_held_range_in_batches_then_done() -> None:
-    giver = giver_with(RangeRequest(0, "p", 3, 10))
+    giver = giver_with(RangeRequest(0, "p", INC, 3, 10))
     window = Window(1, 20)
     spans = []
     while True:
@@ -251,7 +279,7 @@ def test_the_giver_serves_a_held_range_in_batches_then_done() -> None:
 
 
 def test_the_giver_may_send_fewer_records_than_planned() -> None:
-    giver = giver_with(RangeRequest(0, "p", 1, 5))
+    giver = giver_with(RangeRequest(0, "p", INC, 1, 5))
     act = giver.next(Window(1, 5), 4)
     assert act == Records(1, 4)
     giver.sent(act, 1)  # a byte budget cut the DAT short
@@ -260,29 +288,29 @@ def test_the_giver_may_send_fewer_records_than_planned() -> None:
 
 def test_a_zero_length_range_in_the_window_is_done_at_once() -> None:
     for start in (1, 5, 9):
-        giver = giver_with(RangeRequest(0, "p", start, start))
+        giver = giver_with(RangeRequest(0, "p", INC, start, start))
         assert giver.next(Window(1, 9), 10) == Done(0, start, start)
 
 
 def test_a_zero_length_range_outside_the_window_is_refused() -> None:
-    assert giver_with(RangeRequest(0, "p", 0, 0)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
-    assert giver_with(RangeRequest(0, "p", 10, 10)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
+    assert giver_with(RangeRequest(0, "p", INC, 0, 0)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
+    assert giver_with(RangeRequest(0, "p", INC, 10, 10)).next(Window(1, 9), 1) == NotHeld(0, 1, 9)
 
 
 def test_a_range_already_freed_is_refused_with_the_held_window() -> None:
-    giver = giver_with(RangeRequest(2, "p", 10, 20))
+    giver = giver_with(RangeRequest(2, "p", INC, 10, 20))
     assert giver.next(Window(15, 30), 5) == NotHeld(2, 15, 30)
     assert giver.request is None
 
 
 def test_a_range_beyond_the_end_is_refused_never_waited_for() -> None:
-    giver = giver_with(RangeRequest(0, "p", 10, 31))
+    giver = giver_with(RangeRequest(0, "p", INC, 10, 31))
     assert giver.next(Window(1, 30), 5) == NotHeld(0, 1, 30)
 
 
 def test_records_freed_while_a_range_is_sent_end_it_refused() -> None:
     # A speculative copy reads while the commit of the first copy frees the records.
-    giver = giver_with(RangeRequest(0, "p", 10, 20))
+    giver = giver_with(RangeRequest(0, "p", INC, 10, 20))
     act = giver.next(Window(10, 20), 4)
     assert act == Records(10, 4)
     giver.sent(act)
@@ -291,39 +319,39 @@ def test_records_freed_while_a_range_is_sent_end_it_refused() -> None:
 
 
 def test_an_unknown_producer_is_refused() -> None:
-    assert giver_with(RangeRequest(0, "px", 1, 2)).next(None, 1) == UnknownProducer(0)
+    assert giver_with(RangeRequest(0, "px", INC, 1, 2)).next(None, 1) == UnknownProducer(0)
     assert giver_with(HeldQuery(0, "px")).next(None, 1) == UnknownProducer(0, query=True)
 
 
 def test_a_held_query_reports_the_window() -> None:
     giver = giver_with(HeldQuery(4, "p"))
     assert giver.producer == "p"
-    assert giver.next(Window(7, 7), 1) == HeldReport(4, "p", 7, 7)
+    assert giver.next(Window(7, 7), 1) == HeldReport(4, "p", INC, 7, 7)
     assert giver.producer is None
 
 
 def test_one_request_at_a_time_with_increasing_ids() -> None:
-    giver = giver_with(RangeRequest(1, "p", 1, 5))
+    giver = giver_with(RangeRequest(1, "p", INC, 1, 5))
     with pytest.raises(RemoteProtocolError) as e:
         giver.on_pay(encode_request(HeldQuery(2, "p")))
     assert e.value.field == "held.id" and "one at a time" in str(e.value)
     assert giver.next(Window(1, 1), 1) == NotHeld(1, 1, 1)
     for rid in (0, 1):
         with pytest.raises(RemoteProtocolError) as e:
-            giver.on_pay(encode_request(RangeRequest(rid, "p", 1, 2)))
+            giver.on_pay(encode_request(RangeRequest(rid, "p", INC, 1, 2)))
         assert e.value.field == "range.id" and e.value.value == rid
     assert giver.on_pay({}) is None
-    assert giver.on_pay(encode_request(RangeRequest(2, "p", 1, 2))) is not None
+    assert giver.on_pay(encode_request(RangeRequest(2, "p", INC, 1, 2))) is not None
 
 
 def test_the_giver_refuses_misuse_locally() -> None:
-    giver = RangeGiver()
+    giver = RangeGiver(INC)
     assert giver.next(Window(1, 2), 1) is None
     with pytest.raises(LocalProtocolError):
         giver.next(Window(1, 2), 0)
     with pytest.raises(LocalProtocolError):
         giver.sent(Records(1, 1))
-    giver = giver_with(RangeRequest(0, "p", 1, 5))
+    giver = giver_with(RangeRequest(0, "p", INC, 1, 5))
     with pytest.raises(LocalProtocolError) as e:
         giver.sent(Records(2, 1))
     assert e.value.field == "first"
@@ -348,9 +376,9 @@ def test_a_reader_without_the_capability_never_builds_a_request() -> None:
     reader = RangeReader(RangeTerms())
     sent_before = pair.client.sent
     for call in (
-        lambda: reader.request("p", 1, 2),
+        lambda: reader.request("p", INC, 1, 2),
         lambda: reader.query("p"),
-        lambda: reader.send_request(pair.client, "p", 1, 2),
+        lambda: reader.send_request(pair.client, "p", INC, 1, 2),
         lambda: reader.send_query(pair.client, "p"),
     ):
         with pytest.raises(LocalProtocolError) as e:
@@ -361,13 +389,13 @@ def test_a_reader_without_the_capability_never_builds_a_request() -> None:
 
 def test_the_reader_checks_records_arrive_in_order_once_each() -> None:
     reader = RangeReader(CAPABLE)
-    reader.request("p", 5, 10)
+    reader.request("p", INC, 5, 10)
     assert reader.on_dat({"seq": 5}) is None
     reader.records(5, 2)
     assert reader.state is ReaderState.RECEIVING and reader.received == 2
     for first, count, field in ((5, 1, "seq"), (6, 1, "seq"), (8, 1, "seq"), (7, 4, "count")):
         r = RangeReader(CAPABLE)
-        r.request("p", 5, 10)
+        r.request("p", INC, 5, 10)
         r.records(5, 2)
         with pytest.raises(RemoteProtocolError) as e:
             r.records(first, count)
@@ -381,13 +409,13 @@ def test_the_reader_checks_records_arrive_in_order_once_each() -> None:
 
 def test_done_must_match_what_arrived() -> None:
     reader = RangeReader(CAPABLE)
-    reader.request("p", 5, 10)
+    reader.request("p", INC, 5, 10)
     reader.records(5, 4)
     with pytest.raises(RemoteProtocolError) as e:
         reader.on_dat(encode_reply(Done(0, 5, 10)))  # record 9 never came
     assert e.value.field == "range.end"
     reader = RangeReader(CAPABLE)
-    reader.request("p", 5, 10)
+    reader.request("p", INC, 5, 10)
     reader.records(5, 5)
     with pytest.raises(RemoteProtocolError):
         reader.on_dat(encode_reply(Done(0, 5, 11)))
@@ -395,7 +423,7 @@ def test_done_must_match_what_arrived() -> None:
 
 def test_a_zero_length_range_is_done_with_no_records() -> None:
     reader = RangeReader(CAPABLE)
-    reader.request("p", 4, 4)
+    reader.request("p", INC, 4, 4)
     assert reader.on_dat(encode_reply(Done(0, 4, 4))) == Done(0, 4, 4)
     assert reader.state is ReaderState.DONE
 
@@ -410,25 +438,25 @@ def test_answers_must_match_the_open_request() -> None:
         reader.on_dat({"seq": 1})  # records, nothing asked
     assert e.value.field == "flow"
     reader = RangeReader(CAPABLE)
-    reader.request("p", 1, 2)
+    reader.request("p", INC, 1, 2)
     with pytest.raises(RemoteProtocolError) as e:
         reader.on_dat(encode_reply(NotHeld(7, 1, 1)))
     assert e.value.field == "range.id" and e.value.value == 7
     reader = RangeReader(CAPABLE)
-    reader.request("p", 1, 2)
+    reader.request("p", INC, 1, 2)
     with pytest.raises(RemoteProtocolError) as e:
-        reader.on_dat(encode_reply(HeldReport(0, "p", 1, 2)))
+        reader.on_dat(encode_reply(HeldReport(0, "p", INC, 1, 2)))
     assert e.value.field == "held"
     reader = RangeReader(CAPABLE)
     reader.query("p")
     with pytest.raises(RemoteProtocolError) as e:
-        reader.on_dat(encode_reply(HeldReport(0, "q", 1, 2)))
+        reader.on_dat(encode_reply(HeldReport(0, "q", INC, 1, 2)))
     assert e.value.field == "held.producer"
 
 
 def test_a_refusal_must_be_true_to_its_window() -> None:
     reader = RangeReader(CAPABLE)
-    reader.request("p", 5, 10)
+    reader.request("p", INC, 5, 10)
     with pytest.raises(RemoteProtocolError) as e:
         reader.on_dat(encode_reply(NotHeld(0, 1, 20)))  # covers the range: a lie
     assert e.value.field == "range.first"
@@ -436,11 +464,11 @@ def test_a_refusal_must_be_true_to_its_window() -> None:
 
 def test_after_a_refusal_or_done_the_reader_asks_again() -> None:
     reader = RangeReader(CAPABLE)
-    reader.request("p", 5, 10)
+    reader.request("p", INC, 5, 10)
     reader.records(5, 2)
     refusal = reader.on_dat(encode_reply(NotHeld(0, 8, 30)))
     assert refusal == NotHeld(0, 8, 30) and reader.state is ReaderState.REFUSED
-    assert reader.request("p", 7, 8) == encode_request(RangeRequest(1, "p", 7, 8))
+    assert reader.request("p", INC, 7, 8) == encode_request(RangeRequest(1, "p", INC, 7, 8))
     with pytest.raises(LocalProtocolError) as e:
         reader.query("p")  # one at a time
     assert e.value.field == "state"
@@ -456,10 +484,10 @@ def test_after_a_refusal_or_done_the_reader_asks_again() -> None:
 def test_a_bad_request_changes_nothing() -> None:
     reader = RangeReader(CAPABLE)
     with pytest.raises(LocalProtocolError) as e:
-        reader.request("p", 3, 2)
+        reader.request("p", INC, 3, 2)
     assert e.value.field == "range.start"
     assert reader.state is ReaderState.IDLE
-    assert reader.request("p", 2, 3) == encode_request(RangeRequest(0, "p", 2, 3))
+    assert reader.request("p", INC, 2, 3) == encode_request(RangeRequest(0, "p", INC, 2, 3))
 
 
 # ------------------------------------------------------------------ over a flow pair
@@ -470,17 +498,29 @@ class Harness:
     giver's DATs carry ``{"seq": first, "n": count}`` for their records (the real codec
     puts them in an Arrow ``seq`` column)."""
 
-    def __init__(self, credit: int, window: Window | None, *, capable: bool = True) -> None:
+    def __init__(
+        self,
+        credit: int,
+        window: Window | None,
+        *,
+        capable: bool = True,
+        incarnation: str = INC,
+        giver: RangeGiver | None = None,
+    ) -> None:
         self.pair = FlowPair()
         offer = offer_attrs({"stream": "s"})
         bot = self.pair.to_server(self.pair.client.send_bot(Direction.INJECT, credit, offer))
         assert isinstance(bot, BotReceived) and server_asks_range(bot.attrs)
         sent = {"direction": "inject", "credit": credit, **offer}
-        extras = state_capability({"producer": "p", "stream": "s"}) if capable else dict(offer)
+        extras = (
+            state_capability({"producer": "p", "stream": "s"}, incarnation)
+            if capable
+            else dict(offer)
+        )
         reply = self.pair.to_client(self.pair.server.accept(None, extras))
         assert isinstance(reply, BotReceived)
         self.reader = RangeReader(client_range_terms(sent, dict(reply.attrs)))
-        self.giver = RangeGiver()
+        self.giver = RangeGiver(incarnation) if giver is None else giver
         self.window = window
         self.seqs: list[int] = []
         self.replies: list[Any] = []
@@ -518,7 +558,7 @@ class Harness:
 
 def test_a_range_over_a_flow_pair_with_credit_one() -> None:
     h = Harness(1, Window(1, 100))
-    h.deliver_pay(h.reader.send_request(h.pair.client, "p", 10, 14))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", INC, 10, 14))
     while h.reader.state is not ReaderState.DONE:
         h.pump(batch=2)
         if h.pair.client.credit:
@@ -526,7 +566,7 @@ def test_a_range_over_a_flow_pair_with_credit_one() -> None:
     assert h.seqs == [10, 11, 12, 13] and h.replies == [Done(0, 10, 14)]
     # The giver kept a credit: the next request goes out on a PAY of 0.
     assert h.pair.client.credit == 0 and h.pair.server.credit == 1
-    h.deliver_pay(h.reader.send_request(h.pair.client, "p", 14, 15))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", INC, 14, 15))
     h.pump(batch=2)
     assert h.seqs[-1] == 14 and h.pair.server.credit == 0
     h.deliver_pay(h.pair.client.pay())
@@ -538,14 +578,14 @@ def test_a_held_query_is_one_round_trip() -> None:
     h = Harness(4, Window(3, 42))
     h.deliver_pay(h.reader.send_query(h.pair.client, "p", 1))
     h.pump(batch=1)
-    assert h.replies == [HeldReport(0, "p", 3, 42)] and h.reader.state is ReaderState.IDLE
+    assert h.replies == [HeldReport(0, "p", INC, 3, 42)] and h.reader.state is ReaderState.IDLE
 
 
 def test_an_echoing_server_is_never_sent_a_request() -> None:
     h = Harness(4, Window(1, 9), capable=False)
     assert not h.reader.terms.capable
     with pytest.raises(LocalProtocolError):
-        h.reader.send_request(h.pair.client, "p", 1, 2)
+        h.reader.send_request(h.pair.client, "p", INC, 1, 2)
     assert h.pair.client.sent == 1  # the BOT only
 
 
@@ -554,11 +594,257 @@ def test_a_pay_of_zero_needs_a_request_or_an_ack() -> None:
     with pytest.raises(LocalProtocolError):
         h.pair.client.pay(0, {"other": 1})
     h2 = Harness(2, Window(1, 9))
-    h2.deliver_pay(h2.reader.send_request(h2.pair.client, "p", 1, 1, credit=0))
-    assert h2.giver.request == RangeRequest(0, "p", 1, 1)
+    h2.deliver_pay(h2.reader.send_request(h2.pair.client, "p", INC, 1, 1, credit=0))
+    assert h2.giver.request == RangeRequest(0, "p", INC, 1, 1)
     h3 = Harness(2, Window(1, 9))
     with pytest.raises(FlowControlError):
         h3.pair.server.receive(Message(FLOW_FORM, '{"flow": "PAY", "credit": 0, "other": 1}'))
+
+
+# ----------------------------------------------------------------------- incarnation
+
+
+def test_a_capable_giver_states_its_incarnation_and_the_reader_learns_it() -> None:
+    assert GIVER_EXTRAS["incarnation"] == INC
+    terms = client_range_terms(READER_BOT, {"direction": "extract", **GIVER_EXTRAS})
+    assert terms.incarnation == INC
+    # A fresh process draws one: hex of its entropy.
+    assert new_incarnation(bytes(range(16))) == bytes(range(16)).hex()
+    for bad in (b"", b"1234567", bytes(33), "0123456789abcdef"):
+        with pytest.raises(LocalProtocolError) as e:
+            new_incarnation(bad)  # type: ignore[arg-type]
+        assert e.value.field == "incarnation"
+
+
+BAD_INCARNATIONS: list[Any] = [
+    None,
+    "",
+    "a b",
+    "é",
+    "x" * (INCARNATION_MAX + 1),
+    7,
+    True,
+    ["a"],
+    {},
+]
+
+
+@pytest.mark.parametrize("bad", BAD_INCARNATIONS)
+def test_a_capable_bot_without_a_good_incarnation_is_a_remote_error(bad: object) -> None:
+    reply = {"direction": "extract", **GIVER_EXTRAS}
+    if bad is None:
+        del reply["incarnation"]
+    else:
+        reply["incarnation"] = bad
+    with pytest.raises(RemoteProtocolError) as e:
+        client_range_terms(READER_BOT, reply)
+    assert e.value.field == "incarnation" and e.value.value == bad
+    assert "incarnation" in str(e.value) and "1..64" in str(e.value)
+    # Without the capability an incarnation means nothing and is not looked at.
+    plain = {k: v for k, v in reply.items() if k != "ranges"}
+    assert not client_range_terms(READER_BOT, plain).capable
+
+
+@pytest.mark.parametrize("bad", BAD_INCARNATIONS)
+def test_a_giver_cannot_state_or_serve_a_bad_incarnation(bad: object) -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        state_capability({"producer": "p"}, bad)  # type: ignore[arg-type]
+    assert e.value.field == "incarnation"
+    with pytest.raises(LocalProtocolError) as e:
+        RangeGiver(bad)  # type: ignore[arg-type]
+    assert e.value.field == "incarnation"
+    with pytest.raises(LocalProtocolError) as e:
+        RangeTerms(VERSION, "p", bad)  # type: ignore[arg-type]
+    assert e.value.field == "incarnation"
+
+
+def test_the_reader_never_states_an_incarnation() -> None:
+    with pytest.raises(LocalProtocolError) as e:
+        offer_attrs({"incarnation": INC})
+    assert e.value.field == "incarnation"
+
+
+@pytest.mark.parametrize("bad", BAD_INCARNATIONS)
+def test_a_range_request_without_a_good_incarnation_names_the_field(bad: object) -> None:
+    obj: dict[str, Any] = {"id": 1, "producer": "p", "start": 1, "end": 2}
+    if bad is not None:
+        obj["incarnation"] = bad
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_request({"range": obj})
+    assert e.value.field == "range.incarnation" and e.value.value == bad
+    with pytest.raises(LocalProtocolError) as le:
+        encode_request(RangeRequest(1, "p", bad, 1, 2))  # type: ignore[arg-type]
+    assert le.value.field == "range.incarnation"
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(LocalProtocolError):
+        reader.request("p", bad, 1, 2)  # type: ignore[arg-type]
+    assert reader.state is ReaderState.IDLE
+
+
+@pytest.mark.parametrize("bad", BAD_INCARNATIONS)
+def test_answers_without_a_good_incarnation_name_the_field(bad: object) -> None:
+    held: dict[str, Any] = {"id": 1, "producer": "p", "status": "held", "first": 1, "end": 2}
+    other: dict[str, Any] = {"id": 1, "status": "other_incarnation", "first": 1, "end": 2}
+    for key, obj in (("held", held), ("range", other)):
+        if bad is not None:
+            obj["incarnation"] = bad
+        with pytest.raises(RemoteProtocolError) as e:
+            decode_reply({key: obj})
+        assert e.value.field == f"{key}.incarnation" and e.value.value == bad
+
+
+def test_incarnation_answers_round_trip() -> None:
+    for reply in (OtherIncarnation(3, OTHER, 1, 251), OtherIncarnation(0, "b", 5, 5)):
+        assert decode_reply(encode_reply(reply)) == reply
+    assert encode_reply(OtherIncarnation(3, OTHER, 1, 251)) == {
+        "range": {
+            "id": 3,
+            "status": "other_incarnation",
+            "incarnation": OTHER,
+            "first": 1,
+            "end": 251,
+        }
+    }
+    assert encode_reply(HeldReport(2, "p", INC, 4, 9)) == {
+        "held": {
+            "id": 2,
+            "producer": "p",
+            "status": "held",
+            "incarnation": INC,
+            "first": 4,
+            "end": 9,
+        }
+    }
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_reply({"range": {"id": 1, "status": "other_incarnation", "first": 3, "end": 2}})
+    assert e.value.field == "range.first"
+
+
+def test_the_giver_refuses_a_range_of_another_incarnation_before_any_record() -> None:
+    for start, end in ((100, 200), (5, 5), (1, 251), (300, 400)):
+        giver = RangeGiver(OTHER)
+        giver.on_pay(encode_request(RangeRequest(0, "p", INC, start, end)))
+        # Whatever the window: the numbers name other records.
+        assert giver.next(Window(1, 251), 10) == OtherIncarnation(0, OTHER, 1, 251)
+        assert giver.request is None
+
+
+def test_the_giver_serves_a_range_of_its_own_incarnation() -> None:
+    giver = RangeGiver(OTHER)
+    giver.on_pay(encode_request(RangeRequest(0, "p", OTHER, 100, 102)))
+    act = giver.next(Window(1, 251), 10)
+    assert act == Records(100, 2)
+    giver.sent(act)
+    assert giver.next(Window(1, 251), 10) == Done(0, 100, 102)
+    giver.on_pay(encode_request(HeldQuery(1, "p")))
+    assert giver.next(Window(1, 251), 1) == HeldReport(1, "p", OTHER, 1, 251)
+
+
+def test_the_reader_takes_a_true_other_incarnation_refusal_as_data_loss() -> None:
+    reader = RangeReader(RangeTerms(VERSION, "p", OTHER))
+    reader.request("daq-1", INC, 100, 200)
+    refusal = reader.on_dat(encode_reply(OtherIncarnation(0, OTHER, 1, 251)))
+    assert refusal == OtherIncarnation(0, OTHER, 1, 251)
+    assert reader.state is ReaderState.REFUSED and reader.received == 0
+    err = reader.loss(refusal)
+    assert isinstance(err, DataLossError) and err.producer == "daq-1"
+    text = str(err)
+    for part in ("[100, 200)", "'daq-1'", INC, OTHER, "[1, 251)", "restarted"):
+        assert part in text, (part, text)
+
+
+def test_the_reader_names_the_numbers_of_a_not_held_range() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.request("p", INC, 5, 10)
+    reader.records(5, 2)
+    refusal = reader.on_dat(encode_reply(NotHeld(0, 8, 30)))
+    assert refusal is not None
+    text = str(reader.loss(refusal))
+    for part in ("[5, 10)", "[8, 30)", INC, "2 discarded"):
+        assert part in text, (part, text)
+    with pytest.raises(LocalProtocolError):
+        reader.loss(Done(0, 5, 10))
+    reader.query("p")
+    held = reader.on_dat(encode_reply(UnknownProducer(1, query=True)))
+    assert held is not None
+    with pytest.raises(LocalProtocolError):
+        reader.loss(held)  # a held query's refusal loses nothing
+
+
+def test_the_reader_rejects_a_lying_other_incarnation_refusal() -> None:
+    # Naming the request's own incarnation: the giver would serve it.
+    reader = RangeReader(CAPABLE)
+    reader.request("p", INC, 1, 5)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(OtherIncarnation(0, INC, 1, 9)))
+    assert e.value.field == "range.incarnation" and reader.state is ReaderState.ERROR
+    # Naming another incarnation than the one its BOT stated (fixed for the flow).
+    reader = RangeReader(CAPABLE)
+    reader.request("p", OTHER, 1, 5)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(OtherIncarnation(0, "third", 1, 9)))
+    assert e.value.field == "range.incarnation"
+
+
+def test_the_reader_never_takes_records_of_a_range_planned_on_another_incarnation() -> None:
+    # A giver that stated OTHER in its BOT but serves a range planned on INC anyway.
+    reader = RangeReader(RangeTerms(VERSION, "p", OTHER))
+    reader.request("p", INC, 100, 200)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat({"seq": 100})
+    assert e.value.field == "range.incarnation" and e.value.value == OTHER
+    assert INC in str(e.value) and OTHER in str(e.value)
+    assert reader.state is ReaderState.ERROR and reader.received == 0
+    reader = RangeReader(RangeTerms(VERSION, "p", OTHER))
+    reader.request("p", INC, 100, 200)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.records(100, 1)  # without on_dat first: still checked
+    assert e.value.field == "range.incarnation" and reader.received == 0
+
+
+def test_a_held_answer_of_another_incarnation_than_the_bot_is_a_remote_error() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.query("p")
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(HeldReport(0, "p", OTHER, 1, 9)))
+    assert e.value.field == "held.incarnation" and e.value.value == OTHER
+
+
+def test_the_held_answers_incarnation_flows_into_the_range_request() -> None:
+    h = Harness(4, Window(1, 300), incarnation=OTHER)
+    h.deliver_pay(h.reader.send_query(h.pair.client, "p", 1))
+    h.pump(batch=8)
+    (held,) = h.replies
+    assert isinstance(held, HeldReport) and held.incarnation == OTHER
+    offsets: dict[str, dict[str, Any]] = {
+        held.producer: {"incarnation": held.incarnation, "end": held.end}
+    }
+    plan = offsets["p"]
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", plan["incarnation"], 100, 104))
+    assert h.giver.request == RangeRequest(1, "p", OTHER, 100, 104)
+    while h.reader.state is not ReaderState.DONE:
+        h.pump(batch=8)
+        if h.pair.client.credit:
+            h.deliver_pay(h.pair.client.pay())
+    assert h.seqs == [100, 101, 102, 103]
+
+
+def test_a_retried_task_after_a_restart_without_retention_gets_data_loss_not_data() -> None:
+    """The hole this closes: planned [100, 200) on process A; A dies; B (same id, same
+    endpoint) numbers from 1 again and holds [1, 251) when the retried task asks."""
+    a = Harness(4, Window(1, 300), incarnation=INC)
+    a.deliver_pay(a.reader.send_query(a.pair.client, "p", 1))
+    a.pump(batch=8)
+    (held,) = a.replies
+    assert isinstance(held, HeldReport)
+    b = Harness(4, Window(1, 251), incarnation=new_incarnation(b"restarted-B-0001"))
+    b.deliver_pay(b.reader.send_request(b.pair.client, "p", held.incarnation, 100, 200))
+    b.pump(batch=8)
+    assert b.seqs == []
+    (refusal,) = b.replies
+    assert isinstance(refusal, OtherIncarnation) and (refusal.first, refusal.end) == (1, 251)
+    assert b.reader.state is ReaderState.REFUSED
+    assert "[100, 200)" in str(b.reader.loss(refusal))
 
 
 # ------------------------------------------------------------------------ properties
@@ -589,7 +875,7 @@ def test_a_held_range_arrives_exactly_once_in_order_whatever_the_credit(
     window, start, end = case
     h = Harness(credit, window)
     first_pay = min(pays[0], credit)
-    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end, credit=first_pay))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", INC, start, end, credit=first_pay))
     i = 1
     while h.reader.state is not ReaderState.DONE:
         h.pump(batch, cut)
@@ -626,20 +912,22 @@ def test_a_range_not_fully_held_is_refused_with_the_held_bounds(
 ) -> None:
     window, start, end = case
     h = Harness(credit, window)
-    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", INC, start, end))
     h.pump(batch)
     assert h.seqs == []
     assert h.replies == [NotHeld(0, window.first, window.end)]
     assert h.reader.state is ReaderState.REFUSED
 
 
+incarnations = st.text(INCARNATION_CHARS, min_size=1, max_size=INCARNATION_MAX)
+
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 2**64) | st.text(max_size=4),
+    st.none() | st.booleans() | st.integers(-5, 2**64) | st.text(max_size=4) | incarnations,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
     max_leaves=6,
 )
 bot_attrs = st.dictionaries(
-    st.sampled_from(["producer", "ranges", "stream", "ack", "read", "resume", "x"]),
+    st.sampled_from(["producer", "ranges", "incarnation", "stream", "ack", "read", "resume", "x"]),
     json_values,
     max_size=5,
 )
@@ -651,6 +939,7 @@ def test_the_capability_counts_only_as_the_servers_own_statement(
     ours: dict[str, Any], extra: dict[str, Any]
 ) -> None:
     ours.pop("ranges", None)
+    ours.pop("incarnation", None)
     try:
         sent = {"direction": "inject", "credit": 4, **offer_attrs(ours)}
     except LocalProtocolError:
@@ -666,6 +955,8 @@ def test_the_capability_counts_only_as_the_servers_own_statement(
     )
     # (null states nothing, as for the other profile attributes)
     assert terms.capable == (extra.get("ranges") is not None and own_producer)
+    if terms.capable:  # never without the giver's own, well-formed incarnation
+        assert terms.incarnation == extra["incarnation"]
     assert not client_range_terms(sent, echo(sent)).capable
 
 
@@ -676,6 +967,7 @@ def test_the_capability_counts_only_as_the_servers_own_statement(
             RangeRequest,
             st.integers(0, SEQ_MAX),
             st.text(min_size=1, max_size=8),
+            incarnations,
             st.integers(0, 100),
             st.integers(100, SEQ_MAX),
         ),
@@ -699,7 +991,7 @@ def test_acks_during_a_range_give_a_prefix_then_a_refusal_never_other_records(
     the range whole, or a prefix of it in order and then not_held; nothing else."""
     window, start, end = case
     h = Harness(credit, window)
-    h.deliver_pay(h.reader.send_request(h.pair.client, "p", start, end))
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", INC, start, end))
     i = 0
     while h.reader.state not in (ReaderState.DONE, ReaderState.REFUSED):
         h.pump(batch)
@@ -717,3 +1009,48 @@ def test_acks_during_a_range_give_a_prefix_then_a_refusal_never_other_records(
         (refusal,) = h.replies
         # Refused only because acks freed the next record (the window's end stayed).
         assert isinstance(refusal, NotHeld) and refusal.first > start + len(h.seqs)
+
+
+@PROPS
+@given(
+    st.one_of(held_ranges(), unheld_ranges()),
+    incarnations,
+    incarnations,
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.booleans(),
+)
+def test_a_reader_planned_on_one_incarnation_never_gets_records_of_another(
+    case: tuple[Window, int, int],
+    planned: str,
+    stated: str,
+    credit: int,
+    batch: int,
+    rogue: bool,
+) -> None:
+    """Whatever the windows (a restarted giver's may cover the planned range), a range
+    planned on incarnation X gets no record from a giver of incarnation Y != X: the giver
+    refuses it, and a rogue giver that serves the numbers anyway is stopped by the
+    reader at its first DAT of records."""
+    assume(planned != stated)
+    window, start, end = case
+    giver = RangeGiver(planned) if rogue else None  # rogue: states Y, serves as X
+    h = Harness(credit, window, incarnation=stated, giver=giver)
+    h.deliver_pay(h.reader.send_request(h.pair.client, "p", planned, start, end))
+    try:
+        for _ in range(1000):
+            h.pump(batch)
+            if h.reader.state is not ReaderState.REQUESTED:
+                break
+            if h.pair.client.credit:
+                h.deliver_pay(h.pair.client.pay())
+    except RemoteProtocolError as e:
+        assert rogue and e.field == "range.incarnation"
+        assert h.reader.state is ReaderState.ERROR
+    assert h.seqs == [] and h.reader.received == 0
+    if not rogue:
+        assert h.replies == [OtherIncarnation(0, stated, window.first, window.end)]
+        assert h.reader.state is ReaderState.REFUSED
+        (refusal,) = h.replies
+        text = str(h.reader.loss(refusal))
+        assert planned in text and stated in text and f"[{start}, {end})" in text

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from zio_spark.errors import RemoteProtocolError
 from zio_spark.protocol.message import FLOW_FORM, Message, decode_single, encode_single
 from zio_spark.protocol.ranges import (
+    OtherIncarnation,
     RangeReader,
     RangeTerms,
     client_range_terms,
@@ -43,10 +44,19 @@ from zio_spark.protocol.ranges import (
 )
 
 SENT_BOT = {"direction": "inject", "credit": 8, **offer_attrs({"stream": "s"})}
+INC = "i1"  # the giver's incarnation in the seeds
 
 REQUEST_SEEDS: list[dict[str, Any]] = [
-    {"flow": "PAY", "credit": 4, "range": {"id": 0, "producer": "p1", "start": 1, "end": 9}},
-    {"flow": "PAY", "credit": 0, "range": {"id": 7, "producer": "é", "start": 5, "end": 5}},
+    {
+        "flow": "PAY",
+        "credit": 4,
+        "range": {"id": 0, "producer": "p1", "incarnation": INC, "start": 1, "end": 9},
+    },
+    {
+        "flow": "PAY",
+        "credit": 0,
+        "range": {"id": 7, "producer": "é", "incarnation": "A-9.z_", "start": 5, "end": 5},
+    },
     {"flow": "PAY", "credit": 1, "held": {"id": 3, "producer": "p1"}},
     {"flow": "PAY", "credit": 2, "ack": 4},
 ]
@@ -54,15 +64,41 @@ REPLY_SEEDS: list[dict[str, Any]] = [
     {"flow": "DAT", "range": {"id": 0, "status": "done", "start": 1, "end": 9}},
     {"flow": "DAT", "range": {"id": 0, "status": "not_held", "first": 4, "end": 12}},
     {"flow": "DAT", "range": {"id": 0, "status": "unknown_producer"}},
-    {"flow": "DAT", "held": {"id": 0, "producer": "p1", "status": "held", "first": 1, "end": 9}},
+    {
+        "flow": "DAT",
+        "range": {"id": 0, "status": "other_incarnation", "incarnation": INC, "first": 1, "end": 9},
+    },
+    {
+        "flow": "DAT",
+        "held": {
+            "id": 0,
+            "producer": "p1",
+            "status": "held",
+            "incarnation": INC,
+            "first": 1,
+            "end": 9,
+        },
+    },
     {"flow": "DAT", "held": {"id": 0, "status": "unknown_producer"}},
     {"flow": "DAT", "seq": 1},
 ]
 BOT_SEEDS: list[dict[str, Any]] = [
-    {"flow": "BOT", "direction": "extract", "credit": 8, **state_capability({"producer": "p1"})},
+    {
+        "flow": "BOT",
+        "direction": "extract",
+        "credit": 8,
+        **state_capability({"producer": "p1"}, INC),
+    },
     {"flow": "BOT", **{**SENT_BOT, "direction": "extract"}},  # an echo
     {"flow": "BOT", **SENT_BOT},  # what a capable giver's server side reads
-    {"flow": "BOT", "direction": "extract", "credit": 8, "producer": "p", "ranges": 3},
+    {
+        "flow": "BOT",
+        "direction": "extract",
+        "credit": 8,
+        "producer": "p",
+        "ranges": 3,
+        "incarnation": "x" * 64,
+    },
 ]
 
 
@@ -90,13 +126,32 @@ INTERESTING: list[Any] = [
     "held",
     "not_held",
     "unknown_producer",
+    "other_incarnation",
     "range",
+    "i1",
+    "i2",
+    "x" * 64,
+    "x" * 65,
+    "a b",
+    "é",
     [],
     [1, 2],
     {},
     {"id": 0},
 ]
-KEYS = ["id", "producer", "start", "end", "first", "status", "range", "held", "ranges", "read"]
+KEYS = [
+    "id",
+    "producer",
+    "incarnation",
+    "start",
+    "end",
+    "first",
+    "status",
+    "range",
+    "held",
+    "ranges",
+    "read",
+]
 
 # ------------------------------------------------------------------------- mutations
 
@@ -183,12 +238,16 @@ def _try_reply(data: bytes) -> str:
     if reply is None:
         return "none"
     assert decode_reply(encode_reply(reply)) == reply
-    # The reader, with a request open, either takes the answer or rejects it: typed.
-    reader = RangeReader(RangeTerms(1, "p1"))
+    # The reader, with a request open, either takes the answer or rejects it: typed. A
+    # range is planned on the giver's incarnation (records may arrive), except for an
+    # other_incarnation answer, which only a range planned on another one can take.
+    reader = RangeReader(RangeTerms(1, "p1", INC))
     if "held" in obj:
         reader.query("p1")
+    elif isinstance(reply, OtherIncarnation):
+        reader.request("p1", "i0", 1, 9)
     else:
-        reader.request("p1", 1, 9)
+        reader.request("p1", INC, 1, 9)
         reader.records(1, 8)
     try:
         reader.on_dat(obj)
@@ -207,6 +266,7 @@ def _try_bot(data: bytes) -> str:
         terms = client_range_terms(SENT_BOT, obj)
         if terms.capable:
             assert obj.get("ranges") is not None and isinstance(obj.get("producer"), str)
+            assert terms.incarnation == obj.get("incarnation")
     except RemoteProtocolError as e:
         outcome = str(e.field)
     try:
@@ -278,7 +338,8 @@ def test_fuzz_request_decoder_seeded() -> None:
     assert sum(outcomes.values()) == CASES
     assert outcomes["ok"] > CASES // 20, outcomes
     want = {"none", "label", "range", "held", "range.id", "range.producer", "range.start"}
-    assert set(outcomes) >= want | {"range.end", "held.id", "held.producer"}, outcomes
+    want |= {"range.end", "held.id", "held.producer", "range.incarnation"}
+    assert set(outcomes) >= want, outcomes
 
 
 @pytest.mark.fuzz
@@ -287,7 +348,9 @@ def test_fuzz_reply_decoder_seeded() -> None:
     assert sum(outcomes.values()) == CASES
     assert outcomes["ok"] > CASES // 20, outcomes
     want = {"none", "label", "range", "held", "range.id", "range.status", "held.status"}
-    assert set(outcomes) >= want | {"range.first", "held.producer", "reader range.id"}, outcomes
+    want |= {"range.first", "held.producer", "reader range.id"}
+    want |= {"range.incarnation", "held.incarnation", "reader range.incarnation"}
+    assert set(outcomes) >= want, outcomes
 
 
 @pytest.mark.fuzz
@@ -295,4 +358,4 @@ def test_fuzz_bot_terms_seeded() -> None:
     outcomes = _run(0x2A62, BOT_SEEDS, _try_bot)
     assert sum(outcomes.values()) == CASES
     assert outcomes["ok"] > CASES // 20, outcomes
-    assert {"ranges", "producer", "ok server read"} <= set(outcomes), outcomes
+    assert {"ranges", "producer", "incarnation", "ok server read"} <= set(outcomes), outcomes

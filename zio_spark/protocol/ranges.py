@@ -18,11 +18,25 @@ whose server did not state ``ranges`` sends no request at all (:class:`RangeRead
 raises :class:`~zio_spark.errors.LocalProtocolError` before anything is built) and ends
 the flow: no data moved, the query keeps the spool path for that producer.
 
+**Incarnation: which numbers.** Sequence numbers name records only within one numbering:
+a producer restarted without durable retention numbers from 1 again, so after a restart
+the range ``[100, 200)`` a plan named may exist again and hold *other* records. So a
+capable giver states, together with ``ranges``, ``"incarnation": "<name>"`` (1..64 ASCII
+letters, digits, ``.``, ``_``, ``-``; opaque, compared for equality only): the name of
+its sequence-number space. Under one incarnation a number names one record, forever. A
+new one is taken whenever the numbering may have restarted: a fresh process without
+durable retention makes a random one (:func:`new_incarnation` over ``os.urandom``), a
+producer with durable retention persists its incarnation with its records and keeps it
+(and its numbers) across its own restarts, and a giver that renumbers while it lives
+takes a new one and ends its range flows first, so that a flow's incarnation is the one
+its BOT stated. The reader never sends ``incarnation`` either (echo-proof as ``ranges``).
+
 **Requests** ride on a PAY (the taker's only message in transfer), together with any
 credit, which may be 0 for them (:mod:`.flow` allows it):
 
-- ``"range": {"id": k, "producer": p, "start": s, "end": e}``: the records with sequence
-  numbers ``s <= seq < e`` (the per-producer numbers of the spool path, from 1).
+- ``"range": {"id": k, "producer": p, "incarnation": i, "start": s, "end": e}``: the
+  records with sequence numbers ``s <= seq < e`` (the per-producer numbers of the spool
+  path, from 1) of incarnation ``i``, the one the range was planned on.
 - ``"held": {"id": k, "producer": p}``: the producer's held window.
 
 ``id`` is the reader's number for the request, unique within the flow and increasing;
@@ -37,14 +51,26 @@ DAT without payload ends it:
 - ``"range": {"id": k, "status": "not_held", "first": a, "end": b}`` -- the giver holds
   ``[a, b)`` for that producer, which does not cover the rest of the range. May follow
   some records (acks freed them while a speculative copy read): the reader discards the
-  range and raises :class:`~zio_spark.errors.DataLossError` with these numbers;
-- ``"range": {"id": k, "status": "unknown_producer"}`` -- the giver serves no such id.
+  range, a data loss with these numbers;
+- ``"range": {"id": k, "status": "other_incarnation", "incarnation": j, "first": a,
+  "end": b}`` -- the giver's incarnation is ``j``, not the request's: never after a
+  record; a data loss naming both incarnations;
+- ``"range": {"id": k, "status": "unknown_producer"}`` -- the giver serves no such id (a
+  data loss too).
 
-and a held query is answered by one DAT
-``"held": {"id": k, "producer": p, "status": "held", "first": a, "end": b}`` (or
-``"status": "unknown_producer"``).
+For each refusal of a range, :meth:`RangeReader.loss` builds the
+:class:`~zio_spark.errors.DataLossError` (the caller raises it when ``failOnDataLoss``
+holds), naming the range, the producer and the incarnations.
 
-**The rule for serving** is one comparison, made before every DAT of the range: with
+A held query is answered by one DAT
+``"held": {"id": k, "producer": p, "status": "held", "incarnation": i, "first": a,
+"end": b}`` (or ``"status": "unknown_producer"``). A planner keeps, per producer id,
+``{incarnation: i, end: b}`` in its offsets and puts ``i`` in every range it plans up to
+``b``; a later held answer of another incarnation means the numbering restarted: the
+ranges planned but not read are lost.
+
+**The rule for serving** is made before every DAT of the range: the request's
+incarnation must be the giver's (else ``other_incarnation``, before any record), and with
 ``[first, end)`` the producer's held window now (``first``: the oldest record not yet
 acknowledged, ``end``: the next sequence number to assign), the rest ``[next, e)`` of the
 request is served only if ``first <= next`` and ``e <= end``. So a zero-length range is
@@ -56,6 +82,11 @@ giver restarted without its records; waiting would block the task, and after a r
 the numbers may name other records -- different data, where a re-read must give the same
 rows or fail.
 
+The reader checks the incarnation too: records for a range planned on another
+incarnation than the one the giver stated in its BOT, a held answer of another
+incarnation, or an ``other_incarnation`` refusal naming the request's own, are a
+:class:`~zio_spark.errors.RemoteProtocolError`.
+
 The giver frees records only on acks (``ack`` in PAY, as in the spool path), so a retried
 or speculative task re-reads exactly what the first attempt read, or is refused.
 
@@ -64,18 +95,26 @@ Everything here is pure: attribute mappings in, attribute dicts and events out.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from zio_spark.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from zio_spark.errors import (
+    DataLossError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from zio_spark.protocol.flow import Flow, profile_bot
 from zio_spark.protocol.message import Message
 from zio_spark.protocol.negotiate import own_statements
 
 __all__ = [
     "CAPABILITY",
+    "INCARNATION",
+    "INCARNATION_MAX",
     "READ",
     "READ_RANGE",
     "SEQ_MAX",
@@ -84,6 +123,7 @@ __all__ = [
     "HeldQuery",
     "HeldReport",
     "NotHeld",
+    "OtherIncarnation",
     "RangeGiver",
     "RangeReader",
     "RangeRequest",
@@ -100,6 +140,7 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "forbid_requests",
+    "new_incarnation",
     "offer_attrs",
     "server_asks_range",
     "state_capability",
@@ -118,7 +159,49 @@ READ_RANGE = "range"
 SEQ_MAX = 2**63 - 1
 """Largest sequence number or request id (the Arrow ``seq`` column is an int64)."""
 
+INCARNATION = "incarnation"
+"""Giver BOT attribute, and a field of ``range`` requests, ``held`` answers and
+``other_incarnation`` refusals: the name of the giver's sequence-number space."""
+
+INCARNATION_MAX = 64
+"""Longest incarnation, in characters (ASCII letters, digits, ``.``, ``_``, ``-``)."""
+
+_INCARNATION_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{INCARNATION_MAX}}}")
+
 _REQUEST_KEYS = ("range", "held")
+
+
+# ------------------------------------------------------------------------- incarnation
+
+
+def _incarnation(value: object, field: str, local: bool) -> str:
+    if not isinstance(value, str) or _INCARNATION_RE.fullmatch(value) is None:
+        raise _fail(
+            local,
+            f"{field} must be a string of 1..{INCARNATION_MAX} ASCII letters, digits, '.', "
+            f"'_' or '-' (the giver's sequence-number space), got {value!r:.80}",
+            field,
+            value,
+        )
+    return value
+
+
+def new_incarnation(entropy: bytes) -> str:
+    """A fresh incarnation made of ``entropy`` (pass ``os.urandom(16)``): hex, so 16 random
+    bytes give 32 characters.
+
+    Raises
+    ------
+    LocalProtocolError
+        If ``entropy`` is not 8..32 bytes (too few would let two restarts collide).
+    """
+    if not isinstance(entropy, bytes | bytearray) or not 8 <= len(entropy) <= 32:
+        raise LocalProtocolError(
+            f"incarnation entropy must be 8..32 bytes, got {entropy!r:.80}",
+            field=INCARNATION,
+            value=entropy,
+        )
+    return bytes(entropy).hex()
 
 
 # ------------------------------------------------------------------------- negotiation
@@ -130,11 +213,17 @@ class RangeTerms:
 
     ``version`` is the range protocol version both speak (None: the giver did not state
     the capability as its own; send it no request). ``producer`` is the giver's own
-    ``producer`` statement.
+    ``producer`` statement, ``incarnation`` its sequence-number space (stated with the
+    capability, fixed for the flow's life).
     """
 
     version: int | None = None
     producer: str | None = None
+    incarnation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.version is not None:
+            _incarnation(self.incarnation, INCARNATION, local=True)
 
     @property
     def capable(self) -> bool:
@@ -150,17 +239,18 @@ def offer_attrs(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     Raises
     ------
     LocalProtocolError
-        If ``attrs`` holds ``ranges`` (a reader never states it: its echo would then
-        pass for the giver's statement) or another ``read``.
+        If ``attrs`` holds ``ranges`` or ``incarnation`` (a reader never states them: an
+        echo would then pass for the giver's statement) or another ``read``.
     """
     out = dict(attrs or {})
-    if CAPABILITY in out:
-        raise LocalProtocolError(
-            f"a range reader's BOT must not carry {CAPABILITY!r} (got {out[CAPABILITY]!r}): "
-            "an echo of it would pass for the giver's statement",
-            field=CAPABILITY,
-            value=out[CAPABILITY],
-        )
+    for key in (CAPABILITY, INCARNATION):
+        if key in out:
+            raise LocalProtocolError(
+                f"a range reader's BOT must not carry {key!r} (got {out[key]!r}): "
+                "an echo of it would pass for the giver's statement",
+                field=key,
+                value=out[key],
+            )
     if out.get(READ, READ_RANGE) != READ_RANGE:
         raise LocalProtocolError(
             f"BOT {READ} must be {READ_RANGE!r} on a range flow, got {out[READ]!r}",
@@ -171,15 +261,18 @@ def offer_attrs(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return out
 
 
-def state_capability(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A capable giver's BOT extras: ``attrs`` plus ``ranges: VERSION``.
+def state_capability(attrs: Mapping[str, Any] | None, incarnation: str) -> dict[str, Any]:
+    """A capable giver's BOT extras: ``attrs`` plus ``ranges: VERSION`` and
+    ``incarnation`` (its current sequence-number space).
 
     Raises
     ------
     LocalProtocolError
-        If ``attrs`` has no string ``producer``: the statement counts only with the
-        profile, so without it the reader would never use it.
+        If ``attrs`` has no string ``producer`` (the statement counts only with the
+        profile, so without it the reader would never use it), or ``incarnation`` is
+        malformed.
     """
+    _incarnation(incarnation, INCARNATION, local=True)
     out = dict(attrs or {})
     if not isinstance(out.get("producer"), str):
         raise LocalProtocolError(
@@ -189,19 +282,22 @@ def state_capability(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
             value=out.get("producer"),
         )
     out[CAPABILITY] = VERSION
+    out[INCARNATION] = incarnation
     return out
 
 
 def client_range_terms(sent: Mapping[str, Any], reply: Mapping[str, Any]) -> RangeTerms:
     """The range terms of a flow we opened as the reader: ``sent`` our BOT's attributes,
     ``reply`` the server's. Only the server's own statements count (not echoes), and
-    ``ranges`` only together with its own ``producer``.
+    ``ranges`` only together with its own ``producer``; a capable server must state its
+    ``incarnation`` too.
 
     Raises
     ------
     RemoteProtocolError
-        If the server stated ``ranges`` that is not an integer >= 1, or a profile
-        attribute of the wrong type.
+        If the server stated ``ranges`` that is not an integer >= 1, a profile attribute
+        of the wrong type, or ``ranges`` and ``producer`` without a well-formed
+        ``incarnation`` (``field="incarnation"``).
     """
     own = own_statements(sent, reply)
     prof = profile_bot(own)
@@ -216,7 +312,8 @@ def client_range_terms(sent: Mapping[str, Any], reply: Mapping[str, Any]) -> Ran
         )
     if prof.producer is None:  # no profile: not a statement we trust
         return NOT_CAPABLE
-    return RangeTerms(min(raw, VERSION), prof.producer)
+    incarnation = _incarnation(own.get(INCARNATION), INCARNATION, local=False)
+    return RangeTerms(min(raw, VERSION), prof.producer, incarnation)
 
 
 def server_asks_range(bot: Mapping[str, Any]) -> bool:
@@ -243,10 +340,12 @@ def server_asks_range(bot: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class RangeRequest:
-    """Records ``start <= seq < end`` of ``producer`` (request number ``id``)."""
+    """Records ``start <= seq < end`` of ``producer`` (request number ``id``), numbered
+    in ``incarnation`` (the one the range was planned on)."""
 
     id: int
     producer: str
+    incarnation: str
     start: int
     end: int
 
@@ -281,6 +380,18 @@ class NotHeld:
 
 
 @dataclass(frozen=True, slots=True)
+class OtherIncarnation:
+    """The giver numbers its records as ``incarnation``, not the request's: the numbers
+    asked for may name other records. ``[first, end)``: its held window (of its own
+    incarnation)."""
+
+    id: int
+    incarnation: str
+    first: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class UnknownProducer:
     """The giver serves no such producer id. ``query``: the answer to a held query."""
 
@@ -290,15 +401,18 @@ class UnknownProducer:
 
 @dataclass(frozen=True, slots=True)
 class HeldReport:
-    """The producer's held window ``[first, end)``: records ``first .. end - 1``."""
+    """The producer's held window ``[first, end)``: records ``first .. end - 1``, numbered
+    in ``incarnation``. A planner stores ``incarnation`` with the ``end`` it plans to and
+    puts it in every range request it plans from this report."""
 
     id: int
     producer: str
+    incarnation: str
     first: int
     end: int
 
 
-Reply = Done | NotHeld | UnknownProducer | HeldReport
+Reply = Done | NotHeld | OtherIncarnation | UnknownProducer | HeldReport
 
 
 def _fail(local: bool, text: str, field: str, value: object) -> ProtocolError:
@@ -361,6 +475,7 @@ def _check_request(req: Mapping[str, Any], key: str, local: bool) -> Request:
     producer = _producer(req, key, local)
     if key == "held":
         return HeldQuery(rid, producer)
+    incarnation = _incarnation(req.get(INCARNATION), f"{key}.{INCARNATION}", local)
     start = _int(req, key, "start", local)
     end = _int(req, key, "end", local)
     if start > end:
@@ -370,7 +485,7 @@ def _check_request(req: Mapping[str, Any], key: str, local: bool) -> Request:
             "range.start",
             start,
         )
-    return RangeRequest(rid, producer, start, end)
+    return RangeRequest(rid, producer, incarnation, start, end)
 
 
 def encode_request(req: Request) -> dict[str, Any]:
@@ -386,6 +501,7 @@ def encode_request(req: Request) -> dict[str, Any]:
         obj: dict[str, Any] = {
             "id": req.id,
             "producer": req.producer,
+            "incarnation": req.incarnation,
             "start": req.start,
             "end": req.end,
         }
@@ -451,18 +567,23 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
     elif isinstance(reply, NotHeld):
         key, obj = "range", {"id": reply.id, "status": "not_held", "first": reply.first}
         obj["end"] = reply.end
+    elif isinstance(reply, OtherIncarnation):
+        key, obj = "range", {"id": reply.id, "status": "other_incarnation"}
+        obj[INCARNATION] = reply.incarnation
+        obj["first"], obj["end"] = reply.first, reply.end
     elif isinstance(reply, UnknownProducer):
         key = "held" if reply.query else "range"
         obj = {"id": reply.id, "status": "unknown_producer"}
     else:
         key = "held"
         obj = {"id": reply.id, "producer": reply.producer, "status": "held"}
+        obj[INCARNATION] = reply.incarnation
         obj["first"], obj["end"] = reply.first, reply.end
     _check_reply(obj, key, local=True)
     return {key: obj}
 
 
-_RANGE_STATUSES = ("done", "not_held", "unknown_producer")
+_RANGE_STATUSES = ("done", "not_held", "other_incarnation", "unknown_producer")
 _HELD_STATUSES = ("held", "unknown_producer")
 
 
@@ -488,7 +609,12 @@ def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
     first, end = _window(obj, key, local)
     if status == "not_held":
         return NotHeld(rid, first, end)
-    return HeldReport(rid, _producer(obj, key, local), first, end)
+    if status == "other_incarnation":
+        incarnation = _incarnation(obj.get(INCARNATION), f"{key}.{INCARNATION}", local)
+        return OtherIncarnation(rid, incarnation, first, end)
+    producer = _producer(obj, key, local)
+    incarnation = _incarnation(obj.get(INCARNATION), f"{key}.{INCARNATION}", local)
+    return HeldReport(rid, producer, incarnation, first, end)
 
 
 def decode_reply(attrs: Mapping[str, Any]) -> Reply | None:
@@ -553,6 +679,12 @@ class Records:
 class RangeGiver:
     """The giver's side of a range flow: which DAT to send next.
 
+    Made with the ``incarnation`` the giver stated in this flow's BOT: its
+    sequence-number space, fixed for the flow's life (a giver whose numbering restarts
+    while it lives takes a new incarnation and ends its range flows first). A range
+    request planned on another incarnation is refused (:class:`OtherIncarnation`) before
+    any record; held answers carry it.
+
     Feed each PAY's extras to :meth:`on_pay` (after :meth:`Flow.receive` accounted for
     its credit). While the flow holds credit, call :meth:`next` with the current held
     window of :attr:`producer` (None: this giver serves no such producer) and the most
@@ -562,9 +694,10 @@ class RangeGiver:
     (nothing asked). Credit is the flow's: call :meth:`next` only when it holds some.
     """
 
-    __slots__ = ("_cursor", "_request", "_served")
+    __slots__ = ("_cursor", "_request", "_served", "incarnation")
 
-    def __init__(self) -> None:
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = _incarnation(incarnation, INCARNATION, local=True)
         self._request: Request | None = None
         self._cursor = 0  # next seq of the current range request
         self._served = -1  # id of the last request taken, for the increasing-id rule
@@ -630,8 +763,12 @@ class RangeGiver:
             return UnknownProducer(req.id, query=isinstance(req, HeldQuery))
         if isinstance(req, HeldQuery):
             self._request = None
-            return HeldReport(req.id, req.producer, window.first, window.end)
-        # The one rule: the rest [cursor, end) must lie in the window, now.
+            return HeldReport(req.id, req.producer, self.incarnation, window.first, window.end)
+        # The rule: the numbers are the ones planned on, and the rest [cursor, end) lies
+        # in the window, now.
+        if req.incarnation != self.incarnation:
+            self._request = None
+            return OtherIncarnation(req.id, self.incarnation, window.first, window.end)
         if window.first > self._cursor or req.end > window.end:
             self._request = None
             return NotHeld(req.id, window.first, window.end)
@@ -698,6 +835,15 @@ class RangeReader:
     an answer comes back as a :class:`Reply`; for a DAT of records (None) decode its
     payload and pass the span to :meth:`records`, which checks that the records arrive
     in order, each once, inside the range.
+
+    A range is requested with the incarnation it was planned on (the one of the
+    :class:`HeldReport` the planner read). The giver refuses it with
+    :class:`OtherIncarnation` if that is not its own; the reader checks it too, against
+    the incarnation the giver stated in its BOT: records of a range planned on another
+    one are a :class:`RemoteProtocolError`, never taken. A refusal of a range
+    (not held, other incarnation, unknown producer) is the caller's data loss:
+    :meth:`loss` builds the :class:`~zio_spark.errors.DataLossError` to raise when
+    ``failOnDataLoss`` holds.
     """
 
     __slots__ = ("_cursor", "_next_id", "_request", "state", "terms")
@@ -745,8 +891,9 @@ class RangeReader:
             self._cursor = req.start
         return attrs
 
-    def request(self, producer: str, start: int, end: int) -> dict[str, Any]:
-        """The PAY extras asking for records ``[start, end)`` of ``producer``.
+    def request(self, producer: str, incarnation: str, start: int, end: int) -> dict[str, Any]:
+        """The PAY extras asking for records ``[start, end)`` of ``producer``, numbered in
+        ``incarnation`` (the one the range was planned on).
 
         Raises
         ------
@@ -754,7 +901,7 @@ class RangeReader:
             Without the capability, with a request still open, or with a bad field.
         """
         self._ready()
-        return self._out(RangeRequest(self._next_id, producer, start, end))
+        return self._out(RangeRequest(self._next_id, producer, incarnation, start, end))
 
     def query(self, producer: str) -> dict[str, Any]:
         """The PAY extras asking for the held window of ``producer``.
@@ -768,7 +915,13 @@ class RangeReader:
         return self._out(HeldQuery(self._next_id, producer))
 
     def send_request(
-        self, flow: Flow, producer: str, start: int, end: int, credit: int | None = None
+        self,
+        flow: Flow,
+        producer: str,
+        incarnation: str,
+        start: int,
+        end: int,
+        credit: int | None = None,
     ) -> Message:
         """:meth:`request` on a PAY of ``flow`` with ``credit`` (default: all it holds,
         possibly 0).
@@ -779,9 +932,10 @@ class RangeReader:
             As :meth:`request`, or from :meth:`Flow.pay` (then nothing is out).
         """
         self._ready()
-        attrs = encode_request(RangeRequest(self._next_id, producer, start, end))
+        req = RangeRequest(self._next_id, producer, incarnation, start, end)
+        attrs = encode_request(req)
         msg = flow.pay(flow.credit if credit is None else credit, attrs)
-        self._out(RangeRequest(self._next_id, producer, start, end))
+        self._out(req)
         return msg
 
     def send_query(self, flow: Flow, producer: str, credit: int | None = None) -> Message:
@@ -799,6 +953,59 @@ class RangeReader:
     def _check_live(self) -> None:
         if self.state is ReaderState.ERROR:
             raise LocalProtocolError("range reader is in ERROR state", field="state")
+
+    def _check_records_incarnation(self, req: RangeRequest) -> None:
+        if req.incarnation != self.terms.incarnation:
+            raise self._remote(
+                f"range {req.id}: the giver of incarnation {self.terms.incarnation!r} sent "
+                f"records of [{req.start}, {req.end}) of {req.producer!r}, planned on "
+                f"incarnation {req.incarnation!r} (it must refuse with other_incarnation: "
+                "its numbers may name other records)",
+                f"range.{INCARNATION}",
+                self.terms.incarnation,
+            )
+
+    def loss(self, reply: Reply) -> DataLossError:
+        """The :class:`~zio_spark.errors.DataLossError` for a refusal of the current
+        range (:class:`NotHeld`, :class:`OtherIncarnation`, :class:`UnknownProducer`),
+        naming the range, the producer and both incarnations; the caller raises it when
+        ``failOnDataLoss`` holds (else the range reads as empty, with a warning).
+
+        Raises
+        ------
+        LocalProtocolError
+            If no range is open or was last answered, or ``reply`` is not a refusal of it.
+        """
+        req = self._request
+        refusal = (NotHeld, OtherIncarnation, UnknownProducer)
+        if (
+            not isinstance(req, RangeRequest)
+            or not isinstance(reply, refusal)
+            or reply.id != req.id
+            or (isinstance(reply, UnknownProducer) and reply.query)
+        ):
+            raise LocalProtocolError(
+                f"no data loss in {reply!r} for the request {req!r}", field="reply", value=reply
+            )
+        what = (
+            f"records [{req.start}, {req.end}) of producer {req.producer!r} "
+            f"(incarnation {req.incarnation!r})"
+        )
+        got = "" if self._cursor == req.start else f" ({self._cursor - req.start} discarded)"
+        if isinstance(reply, OtherIncarnation):
+            text = (
+                f"{what} are lost: the producer now numbers its records as incarnation "
+                f"{reply.incarnation!r} (holding [{reply.first}, {reply.end})), so it "
+                "restarted without them and the same numbers name other records"
+            )
+        elif isinstance(reply, NotHeld):
+            text = (
+                f"{what} are no longer held: the producer holds [{reply.first}, "
+                f"{reply.end}) of incarnation {self.terms.incarnation!r}"
+            )
+        else:
+            text = f"{what} are lost: the giver serves no producer {req.producer!r}"
+        return DataLossError(text + got, producer=req.producer)
 
     def on_dat(self, attrs: Mapping[str, Any]) -> Reply | None:
         """The answer a DAT carries (the request is then over), or None for records.
@@ -825,6 +1032,7 @@ class RangeReader:
                     "flow",
                     "DAT",
                 )
+            self._check_records_incarnation(req)
             return None
         key = "held" if isinstance(reply, HeldReport) or getattr(reply, "query", False) else "range"
         if not waiting or req is None:
@@ -865,7 +1073,26 @@ class RangeReader:
                     "held.producer",
                     reply.producer,
                 )
+            if reply.incarnation != self.terms.incarnation:
+                raise self._remote(
+                    f"held window of incarnation {reply.incarnation!r} arrived on a flow "
+                    f"whose giver stated incarnation {self.terms.incarnation!r} (fixed for "
+                    "the flow's life)",
+                    f"held.{INCARNATION}",
+                    reply.incarnation,
+                )
             self.state = ReaderState.IDLE
+        elif isinstance(reply, OtherIncarnation) and isinstance(req, RangeRequest):
+            if reply.incarnation == req.incarnation or reply.incarnation != self.terms.incarnation:
+                raise self._remote(
+                    f"range {req.id} refused as other_incarnation {reply.incarnation!r}, but "
+                    f"it was asked on {req.incarnation!r} and the giver stated "
+                    f"{self.terms.incarnation!r} in its BOT (the refusal must name the "
+                    "giver's own incarnation, different from the request's)",
+                    f"range.{INCARNATION}",
+                    reply.incarnation,
+                )
+            self.state = ReaderState.REFUSED
         elif isinstance(reply, NotHeld) and isinstance(req, RangeRequest):
             if reply.first <= self._cursor and req.end <= reply.end:
                 raise self._remote(
@@ -908,6 +1135,7 @@ class RangeReader:
                 raise LocalProtocolError(
                     f"records {name} must be an integer, got {v!r}", field=name, value=v
                 )
+        self._check_records_incarnation(req)
         if count < 1:
             raise self._remote(
                 f"a DAT of range {req.id} holds {count} records, expected >= 1", "count", count
