@@ -410,22 +410,33 @@ class _Wire:
     def send(self, msg: WireMessage, rid: bytes | int | None) -> None:
         """Send, waiting for room as the reference's blocking send does, but in slices
         that notice close(): a DEALER/CLIENT whose only pipe a refused handshake dropped
-        has no room ever, and a plain blocking send would outlive the test."""
-        while self._stop is not None and not self.sock.poll(_SLICE_MS, zmq.POLLOUT):
-            if self._stop.is_set():
-                raise _Stopped
+        has no room ever, and a plain blocking send would outlive the test. (A serverish
+        port sends as before: a ROUTER never blocks, and POLLOUT is exact only on the
+        DEALER/CLIENT.)"""
+        stoppable = self._stop is not None and not self.serverish
+        while True:
+            try:
+                self._send(msg, rid, zmq.NOBLOCK if stoppable else 0)
+                return
+            except zmq.Again:  # no room, or the pipe went mid-message (libzmq rolled back)
+                pass
+            while not self.sock.poll(_SLICE_MS, zmq.POLLOUT):
+                if self._stop is not None and self._stop.is_set():
+                    raise _Stopped
+
+    def _send(self, msg: WireMessage, rid: bytes | int | None, flags: int) -> None:
         parts = encode_parts(msg)
         if self.draft:
             frame = zmq.Frame(zmsg_encode(parts))
             if self.serverish:
                 frame.routing_id = rid  # type: ignore[assignment]  # 0/None -> ZMQError
-            self.sock.send(frame)
+            self.sock.send(frame, flags)
             return
         if self.serverish:
             # pyzmq raises TypeError for a non-bytes identity (the Python reference's 0)
-            self.sock.send_multipart([rid, b"", *parts])  # type: ignore[list-item]
+            self.sock.send_multipart([rid, b"", *parts], flags)  # type: ignore[list-item]
             return
-        self.sock.send_multipart([b"", *parts])
+        self.sock.send_multipart([b"", *parts], flags)
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -339,8 +340,15 @@ def fetch_range(
         # Not a plain blocking send: should the handshake fail before it (a thread
         # descheduled between connect and send, on a busy executor), the DEALER has no pipe
         # left and a blocking send would never return. Wait for room or the refusal.
-        _await(sock, monitor, zmq.POLLOUT, timeout, endpoint, "could not send our request to")
-        sock.send_multipart(request, zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            _await(sock, monitor, zmq.POLLOUT, left, endpoint, "could not send our request to")
+            try:
+                sock.send_multipart(request, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # the pipe went between poll and send (libzmq rolled back)
+                continue
         while True:
             _await(sock, monitor, zmq.POLLIN, timeout, endpoint, "no answer from")
             parts = sock.recv_multipart()
