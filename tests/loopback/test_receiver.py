@@ -835,9 +835,16 @@ def test_a_producer_is_idle_once_it_said_more_false_and_all_it_sent_is_stored(ct
 def test_a_producer_with_nothing_to_send_is_idle_at_once(ctx, spool, closing):
     prod = _producer(ctx, closing, "empty")
     r = _receiver(closing, spool, [prod.endpoint], ctx)
-    wait_until(lambda: r.status()[0].state == "receiving", what="the flow", timeout=20.0)
+    # Idle is set once the read that brought the BOT is stored (a status read in between
+    # sees "receiving", not yet idle): wait for both. No DAT ever comes, so only the BOT's
+    # "more": false can make it idle.
+    wait_until(
+        lambda: r.status()[0].state == "receiving" and r.status()[0].idle,
+        what="the flow, idle",
+        timeout=20.0,
+    )
     (st,) = r.status()
-    assert st.idle and st.records == 0  # said in its BOT
+    assert st.idle and st.records == 0 and st.last_error is None  # said in its BOT
 
 
 def test_idle_follows_the_last_dat_of_a_hand_written_producer(ctx, spool, closing):
