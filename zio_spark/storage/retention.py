@@ -243,6 +243,10 @@ def encode_batch(
         Naming the first bad column entry (``values[3]``, ``granules[0]`` ...).
     """
     n = len(values)
+    if granules is not None:  # pyarrow would truncate a float quietly
+        bad = _bad_granule(granules)
+        if bad:
+            raise bad
     try:
         value_array = pa.array(values, pa.binary())
         key_array = pa.nulls(n, pa.binary()) if keys is None else pa.array(keys, pa.binary())
@@ -257,11 +261,10 @@ def encode_batch(
     except (pa.ArrowException, TypeError, ValueError, AttributeError, OverflowError) as e:
         bad = (
             _bad_bytes("values", values)
-            or (keys is not None and _bad_bytes("keys", keys))
-            or (granules is not None and _bad_granule(granules))
-            or (headers is not None and _bad_header(headers))
+            or (None if keys is None else _bad_bytes("keys", keys))
+            or (None if headers is None else _bad_header(headers))
         )
-        if bad:
+        if bad is not None:
             raise bad from None
         raise StorageInputError(
             "records", str(e), "value and key bytes, int64 granules, str -> str headers"
@@ -423,19 +426,21 @@ class RetentionLog:
             self._scan(seg, last_segment)
             expected = seg.next
         for seg in mine:
-            if seg.next <= first and seg.size > len(SEGMENT_MAGIC):
-                # All released: HEAD moved past it, its deletion did not happen.
-                self._index.drop_below(seg.next)
+            if seg.fd < 0:  # a torn, empty last segment was removed
+                continue
+            if seg.next <= first or seg.next == seg.first:
+                # All released (HEAD moved past it, its deletion did not happen), or
+                # made and never written to (a crash right after): not needed.
                 seg.close()
                 seg.path.unlink()
                 continue
-            if seg.fd < 0:  # a torn, empty last segment was removed
-                continue
             self._segments.append(seg)
         self._index.drop_below(first)
-        if self._segments:
+        if not self._segments:
+            self._index.clear()
+        else:
             s0 = self._segments[0]
-            if s0.first > first and s0.next > s0.first:
+            if s0.first > first:
                 raise CorruptRecordError(
                     f"the first segment starts at seq {s0.first} but HEAD says seq {first} "
                     f"is held: seqs {first}..{s0.first - 1} are missing",
@@ -630,7 +635,7 @@ class RetentionLog:
                 "values", f"{length} bytes in one append", "at most 4 GiB - 1 per append"
             )
         seg = self._segments[-1] if self._segments else None
-        if seg is None or seg.size >= self.segment_bytes:
+        if seg is None or seg.size >= self.segment_bytes or seg.next != first:
             seg = self._new_segment(self._gen, first)
         crc = zlib.crc32(body, zlib.crc32(prefix))
         head = RECORD_HEAD.pack(length, crc)
