@@ -407,7 +407,13 @@ class RetentionLog:
             assert m is not None
             seg = _Segment(self.folder / name, int(m.group(1)), int(m.group(2)))
             if seg.gen != gen:  # an interrupted or finished renumbering's leftover
-                log.info("retention %s: removing %s (generation %d)", self.folder, name, gen)
+                log.info(
+                    "retention %s: removing %s (generation %d; HEAD names %d)",
+                    self.folder,
+                    name,
+                    seg.gen,
+                    gen,
+                )
                 seg.path.unlink()
                 continue
             mine.append(seg)
@@ -426,14 +432,14 @@ class RetentionLog:
             self._scan(seg, last_segment)
             expected = seg.next
         for seg in mine:
-            if seg.fd < 0:  # a torn, empty last segment was removed
+            if seg.size < 0:  # a torn, empty last segment was removed
                 continue
             if seg.next <= first or seg.next == seg.first:
                 # All released (HEAD moved past it, its deletion did not happen), or
                 # made and never written to (a crash right after): not needed.
-                seg.close()
                 seg.path.unlink()
                 continue
+            seg.fd = os.open(seg.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
             self._segments.append(seg)
         self._index.drop_below(first)
         if not self._segments:
@@ -500,6 +506,7 @@ class RetentionLog:
                 self._torn(seg.path, 0, size)
                 seg.path.unlink()
                 seg.next = seg.first
+                seg.size = -1  # removed
                 return
             raise CorruptRecordError(
                 f"segment starts with {data[:8]!r}, expected {SEGMENT_MAGIC!r}",
@@ -545,7 +552,6 @@ class RetentionLog:
             )
         seg.size = size
         seg.next = expected
-        seg.fd = os.open(seg.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
 
     def _torn(self, path: Path, pos: int, size: int) -> None:
         self.torn += 1
