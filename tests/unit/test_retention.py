@@ -2,10 +2,13 @@
 append/read/release/reopen, a torn tail cut at every byte, damage before the end refused
 naming file and offset, the folder lock, bad input named, renumbering crash-safe, and a
 hypothesis state machine (appends, releases, renumberings, clean reopens and crashes at
-any byte of an append or around a release) against a list model."""
+any byte of an append or around a release) against a list model; then the producer's
+backlog (zio_spark.source.backlog) over a log: written before held, released on ack,
+renumbered on disk first, reopened."""
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -23,12 +26,15 @@ from zio_spark.errors import (
     StorageError,
     StorageInputError,
 )
+from zio_spark.protocol.negotiate import Terms
+from zio_spark.source.backlog import ProducerBacklog
 from zio_spark.storage.retention import (
     HEAD_MAGIC,
     SEGMENT_MAGIC,
     RetentionLockedError,
     RetentionLog,
 )
+from zio_spark.transport.giver import Giving
 
 Row = tuple[int, bytes, bytes | None, int | None, dict[str, str] | None]
 
@@ -531,3 +537,78 @@ TestRetentionMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# ------------------------------------------------- the producer's backlog over the log
+
+
+def _backlog(folder: Path, stats: collections.Counter[str] | None = None) -> ProducerBacklog:
+    return ProducerBacklog(
+        max_unacked=1000,
+        max_unacked_bytes=1 << 20,
+        stats=collections.Counter() if stats is None else stats,
+        wake=lambda: None,
+        retention=_open(folder, owner="bp"),
+    )
+
+
+def _taker(backlog: ProducerBacklog, resume: int | None) -> tuple[Giving, int]:
+    giving = Giving(
+        backlog,
+        Terms(profile=True, ack=True, encoding="arrow", resume=resume),
+        batch=100,
+        bare=False,
+    )
+    return giving, backlog.attach(giving, resume)
+
+
+def test_the_backlog_writes_before_holding_and_releases_on_ack(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    b = _backlog(folder)
+    assert b.append([b"a", b"b", b"c"], None, None, None, 1) == 3
+    assert (b.retention.first, b.retention.next_seq) == (1, 4)
+    _, start = _taker(b, 0)
+    assert start == 1
+    got = b.take(1, 10, 10)
+    assert got is not None and got.values == [b"a", b"b", b"c"]
+    b.sent(1, 3, 3, 1, False)
+    b.ack(2)
+    assert (b.retention.first, b.pending) == (3, 1)
+    b.ack(99)  # beyond what was numbered: the log's numbering stays memory's
+    assert (b.retention.first, b.retention.next_seq, b.last_seq) == (4, 4, 3)
+    assert b.append([b"d"], None, None, None, 1) == 4
+    b.close_retention()
+
+    again = _backlog(folder)  # a restart: holds 4, numbers on after it
+    assert (again.pending, again.last_seq, again.acked) == (1, 4, 3)
+    _, start = _taker(again, 3)
+    assert start == 4
+    again.close_retention()
+
+
+def test_a_bad_record_fails_the_append_and_holds_nothing_of_it(tmp_path: Path) -> None:
+    b = _backlog(tmp_path / "r")
+    with pytest.raises(StorageInputError) as err:
+        b.append([b"a", 5], None, None, None, 1)  # type: ignore[list-item]
+    assert err.value.field == "values[1]"
+    assert (b.pending, b.last_seq, b.retention.next_seq) == (0, 0, 1)
+    b.close_retention()
+
+
+def test_the_backlog_renumbers_the_log_first(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    stats: collections.Counter[str] = collections.Counter()
+    b = _backlog(folder, stats)
+    b.append([b"x", b"y"], None, None, None, 1)
+    _, start = _taker(b, 40)  # the taker holds 1..40 from this id's earlier life
+    assert start == 41 and stats["renumbered"] == 2
+    assert (b.retention.first, b.retention.next_seq, b.last_seq) == (41, 43, 42)
+    b.close_retention()
+    again = _backlog(folder)
+    assert (again.pending, again.last_seq) == (2, 42)
+    got = again.take(41, 10, 10)
+    assert got is not None and (got.first, got.values) == (41, [b"x", b"y"])
+    # A second taker with the same resume does not move the numbering again.
+    _, start = _taker(again, 40)
+    assert start == 41 and again.last_seq == 42
+    again.close_retention()
