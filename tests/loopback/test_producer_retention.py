@@ -296,6 +296,33 @@ def test_a_renumbering_is_kept_on_disk(ctx, tmp_path, closing):
     assert held.values == [b"new%d" % i for i in range(10)]
 
 
+def test_a_client_mode_producer_restarted_on_its_folder(ctx, tmp_path, closing):
+    """Producer(connect=...) into a bound receiver: the same folder, the same records."""
+    spool = Spool(tmp_path / "spool", sync=False)
+    closing.append(spool)
+    r = Receiver(spool, ctx=ctx, bind=["tcp://127.0.0.1:*"]).start()
+    closing.append(r)
+    (endpoint,) = r.bound_endpoints()
+    folder = tmp_path / "r"
+    kw = {"connect": endpoint, "producer_id": "cm", "linger_ms": 0, "retention_dir": folder}
+    p = Producer(ctx=ctx, **kw)
+    closing.append(p)
+    p.send_many([b"r%d" % s for s in range(1, 301)])
+    wait_until(lambda: _held(spool, "cm") == 300, what="the first records", timeout=WAIT)
+    p.close(flush=False, timeout=5)  # nothing committed, so nothing acknowledged
+
+    q = Producer(ctx=ctx, **kw)
+    closing.append(q)
+    assert (q.pending, q.last_seq) == (300, 300)
+    q.send_many([b"r%d" % s for s in range(301, 401)])
+    wait_until(lambda: _held(spool, "cm") == 400, what="the new records", timeout=WAIT)
+    got: list[tuple[int, bytes]] = []
+    assert _consume(spool, r, "cm", got) == 401
+    assert got == [(s, b"r%d" % s) for s in range(1, 401)]
+    wait_until(lambda: q.acked == 400, what="the commit acknowledged", timeout=WAIT)
+    wait_until(lambda: not _segments(folder), what="every segment released", timeout=WAIT)
+
+
 def test_send_many_rate_with_and_without_retention(ctx, tmp_path, closing, record_property):
     """Not a timed assertion: records/s of send_many, 100 B records, with and without
     retention in the same run (printed, and kept as test properties)."""
