@@ -184,8 +184,10 @@ def test_a_killed_producer_restarted_on_its_folder_loses_and_doubles_nothing(
 
     second = _Child(first.endpoint, "rt", folder, more)
     children.append(second)
-    # It reopened all n (none was acknowledged) and numbered its own after them.
-    assert (second.last_seq, second.pending, second.reopened) == (n, n, n)
+    # It reopened all n (none was acknowledged) and numbered its own after them. (How
+    # many it still holds depends on whether the receiver's new flow, whose resume
+    # releases what the spool holds, came before it printed.)
+    assert (second.last_seq, second.reopened) == (n, n) and second.pending <= n
     assert second.queued_to == n + more
     got: list[tuple[int, bytes]] = []
     end = 1
@@ -313,7 +315,8 @@ def test_a_client_mode_producer_restarted_on_its_folder(ctx, tmp_path, closing):
 
     q = Producer(ctx=ctx, **kw)
     closing.append(q)
-    assert (q.pending, q.last_seq) == (300, 300)
+    # Its flow may already be open: the receiver's resume (300) releases what it holds.
+    assert (q.stats["retention_reopened"], q.last_seq) == (300, 300)
     q.send_many([b"r%d" % s for s in range(301, 401)])
     wait_until(lambda: _held(spool, "cm") == 400, what="the new records", timeout=WAIT)
     got: list[tuple[int, bytes]] = []
