@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import os
+import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -391,12 +393,49 @@ def test_renumber_moves_held_records_and_survives_reopen(tmp_path: Path) -> None
     log.close()
 
 
+def test_the_incarnation_is_kept_until_held_records_are_renumbered(tmp_path: Path) -> None:
+    folder = tmp_path / "r"
+    log = _open(folder)
+    made = log.incarnation
+    assert re.fullmatch(r"[0-9a-f]{32}", made)
+    log.append(1, [b"a"])
+    log.close()
+    log = _open(folder)
+    assert log.incarnation == made  # reopened: the same numbering
+    log.release(1)
+    log.renumber(5)  # nothing held: numbers only move on
+    log.close()
+    log = _open(folder)
+    assert (log.incarnation, log.next_seq) == (made, 7)
+    log.append(7, [b"b"])
+    log.renumber(3)  # a held record gets another number: another numbering
+    assert log.incarnation != made
+    renumbered = log.incarnation
+    log.close()
+    log = _open(folder)
+    assert (log.incarnation, log.first) == (renumbered, 10)
+    log.close()
+    assert _open(tmp_path / "other").incarnation not in (made, renumbered)
+
+
+def test_a_head_with_a_bad_incarnation_is_corrupt(tmp_path: Path) -> None:
+    from zio_spark.storage.files import frame
+
+    folder = tmp_path / "r"
+    _open(folder).close()
+    payload = struct.pack("<c3xIQB", b"H", 0, 1, 3) + b"a b" + b"p1"
+    (folder / "HEAD").write_bytes(HEAD_MAGIC + frame(payload) + payload)
+    with pytest.raises(CorruptRecordError, match="HEAD incarnation 'a b'"):
+        _open(folder)
+
+
 def test_a_renumbering_cut_short_leaves_the_old_numbering(tmp_path: Path, monkeypatch) -> None:
     folder = tmp_path / "r"
     log = _open(folder)
     log.append(1, [b"a", b"b"])
+    before = log.incarnation
 
-    def fail(gen: int, first: int) -> None:
+    def fail(gen: int, first: int, incarnation: str | None = None) -> None:
         raise StorageError("disk gone")
 
     monkeypatch.setattr(log, "_write_head", fail)
@@ -408,6 +447,7 @@ def test_a_renumbering_cut_short_leaves_the_old_numbering(tmp_path: Path, monkey
     log = _open(folder)
     assert _rows(log) == [(1, b"a", None, None, None), (2, b"b", None, None, None)]
     assert [p.name[:8] for p in _segments(folder)] == ["00000000"]
+    assert log.incarnation == before
     log.close()
 
 

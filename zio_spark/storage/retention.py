@@ -8,15 +8,20 @@ released from the front once a taker acknowledges them, and found again after a 
 Layout of the folder (one process at a time: an ``flock`` on ``LOCK``)::
 
     LOCK                            flock: one process per folder
-    HEAD                            the first held seq, the generation, the owner
+    HEAD                            first held seq, generation, incarnation, owner
     <gen:08d>-<first:020d>.seg      segments of the current generation, by first seq
 
 ``HEAD`` is :data:`HEAD_MAGIC` then one CRC-framed record (:func:`~.files.frame`):
-``b"H"``, 3 zero bytes, generation u32, first held seq u64, then the owner (the
-producer id, UTF-8). It is replaced whole (:func:`~.files.atomic_write`), so it reads as
-the old or the new one. A segment is :data:`SEGMENT_MAGIC` then CRC-framed records, one
-per append batch: ``b"B"``, 3 zero bytes, record count u32, first seq u64 (16 bytes, so
-what follows is 8-aligned), then one Arrow IPC record-batch message of
+``b"H"``, 3 zero bytes, generation u32, first held seq u64, incarnation length u8, the
+incarnation (ASCII), then the owner (the producer id, UTF-8). The *incarnation* names
+this folder's numbering (the direct read mode's rule in docs/direct-read.md: under one
+incarnation a seq names one record, forever): made when the folder is made, kept by every
+reopen and release, replaced by a renumbering of held records. ``HEAD`` is replaced whole
+(:func:`~.files.atomic_write`), so it reads as the old or the new one.
+
+A segment is :data:`SEGMENT_MAGIC` then CRC-framed records, one per append batch:
+``b"B"``, 3 zero bytes, record count u32, first seq u64 (16 bytes, so what follows is
+8-aligned), then one Arrow IPC record-batch message of
 :data:`~zio_spark.codec.schema.WIRE_SCHEMA` (``seq``, ``value``, ``key``, ``granule``,
 ``headers``: the columns the producer holds and sends). Seqs run contiguously from a
 segment's first record to the last segment's last; a new segment starts once the
@@ -108,7 +113,9 @@ SEGMENT_MAGIC: Final = b"ZSRETS1\x00"
 SEGMENT_BYTES: Final = 64 << 20
 """Default size past which appends go to a new segment."""
 
-_HEAD: Final = struct.Struct("<c3xIQ")  # b"H", generation, first held seq; then the owner
+# b"H", generation, first held seq, incarnation length; then the incarnation, the owner
+_HEAD: Final = struct.Struct("<c3xIQB")
+_INCARNATION_RE: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _BATCH: Final = struct.Struct("<c3xIQ")  # b"B", record count, first seq; then Arrow
 _SEG_RE: Final = re.compile(r"^(\d{8})-(\d{20})\.seg$")
 _MAX_PAYLOAD: Final = 0xFFFF_FFFF
@@ -185,6 +192,10 @@ class _Index:
         for col in self._columns():
             col.clear()
         self.head = 0
+
+
+def _new_incarnation() -> str:
+    return os.urandom(16).hex()
 
 
 def _segment_name(gen: int, first: int) -> str:
@@ -357,6 +368,7 @@ class RetentionLog:
         self._segments: list[_Segment] = []
         self._index = _Index()
         self._gen = 0
+        self._incarnation = _new_incarnation()
         self._first = 1
         self._next = 1
         self._closed = False
@@ -393,7 +405,7 @@ class RetentionLog:
                 )
             self._write_head(0, 1)
             return
-        gen, first, owner = self._read_head(head)
+        gen, first, incarnation, owner = self._read_head(head)
         if owner != self.owner:
             raise StorageInputError(
                 "producer_id",
@@ -401,6 +413,7 @@ class RetentionLog:
                 f"{owner!r}, the producer whose records {self.folder} holds",
             )
         self._gen, self._first, self._next = gen, first, first
+        self._incarnation = incarnation
         mine: list[_Segment] = []
         for name in names:
             m = _SEG_RE.match(name)
@@ -456,7 +469,7 @@ class RetentionLog:
             self._next = max(first, self._segments[-1].next)
         self.reopened = self._next - self._first
 
-    def _read_head(self, path: Path) -> tuple[int, int, str]:
+    def _read_head(self, path: Path) -> tuple[int, int, str, str]:
         data = path.read_bytes()
         if not data.startswith(HEAD_MAGIC):
             if data[:6] == HEAD_MAGIC[:6]:
@@ -479,9 +492,17 @@ class RetentionLog:
                 path=path,
                 offset=len(HEAD_MAGIC),
             )
-        _, gen, first = _HEAD.unpack_from(payload)
+        _, gen, first, inc_len = _HEAD.unpack_from(payload)
+        at = _HEAD.size + inc_len
+        incarnation = payload[_HEAD.size : at].decode("ascii", "replace")
+        if not _INCARNATION_RE.fullmatch(incarnation) or at > len(payload):
+            raise CorruptRecordError(
+                f"HEAD incarnation {incarnation!r}; expected 1..64 of A-Z a-z 0-9 . _ -",
+                path=path,
+                offset=len(HEAD_MAGIC),
+            )
         try:
-            owner = payload[_HEAD.size :].decode("utf-8")
+            owner = payload[at:].decode("utf-8")
         except UnicodeDecodeError as e:
             raise CorruptRecordError(
                 f"HEAD owner is not UTF-8 ({e})", path=path, offset=len(HEAD_MAGIC)
@@ -490,7 +511,7 @@ class RetentionLog:
             raise CorruptRecordError(
                 f"HEAD first seq {first}, expected >= 1", path=path, offset=len(HEAD_MAGIC)
             )
-        return gen, first, owner
+        return gen, first, incarnation, owner
 
     def _scan(self, seg: _Segment, last_segment: bool) -> None:
         """Index ``seg``'s records; cut a torn tail off the last segment."""
@@ -577,6 +598,12 @@ class RetentionLog:
     @property
     def generation(self) -> int:
         return self._gen
+
+    @property
+    def incarnation(self) -> str:
+        """The name of this folder's numbering: the same across reopens and releases, a
+        new one after a renumbering of held records (32 hex characters)."""
+        return self._incarnation
 
     def __len__(self) -> int:
         return self._next - self._first
@@ -813,8 +840,9 @@ class RetentionLog:
         if not keep:
             self._index.clear()
 
-    def _write_head(self, gen: int, first: int) -> None:
-        payload = _HEAD.pack(b"H", gen, first) + self.owner.encode("utf-8")
+    def _write_head(self, gen: int, first: int, incarnation: str | None = None) -> None:
+        inc = (self._incarnation if incarnation is None else incarnation).encode("ascii")
+        payload = _HEAD.pack(b"H", gen, first, len(inc)) + inc + self.owner.encode("utf-8")
         try:
             atomic_write(
                 self.folder / "HEAD", HEAD_MAGIC + frame(payload) + payload, sync=self.sync
@@ -829,8 +857,10 @@ class RetentionLog:
 
         For a taker that holds more than this log ever numbered (a producer id reused
         with a fresh folder): the held records are written at their new seqs into a
-        segment of the next generation, then ``HEAD`` names it, then the old segments
-        are deleted; a crash part way leaves the old numbering or the new, whole.
+        segment of the next generation, then ``HEAD`` names it (and a new
+        :attr:`incarnation`), then the old segments are deleted; a crash part way leaves
+        the old numbering or the new, whole. A log holding nothing only moves
+        :attr:`next_seq` on (no record changes its number: the incarnation stays).
 
         Raises
         ------
@@ -855,6 +885,7 @@ class RetentionLog:
                 held.append(batch.slice(skip))
                 i += 1
             gen = self._gen + 1
+            incarnation = _new_incarnation()
             seg = self._new_segment(gen, new_first)
             old = self._segments
             self._segments = [seg]
@@ -865,7 +896,7 @@ class RetentionLog:
                     seq = pa.array(range(self._next, self._next + b.num_rows), pa.int64())
                     moved = pa.RecordBatch.from_arrays([seq, *b.columns[1:]], schema=WIRE_SCHEMA)
                     self._write_batch(moved, self._next, b.num_rows)
-                self._write_head(gen, new_first)
+                self._write_head(gen, new_first, incarnation)
             except BaseException:
                 # The old generation is still what HEAD names: the folder is unchanged.
                 for s in self._segments:
@@ -873,6 +904,7 @@ class RetentionLog:
                 self._segments = old
                 self._closed = True  # memory no longer matches; reopen to go on
                 raise
+            self._incarnation = incarnation
             for s in old:
                 s.close()
                 with contextlib.suppress(FileNotFoundError):
@@ -913,5 +945,6 @@ class RetentionLog:
                 "next_seq": self._next,
                 "segments": len(self._segments),
                 "generation": self._gen,
+                "incarnation": self._incarnation,
                 "torn": self.torn,
             }
