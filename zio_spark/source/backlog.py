@@ -11,6 +11,14 @@ A restarted producer numbers from 1 again; when a taker's ``resume`` shows it al
 holds more than this process ever sent, records not yet sent are renumbered to continue
 after ``resume`` (``stats["renumbered"]``), so nothing new is mistaken for a duplicate.
 
+With a :class:`~zio_spark.storage.retention.RetentionLog` (``Producer(retention_dir=)``)
+the held records are also on disk: :meth:`ProducerBacklog.append` writes them to the log
+(durable on return) before they can be sent, every release (an ack, a ``resume``, a
+plain taker's send) is applied to the log after memory, a renumbering to the log before
+memory, and a backlog made over a reopened log holds what it held and numbers on after
+its last seq. Seqs a log numbered count as possibly sent (a restarted process cannot
+know), so only records appended since are ever renumbered.
+
 The application's threads call :meth:`append`, :meth:`flush` and the read-only views;
 the port's loop thread calls the :class:`~zio_spark.transport.giver.Backlog` methods.
 """
@@ -18,23 +26,76 @@ the port's loop thread calls the :class:`~zio_spark.transport.giver.Backlog` met
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from zio_spark.codec.records import DAT_BYTES
-from zio_spark.errors import TransportError
+from zio_spark.errors import ConfigError, StorageError, TransportError
 from zio_spark.source.held import HeldRecords
+from zio_spark.storage.retention import RetentionLog
 from zio_spark.transport.giver import Giving, Taken
 
-__all__ = ["Delivery", "ProducerBacklog"]
+__all__ = ["Delivery", "ProducerBacklog", "closes_retention_on_failure", "open_retention"]
 
 log = logging.getLogger("zio_spark.transport")
 
 _BLOCKED_EVERY = 0.5  # while append() is blocked: most often its blocked time is stated
+
+_P = ParamSpec("_P")
+
+
+def open_retention(
+    retention_dir: str | os.PathLike[str] | None, producer_id: str | None
+) -> RetentionLog | None:
+    """The producer's retention log in ``retention_dir`` (None: in memory only).
+
+    Raises
+    ------
+    ConfigError
+        ``retention_dir`` not a path, or no explicit ``producer_id`` (a default id names
+        the endpoint, which a restart may change: the folder's records would be orphans).
+    RetentionLockedError
+        If another process holds the folder.
+    StorageError
+        If the folder belongs to another producer id, or is damaged.
+    """
+    if retention_dir is None:
+        return None
+    if not isinstance(retention_dir, (str, os.PathLike)) or not os.fspath(retention_dir):
+        raise ConfigError("retention_dir", retention_dir, "a folder path (str or PathLike)")
+    if not producer_id:
+        raise ConfigError(
+            "producer_id",
+            producer_id,
+            "an explicit, stable producer id with retention_dir (a restart must find its "
+            "records under the same id)",
+        )
+    return RetentionLog(retention_dir, owner=producer_id)
+
+
+def closes_retention_on_failure(
+    init: Callable[Concatenate[Any, _P], None],
+) -> Callable[Concatenate[Any, _P], None]:
+    """Wrap a producer's ``__init__``: if it fails after its backlog opened a retention
+    log, close the log (its folder lock would otherwise outlive the failed object)."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            backlog = getattr(self, "_backlog", None)
+            if isinstance(backlog, ProducerBacklog):
+                backlog.close_retention()
+            raise
+
+    return wrapper
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +116,10 @@ class Delivery:
         them all before the echo (a plain taker gives no other confirmation).
     pending
         Records still held: not yet acknowledged, or not yet sent to a plain taker.
+
+    With ``retention_dir``, records an earlier process left in the folder count in
+    ``pending`` (and in ``acked`` once acknowledged) but not in ``queued`` or ``sent``
+    (``stats["retention_reopened"]`` says how many there were).
     """
 
     queued: int
@@ -73,7 +138,9 @@ class ProducerBacklog:
     """Records held until acknowledged, bounded by ``max_unacked`` / ``max_unacked_bytes``.
 
     ``wake`` is called (under the lock) when records arrive for a taker that has none
-    waiting; the loop then calls :meth:`woken` and pumps the flow.
+    waiting; the loop then calls :meth:`woken` and pumps the flow. ``retention``: keep
+    the held records on disk too (see the module docstring); the backlog owns it from
+    here and closes it in :meth:`close_retention`.
     """
 
     def __init__(
@@ -83,6 +150,7 @@ class ProducerBacklog:
         max_unacked_bytes: int,
         stats: collections.Counter[str],
         wake: Callable[[], None],
+        retention: RetentionLog | None = None,
     ) -> None:
         self.max_unacked = max_unacked
         self.max_unacked_bytes = max_unacked_bytes
@@ -108,6 +176,31 @@ class ProducerBacklog:
         # Per flow: the blocked time last stated to its taker (see :meth:`stated`), the
         # window's finished total then, and when.
         self._told: dict[int, tuple[float, float]] = {}
+        self.retention = retention
+        if retention is not None:
+            self._reopen(retention)
+
+    def _reopen(self, retention: RetentionLog) -> None:
+        """Hold what ``retention`` holds; number on after the last seq it wrote."""
+        self._records = HeldRecords(retention.first)
+        held = retention.records(retention.first, retention.next_seq)
+        if held is not None:
+            self._records.append(held.values, held.keys, held.granules, held.headers)
+        # Whatever an earlier process numbered may have reached a taker.
+        self._ever_sent = retention.next_seq - 1
+        self._acked = retention.first - 1
+        self.stats["retention_reopened"] += len(retention)
+        self.stats["retention_torn"] += retention.torn
+        if held is not None:
+            log.info(
+                "producer: retention %s holds %d unacknowledged records (seqs %d..%d); "
+                "numbering on from %d",
+                retention.folder,
+                len(retention),
+                retention.first,
+                retention.next_seq - 1,
+                retention.next_seq,
+            )
 
     # -- application side (any thread) --------------------------------------------
 
@@ -126,6 +219,10 @@ class ProducerBacklog:
         TransportError
             If the window has no room for them within ``timeout`` seconds, or the
             producer is closed.
+        StorageError
+            With retention: if the log refuses a record
+            (:class:`~zio_spark.errors.StorageInputError`, naming it) or cannot write;
+            records of this call appended before it stay held.
         """
         n = len(values)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -158,12 +255,15 @@ class ProducerBacklog:
                     self._end_blocked(time.monotonic())
                 j = min(n, i + room)
                 whole = i == 0 and j == n
-                self._records.append(
+                cols = (
                     values if whole else values[i:j],
                     keys if whole or keys is None else keys[i:j],
                     granules if whole or granules is None else granules[i:j],
                     headers if whole or headers is None else headers[i:j],
                 )
+                if self.retention is not None:  # durable before it can be sent
+                    self.retention.append(self._records.next_seq, *cols)
+                self._records.append(*cols)
                 self._queued += j - i
                 i = j
                 if not self._wake_pending and self.taker is not None:
@@ -200,6 +300,29 @@ class ProducerBacklog:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+
+    def close_retention(self) -> None:
+        """Close the retention log, if any (once the loop no longer calls in)."""
+        with self._cond:
+            if self.retention is not None:
+                self.retention.close()
+
+    def _forget(self, upto: int) -> None:
+        """Release up to ``upto`` in the retention log (after memory). A failure is
+        logged and counted: those records are resent after a restart, never lost."""
+        retention = self.retention
+        if retention is None:
+            return
+        # Never past what memory numbered: a taker acking beyond it must not move the
+        # log's numbering away from memory's (a jump is memory's renumber, done first).
+        upto = min(upto, self._records.next_seq - 1)
+        if upto < retention.first or retention.closed:
+            return
+        try:
+            retention.release(upto)
+        except (StorageError, OSError) as e:
+            self.stats["retention_errors"] += 1
+            log.error("producer %s: cannot release up to %d: %s", self.producer_id, upto, e)
 
     @property
     def blocked_seconds(self) -> float:
@@ -259,6 +382,9 @@ class ProducerBacklog:
                 never_sent = self._ever_sent + 1
                 if resume >= never_sent and records.next_seq > never_sent:
                     shift = resume + 1 - never_sent
+                    if self.retention is not None:  # disk first: a failure changes nothing
+                        self.retention.release(never_sent - 1)
+                        self.retention.renumber(shift)
                     self._acked_count += records.release(never_sent - 1)
                     records.renumber(shift)
                     kept = len(records)
@@ -274,6 +400,7 @@ class ProducerBacklog:
                 elif resume >= never_sent:  # the taker has all we sent; nothing unsent
                     self._acked_count += records.release(resume)
                     records.renumber(max(0, resume + 1 - records.next_seq))
+                    self._forget(resume)  # the log numbers on after resume too
                 self._release(resume)
                 # Records up to ``resume`` are now accounted for: a later taker with the
                 # same ``resume`` (a replaced driver, a reconnecting port's queued BOT)
@@ -302,6 +429,7 @@ class ProducerBacklog:
             self._ever_sent = max(self._ever_sent, last)
             if release:
                 self._records.release(last)
+                self._forget(last)
                 self._cond.notify_all()
         self.stats["records_sent"] += records
         self.stats["dats_sent"] += dats
@@ -313,6 +441,7 @@ class ProducerBacklog:
 
     def _release(self, upto: int) -> None:
         self._acked_count += self._records.release(upto)
+        self._forget(upto)
         if upto > self._acked:
             self.stats["acked"] += upto - self._acked
             self._acked = upto

@@ -44,12 +44,23 @@ Producer ids must be stable across restarts for exactly-once. A restarted produc
 numbers from 1 again; when a taker's ``resume`` shows it already holds more than this
 process ever sent, records not yet sent are renumbered to continue after ``resume``
 (counted in ``stats["renumbered"]``), so nothing new is mistaken for a duplicate.
+
+**Retention on disk** (``retention_dir``): records held in memory die with the process,
+so a producer killed before the taker's commit loses what it had not had acknowledged.
+With ``retention_dir`` the held records are also kept in a
+:class:`~zio_spark.storage.retention.RetentionLog` there: :meth:`Producer.send` returns
+only once its records are written and ``fdatasync``-ed, a restarted producer with the
+same ``producer_id`` and folder reopens the log, resends what was not acknowledged and
+numbers on after the last seq it wrote, so its restart loses nothing (a power loss
+neither, on a disk that honours flushes). Acknowledged records are released from the
+log as from memory.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -61,7 +72,12 @@ from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.options import ZreOptions
 from zio_spark.protocol.flow import FlowState
-from zio_spark.source.backlog import Delivery, ProducerBacklog
+from zio_spark.source.backlog import (
+    Delivery,
+    ProducerBacklog,
+    closes_retention_on_failure,
+    open_retention,
+)
 from zio_spark.transport.curve import optional_client_curve, optional_server_curve
 from zio_spark.transport.flow_client import FlowClient
 from zio_spark.transport.flow_server import FlowServer
@@ -136,16 +152,31 @@ class Producer:
         socket pair) counts the same way: ``stats["unanswered"]`` counts both.
     reconnect
         Client mode: open a new flow after a failure or a server's EOT (default True).
+    retention_dir
+        Keep the retention window on local disk in this folder too (default None: in
+        memory only, as fast as ever). :meth:`send` then returns only once its records
+        are durable there (one ``fdatasync`` per call), and a producer restarted with the
+        same ``producer_id`` (required) and folder resends what was not acknowledged and
+        numbers on after its last seq: its restart loses nothing. One process per folder
+        (an ``flock``); a folder of another producer id is refused.
 
     Raises
     ------
     ConfigError
-        For a bad option (both ``bind`` and ``connect``, a bad ``batch`` ...).
+        For a bad option (both ``bind`` and ``connect``, a bad ``batch``, a
+        ``retention_dir`` without ``producer_id`` ...).
     TransportError
         If the port cannot be made, bound or connected (e.g. ``clientserver`` without a
         draft pyzmq).
+    StorageError
+        If ``retention_dir`` cannot be used:
+        :class:`~zio_spark.storage.retention.RetentionLockedError` when another process
+        holds it, :class:`~zio_spark.errors.StorageInputError` when it holds another
+        producer id's records, :class:`~zio_spark.errors.CorruptRecordError` when it is
+        damaged (a torn last write is cut off instead: ``stats["retention_torn"]``).
     """
 
+    @closes_retention_on_failure
     def __init__(
         self,
         bind: str | None = None,
@@ -166,6 +197,7 @@ class Producer:
         credit: int = 1000,
         connect_timeout: float = 10.0,
         reconnect: bool = True,
+        retention_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if bind is not None and connect is not None:
             raise ConfigError(
@@ -202,6 +234,7 @@ class Producer:
             max_unacked_bytes=max_unacked_bytes,
             stats=self.stats,
             wake=lambda: self._call_soon(self._woken),
+            retention=open_retention(retention_dir, producer_id),
         )
         self._zre: ZreNode | None = None  # the discovery node, once advertise() ran
         self._server: FlowServer | None = None
@@ -283,10 +316,14 @@ class Producer:
     ) -> int:
         """Queue one record; returns its sequence number.
 
+        With ``retention_dir``, the record is durable on disk when this returns.
+
         Raises
         ------
         TransportError
             If the buffer stays full (``max_unacked``) for ``timeout`` seconds.
+        StorageError
+            With ``retention_dir``: the record cannot be written there.
         """
         return self.send_many(
             [value],
@@ -307,12 +344,19 @@ class Producer:
     ) -> int:
         """Queue many records; returns the sequence number of the last one.
 
+        With ``retention_dir``, the records are durable on disk when this returns (one
+        ``fdatasync`` per call: batch records into few calls).
+
         Raises
         ------
         TransportError
             If the buffer has no room for them within ``timeout`` seconds.
         ValueError
             If the optional columns do not match ``values`` in length.
+        StorageError
+            With ``retention_dir``: a record the log refuses
+            (:class:`~zio_spark.errors.StorageInputError`, naming it) or a failed write;
+            the records of this call before it stay held.
         """
         n = len(values)
         for name, col in (("keys", keys), ("headers", headers), ("granules", granules)):
@@ -478,6 +522,7 @@ class Producer:
                 self._client.stop()
             if self._server is not None:
                 self._server.stop()
+            self._backlog.close_retention()
         return self.delivery()
 
     def _loop_alive(self) -> bool:

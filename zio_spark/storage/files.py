@@ -13,7 +13,8 @@
   the CRC covering the payload. A log is read record by record up to the first short or
   CRC-failing one, which only a write cut short (or damaged) can leave. A zero length is
   never a record (crc32 of nothing is 0, so zeroes would pass the CRC): callers' payloads
-  hold at least a type byte.
+  hold at least a type byte. :func:`is_torn_tail` tells a write cut short at a log's
+  end (cut off on open) from damage before it (an error).
 
 Users: the spool (:mod:`zio_spark.storage.spool`), the PZQ store
 (:mod:`zio_spark.storage.store`), and above this layer the sink's consumer and the
@@ -37,6 +38,7 @@ __all__ = [
     "frame",
     "fsync_dir",
     "fsync_file",
+    "is_torn_tail",
     "lock_folder",
     "read_record",
     "write_all",
@@ -155,3 +157,15 @@ def read_record(data: bytes | mmap.mmap, pos: int, size: int) -> tuple[bytes, in
     if zlib.crc32(payload) != crc:
         return "CRC mismatch"
     return payload, end
+
+
+def is_torn_tail(data: bytes, pos: int) -> bool:
+    """Whether the bad log record at ``pos`` of ``data`` (the whole file) is a torn last
+    append: a header cut short, a length running past the end, a CRC failing on the very
+    last record, or only zeroes left (space a file system allocated before a crash). Any
+    other bad record is damage, not a write cut short."""
+    size = len(data)
+    if pos + RECORD_HEAD.size > size or not data[pos:].strip(b"\0"):
+        return True
+    length: int = RECORD_HEAD.unpack_from(data, pos)[0]
+    return length > 0 and pos + RECORD_HEAD.size + length >= size

@@ -49,11 +49,11 @@ from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import LocalProtocolError, StorageError, ZioSparkError
 from zio_spark.protocol.sink import BatchId
 from zio_spark.storage.files import (
-    RECORD_HEAD,
     atomic_write,
     frame,
     fsync_dir,
     fsync_file,
+    is_torn_tail,
     lock_folder,
     read_record,
     write_all,
@@ -469,14 +469,9 @@ class CommittedLog:
 
     @staticmethod
     def _torn(data: bytes, pos: int) -> bool:
-        """Whether the bad record at ``pos`` is a torn last append: a header cut short,
-        a length past the end, a CRC failing on the very last record, or only zeroes
-        left (space a file system allocated before the crash)."""
-        size = len(data)
-        if pos + RECORD_HEAD.size > size or not data[pos:].strip(b"\0"):
-            return True
-        length: int = RECORD_HEAD.unpack_from(data, pos)[0]
-        return length > 0 and pos + RECORD_HEAD.size + length >= size
+        """Whether the bad record at ``pos`` is a torn last append
+        (:func:`~zio_spark.storage.files.is_torn_tail`)."""
+        return is_torn_tail(data, pos)
 
     def _read_lines(self, data: bytes) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = []
