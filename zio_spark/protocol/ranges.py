@@ -521,17 +521,21 @@ def decode_request(attrs: Mapping[str, Any]) -> Request | None:
         If both ``range`` and ``held`` are present, or a field is missing, of the wrong
         type or out of range (``field`` names it, e.g. ``range.start``).
     """
-    present = [k for k in _REQUEST_KEYS if k in attrs]
-    if not present:
+    key = _which(attrs, "a PAY carries one request")
+    if key is None:
         return None
+    return _check_request(_object(attrs, key, local=False), key, local=False)
+
+
+def _which(attrs: Mapping[str, Any], one: str) -> str | None:
+    """Which of ``range``/``held`` ``attrs`` carry (None: neither); both are an error
+    (``one`` says what may be carried: "a PAY carries one request")."""
+    present = [k for k in _REQUEST_KEYS if k in attrs]
     if len(present) > 1:
         raise RemoteProtocolError(
-            "a PAY carries one request, got both 'range' and 'held'",
-            field="range",
-            value=present,
+            f"{one}, got both 'range' and 'held'", field="range", value=present
         )
-    key = present[0]
-    return _check_request(_object(attrs, key, local=False), key, local=False)
+    return present[0] if present else None
 
 
 def forbid_requests(attrs: Mapping[str, Any]) -> None:
@@ -626,16 +630,9 @@ def decode_reply(attrs: Mapping[str, Any]) -> Reply | None:
         If both ``range`` and ``held`` are present, or a field is missing, of the wrong
         type or out of range (``field`` names it, e.g. ``range.status``).
     """
-    present = [k for k in _REQUEST_KEYS if k in attrs]
-    if not present:
+    key = _which(attrs, "a DAT carries one answer")
+    if key is None:
         return None
-    if len(present) > 1:
-        raise RemoteProtocolError(
-            "a DAT carries one answer, got both 'range' and 'held'",
-            field="range",
-            value=present,
-        )
-    key = present[0]
     return _check_reply(_object(attrs, key, local=False), key, local=False)
 
 
