@@ -17,11 +17,11 @@ from tests.support import wait_until
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import parse_source_options
 from zio_spark.source.spool_server import (
-    _HANDSHAKE_FAILED,
     SegmentKeys,
     SegmentServer,
     _await,
     _ipc,
+    _reader_socket,
     driver_host,
     fetch_range,
 )
@@ -100,15 +100,8 @@ def test_a_request_sent_after_the_refusal_fails_instead_of_blocking(
     """A reader thread descheduled between connect and send (a busy executor) sends after
     the refused handshake dropped the DEALER's only pipe: a blocking send would never
     return. The wait before the send names the refusal."""
-    keys = _other_reader(server.keys)
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    sock, monitor = _reader_socket(ctx, _other_reader(server.keys), server.endpoint)
     try:
-        sock.curve_serverkey = keys.server_public.encode("ascii")
-        sock.curve_publickey = keys.reader_public.encode("ascii")
-        sock.curve_secretkey = keys.reader_secret.encode("ascii")
-        sock.connect(server.endpoint)
         # the state the race leaves: no room to send (the refusal dropped the pipe)
         wait_until(lambda: not sock.poll(0, zmq.POLLOUT), what="the pipe dropped", timeout=20.0)
         t0 = time.monotonic()

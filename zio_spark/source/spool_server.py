@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import zmq
@@ -304,6 +305,29 @@ def _await(
         raise TransportError(f"{what} the segment server within {timeout} s", endpoint=endpoint)
 
 
+def _reader_socket(
+    ctx: zmq.Context[Any], keys: SegmentKeys, endpoint: str
+) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A reader's DEALER with ``keys``, connected to ``endpoint``, and the monitor of its
+    refused handshakes (the caller closes both)."""
+    sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    try:
+        sock.curve_serverkey = keys.server_public.encode("ascii")
+        sock.curve_publickey = keys.reader_public.encode("ascii")
+        sock.curve_secretkey = keys.reader_secret.encode("ascii")
+        if endpoint.startswith("tcp://["):
+            sock.ipv6 = True
+        sock.connect(endpoint)
+    except BaseException:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+        raise
+    return sock, monitor
+
+
 def fetch_range(
     endpoint: str,
     keys: SegmentKeys,
@@ -325,17 +349,8 @@ def fetch_range(
         On timeout, a refused CURVE handshake (keys of another run) or a malformed answer.
     """
     _require_curve()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    sock, monitor = _reader_socket(zmq.Context.instance(), keys, endpoint)
     try:
-        sock.curve_serverkey = keys.server_public.encode("ascii")
-        sock.curve_publickey = keys.reader_public.encode("ascii")
-        sock.curve_secretkey = keys.reader_secret.encode("ascii")
-        if endpoint.startswith("tcp://["):
-            sock.ipv6 = True
-        sock.connect(endpoint)
         request = [b"READ", producer.encode(), str(start).encode(), str(end).encode()]
         # Not a plain blocking send: should the handshake fail before it (a thread
         # descheduled between connect and send, on a busy executor), the DEALER has no pipe
