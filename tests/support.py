@@ -4,6 +4,7 @@
 - :class:`TrackingContext`, :func:`terminate`, :func:`tracked_context`: a zmq context that
   keeps every socket it made, so a leaked socket fails the test instead of being
   garbage-collected quietly.
+- :func:`spark_trigger`: a Spark trigger done by hand on a spool and its receiver.
 - :func:`close_all`: a fixture's teardown of several things, each tried even when one fails.
 - :func:`free_port`, :func:`free_endpoint`: a loopback TCP port nobody listens on (yet).
 - :func:`spark_session`: the local, loopback-only SparkSession the Spark tests share, with
@@ -165,6 +166,19 @@ def close_all(things: list[Any], close: Callable[[Any], None]) -> None:
         if len(errors) > 1:
             errors[0].add_note(f"{len(errors) - 1} more thing(s) failed to close: {errors[1:]!r}")
         raise errors[0]
+
+
+def spark_trigger(spool: Any, receiver: Any, producer: str, got: list[tuple[int, bytes]]) -> int:
+    """What Spark does each trigger, by hand: seal ``spool``, read ``producer``'s new
+    range into ``got`` as ``(seq, value)``, commit it through ``receiver``. The new end."""
+    ends = spool.seal()
+    start = spool.committed().get(producer, 1)
+    for batch in spool.read(producer, start, ends[producer]):
+        got.extend(
+            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
+        )
+    receiver.commit(ends)
+    return int(ends[producer])
 
 
 class Background:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.support import wait_until
+from tests.support import spark_trigger, wait_until
 from zio_spark.errors import ConfigError, StorageInputError, TransportError
 from zio_spark.source.producer import Producer
 from zio_spark.source.receiver import Receiver
@@ -134,18 +134,6 @@ def _held(spool: Spool, producer: str) -> int:
     return spool.next_seq(producer) - 1
 
 
-def _consume(spool: Spool, r: Receiver, producer: str, got: list[tuple[int, bytes]]) -> int:
-    """What Spark does each trigger: seal, read the new range, commit. The new end."""
-    ends = spool.seal()
-    start = spool.committed().get(producer, 1)
-    for batch in spool.read(producer, start, ends[producer]):
-        got.extend(
-            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
-        )
-    r.commit(ends)
-    return ends[producer]
-
-
 def _bind(ctx, endpoint: str, **kw) -> Producer | None:
     """A producer bound to ``endpoint``; None while the port is still being let go."""
     try:
@@ -194,7 +182,7 @@ def test_a_killed_producer_restarted_on_its_folder_loses_and_doubles_nothing(
     deadline = time.monotonic() + 4 * WAIT
     while end <= n + more:
         assert time.monotonic() < deadline, f"stuck at {end} of {n + more}"
-        end = _consume(spool, r, "rt", got)
+        end = spark_trigger(spool, r, "rt", got)
         wait_until(
             lambda e=end: _held(spool, "rt") >= min(e, n + more),
             what=f"records from {end}",
@@ -320,7 +308,7 @@ def test_a_client_mode_producer_restarted_on_its_folder(ctx, tmp_path, closing):
     q.send_many([b"r%d" % s for s in range(301, 401)])
     wait_until(lambda: _held(spool, "cm") == 400, what="the new records", timeout=WAIT)
     got: list[tuple[int, bytes]] = []
-    assert _consume(spool, r, "cm", got) == 401
+    assert spark_trigger(spool, r, "cm", got) == 401
     assert got == [(s, b"r%d" % s) for s in range(1, 401)]
     wait_until(lambda: q.acked == 400, what="the commit acknowledged", timeout=WAIT)
     wait_until(lambda: not _segments(folder), what="every segment released", timeout=WAIT)

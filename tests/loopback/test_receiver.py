@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
-from tests.support import close_all, wait_until
+from tests.support import close_all, spark_trigger, wait_until
 from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -351,18 +351,6 @@ def test_ack_only_pay_when_all_credit_is_out(ctx, spool, closing):
     assert [v for _, v in _contents(spool, "quiet")] == [b"d"]
 
 
-def _consume(spool: Spool, r: Receiver, producer: str, got: list[tuple[int, bytes]]) -> int:
-    """Do what Spark does: seal, read the new range, commit it. Returns the new end."""
-    ends = spool.seal()
-    start = spool.committed().get(producer, 1)
-    for batch in spool.read(producer, start, ends[producer]):
-        got.extend(
-            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
-        )
-    r.commit(ends)
-    return ends[producer]
-
-
 def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path, closing):
     """Kill the taker side twice mid-stream; the producer resends from resume + 1."""
     n = 10_000
@@ -382,7 +370,7 @@ def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path,
     closing.append(spool)
     r2 = _receiver(closing, spool, [prod.endpoint], ctx, credit=10, max_backlog=2000)
     got: list[tuple[int, bytes]] = []
-    end = _consume(spool, r2, "rs", got)
+    end = spark_trigger(spool, r2, "rs", got)
     assert end == first + 1  # everything the first receiver stored, nothing more
     wait_until(lambda: _held(spool, "rs") > first, what="records after the restart", timeout=20.0)
     assert r2.status()[0].duplicates == 0
@@ -391,7 +379,7 @@ def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path,
     r2.remove_endpoint(prod.endpoint)
     r2.add_endpoint(prod.endpoint)
     while end <= n:
-        end = _consume(spool, r2, "rs", got)
+        end = spark_trigger(spool, r2, "rs", got)
         wait_until(
             lambda e=end: _held(spool, "rs") >= min(e, n), what=f"records from {end}", timeout=20.0
         )
