@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from zio_spark.codec.records import DAT_BYTES
 from zio_spark.errors import TransportError
@@ -35,6 +35,8 @@ __all__ = ["Delivery", "ProducerBacklog"]
 log = logging.getLogger("zio_spark.transport")
 
 _BLOCKED_EVERY = 0.5  # while append() is blocked: most often its blocked time is stated
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,9 @@ class ProducerBacklog:
         # Per flow: the blocked time last stated to its taker (see :meth:`stated`), the
         # window's finished total then, and when.
         self._told: dict[int, tuple[float, float]] = {}
+        # Called under the lock when held records get other numbers (a taker's resume
+        # renumbered them): the range service takes a new incarnation then.
+        self.on_renumber: Callable[[], None] | None = None
 
     # -- application side (any thread) --------------------------------------------
 
@@ -228,6 +233,12 @@ class ProducerBacklog:
         with self._cond:
             return len(self._records)
 
+    def read_held(self, read: Callable[[HeldRecords], T]) -> T:
+        """``read(records)`` under the lock, for readers that never change them (range
+        reads: nothing is sent, released or counted; keep ``read`` short)."""
+        with self._cond:
+            return read(self._records)
+
     def delivery(self) -> Delivery:
         with self._cond:
             return Delivery(
@@ -261,6 +272,8 @@ class ProducerBacklog:
                     shift = resume + 1 - never_sent
                     self._acked_count += records.release(never_sent - 1)
                     records.renumber(shift)
+                    if self.on_renumber is not None:
+                        self.on_renumber()
                     kept = len(records)
                     self.stats["renumbered"] += kept
                     log.warning(
