@@ -35,7 +35,6 @@ from zio_spark.source.range_client import (
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
 from zio_spark.transport.flow_endpoint import FlowEndpoint
-from zio_spark.transport.port import ClientPort
 
 T = 10.0  # seconds any one wait of a range read may last (returns as soon as it can)
 P = "p1"
@@ -120,6 +119,46 @@ def test_held_window_and_ranges_give_exactly_the_records_in_order(ctx, closing):
     assert (d.queued, d.sent, d.acked, d.pending) == (n, 0, 0, n)
     assert p.stats["records_sent"] == 0 and p.stats["takers"] == 0
     assert p.stats["range_records"] > 0
+
+
+def test_both_socket_pairs(ctx, closing, wire_mode):
+    p = _producer(ctx, closing, mode=wire_mode)
+    rows = _send(p, 100)
+    w = held_window(p.endpoint, P, ctx=ctx, mode=wire_mode, timeout=T)
+    assert w == (p.incarnation, 1, 101)
+    got = read_range(p.endpoint, P, w.incarnation, 1, 101, ctx=ctx, mode=wire_mode, timeout=T)
+    assert _rows(list(got)) == rows
+
+
+def test_a_reader_without_arrow_gets_plain_dats_with_seq(ctx, closing, make_client):
+    """The protocol allows plain DATs (one record each, ``seq`` in the label) for a reader
+    that did not offer Arrow; the producer serves them so."""
+    p = _producer(ctx, closing)
+    _send(p, 5)
+    ep = FlowEndpoint(make_client(), Role.CLIENT)
+    ep.channel.connect(p.endpoint)
+    bot = ep.connect(Direction.INJECT, 8, {"read": "range"}, T)
+    assert "encoding" not in bot.attrs and bot.attrs["incarnation"] == p.incarnation
+    req = {"id": 0, "producer": P, "incarnation": p.incarnation, "start": 2, "end": 5}
+    ep.pay(None, {"range": req})
+    got = [ep.get(T, auto_pay=False) for _ in range(4)]
+    assert all(d is not None for d in got)
+    labels = [dict(d.attrs) for d in got if d is not None]
+    assert [d.message.payload for d in got[:3] if d is not None] == [(b"v1",), (b"v2",), (b"v3",)]
+    assert [a["seq"] for a in labels[:3]] == [2, 3, 4]
+    assert labels[3] == {"range": {"id": 0, "status": "done", "start": 2, "end": 5}}
+    ep.send_eot(timeout=T)
+
+
+def test_an_abandoned_read_ends_its_flow(ctx, closing):
+    p = _producer(ctx, closing, batch=10)
+    rows = _send(p, 1000)
+    reading = read_range(p.endpoint, P, p.incarnation, 1, 1001, ctx=ctx, timeout=T, credit=4)
+    first = next(reading)
+    assert first.to_pylist() == rows[:10]
+    wait_until(lambda: len(p._ranges.flows) == 1, what="the range flow open", timeout=T)
+    reading.close()  # EOT, the echo awaited, the socket closed
+    wait_until(lambda: not p._ranges.flows, what="the range flow ended", timeout=T)
 
 
 def test_one_flow_answers_many_requests_with_little_credit(ctx, closing):
@@ -387,17 +426,3 @@ def test_a_silent_endpoint_is_a_bounded_transport_error(ctx):
             list(read_range(endpoint, P, "x", 1, 2, ctx=ctx, timeout=0.3))
     finally:
         silent.close(0)
-
-
-@pytest.fixture
-def make_client(ctx: Any) -> Iterator[Any]:
-    made: list[ClientPort] = []
-
-    def make() -> ClientPort:
-        port = ClientPort(ctx, linger_ms=0)
-        made.append(port)
-        return port
-
-    yield make
-    for port in made:
-        port.close(0)
