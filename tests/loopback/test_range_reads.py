@@ -23,7 +23,8 @@ import zmq
 from tests.peers.zio_reference import ReferenceServer
 from tests.support import close_all, wait_until
 from zio_spark.errors import ConfigError, DataLossError, TransportError
-from zio_spark.protocol.flow import Direction, Role
+from zio_spark.protocol.flow import BotReceived, Direction, Role
+from zio_spark.protocol.ranges import state_capability
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import (
     HeldWindow,
@@ -34,7 +35,8 @@ from zio_spark.source.range_client import (
 )
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
-from zio_spark.transport.flow_endpoint import FlowEndpoint
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 
 T = 10.0  # seconds any one wait of a range read may last (returns as soon as it can)
 P = "p1"
@@ -421,8 +423,37 @@ def test_a_silent_endpoint_is_a_bounded_transport_error(ctx):
             held_window(endpoint, P, ctx=ctx, timeout=0.5)
         assert time.monotonic() - t0 < 5
         text = str(e.value)
-        assert endpoint in text and "BOT" in text and "0.5" in text
+        assert endpoint in text and "no BOT reply within 0.5 s" in text
         with pytest.raises(TransportError):
             list(read_range(endpoint, P, "x", 1, 2, ctx=ctx, timeout=0.3))
     finally:
         silent.close(0)
+
+
+class _Mute(FlowHandler):
+    """A giver that states the capability, then answers no request."""
+
+    def on_bot(self, conn: ServerFlow, bot: BotReceived) -> None:
+        conn.accept(None, state_capability({"producer": P, "encoding": "arrow"}, "inc-1"))
+
+
+def test_a_giver_silent_after_its_bot_is_a_bounded_transport_error(ctx, make_server):
+    port = make_server()
+    port.bind("tcp://127.0.0.1:*")
+    with FlowServer(port, _Mute, ctx=ctx) as server:
+        endpoint = server.endpoint
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as e:
+            held_window(endpoint, P, ctx=ctx, timeout=0.5)
+        assert time.monotonic() - t0 < 5
+        text = str(e.value)
+        assert endpoint in text and "0.5 s" in text and "the held window" in text
+        with pytest.raises(TransportError) as e:
+            list(read_range(endpoint, P, "inc-1", 1, 3, ctx=ctx, timeout=0.3))
+        assert "records [1, 3) of 'p1'" in str(e.value) and "0.3 s" in str(e.value)
+
+
+def test_a_rejected_flow_says_so(ctx, closing):
+    p = _producer(ctx, closing, stream="daq")
+    with pytest.raises(FlowRejected, match="no stream 'other'"):
+        RangeConnection(p.endpoint, ctx=ctx, timeout=T, stream="other")

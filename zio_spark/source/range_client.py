@@ -59,7 +59,7 @@ from zio_spark.protocol.ranges import (
     offer_attrs,
 )
 from zio_spark.transport.curve import Curve
-from zio_spark.transport.flow_endpoint import FlowEndpoint
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
 __all__ = [
@@ -118,8 +118,9 @@ class RangeConnection:
     RangesNotServed
         If the giver did not state the capability (after an EOT; nothing asked).
     TransportError
-        If no BOT reply comes within ``timeout`` (a silent or absent peer), the flow is
-        rejected, or the socket cannot be made.
+        If no BOT reply comes within ``timeout`` (a silent or absent peer), or the socket
+        cannot be made; :class:`~zio_spark.transport.flow_endpoint.FlowRejected` if the
+        producer rejects the flow (e.g. another stream).
     RemoteProtocolError
         If the giver's BOT is malformed (a bad ``ranges``/``incarnation``).
     """
@@ -154,15 +155,15 @@ class RangeConnection:
             if batch is not None:
                 sent["batch"] = batch
             sent = offer_attrs(sent)
+            self.ep.send_bot(Direction.INJECT, credit, sent)
             try:
-                bot = self.ep.connect(Direction.INJECT, credit, sent, timeout)
+                bot = self.ep.recv_bot(timeout)
+            except FlowRejected:
+                raise
             except TransportError as e:
-                if e.endpoint is None:
-                    raise
                 raise TransportError(
-                    f"range reader: no BOT reply from the producer within {timeout:g} s "
-                    f"(is a bound zio-spark producer listening there, with this socket "
-                    f"mode?): {e}",
+                    f"range reader: no BOT reply within {timeout:g} s (is a bound zio-spark "
+                    "producer listening there, with the same socket mode?)",
                     endpoint=endpoint,
                 ) from e
             sent_attrs = {"direction": Direction.INJECT.value, "credit": credit, **sent}
@@ -227,7 +228,16 @@ class RangeConnection:
             log.info("range reader %s: no clean end of the flow: %s", self.endpoint, e)
 
     def _next_dat(self, what: str) -> tuple[dict[str, Any], tuple[bytes, ...]]:
-        data = self.ep.get(self.timeout, auto_pay=False)
+        try:
+            data = self.ep.get(self.timeout, auto_pay=False)
+        except TransportError as e:
+            if self.port.closed:
+                raise
+            raise TransportError(
+                f"range reader: no DAT within {self.timeout:g} s while {what} was awaited "
+                "(the producer is silent: stopped, overloaded or gone)",
+                endpoint=self.endpoint,
+            ) from e
         if data is None:
             eot = self.ep.peer_eot
             reason = "" if eot is None else f" ({dict(eot.attrs)})"
