@@ -35,6 +35,7 @@ from zio_spark.source.range_client import (
 )
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.spool import Spool
+from zio_spark.transport.curve import client_curve
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 
@@ -130,6 +131,20 @@ def test_both_socket_pairs(ctx, closing, wire_mode):
     assert w == (p.incarnation, 1, 101)
     got = read_range(p.endpoint, P, w.incarnation, 1, 101, ctx=ctx, mode=wire_mode, timeout=T)
     assert _rows(list(got)) == rows
+
+
+def test_over_curve(ctx, closing):
+    public, secret = zmq.curve_keypair()
+    p = _producer(ctx, closing, curve_secret_key=secret)
+    rows = _send(p, 20)
+    reader_public, reader_secret = zmq.curve_keypair()
+    curve = client_curve(public, reader_secret, reader_public)
+    w = held_window(p.endpoint, P, ctx=ctx, curve=curve, timeout=T)
+    assert w == (p.incarnation, 1, 21)
+    got = read_range(p.endpoint, P, w.incarnation, 5, 21, ctx=ctx, curve=curve, timeout=T)
+    assert _rows(list(got)) == rows[4:]
+    with pytest.raises(TransportError, match="no BOT reply"):  # no CURVE: no handshake
+        held_window(p.endpoint, P, ctx=ctx, timeout=0.5)
 
 
 def test_a_reader_without_arrow_gets_plain_dats_with_seq(ctx, closing, make_client):
