@@ -193,6 +193,9 @@ def test_arrow_taker_gets_every_record_then_an_acknowledged_eot(
         "ack": True,
         "encoding": "arrow",
         "last": 30,  # its position: the last seq assigned when it answered
+        # A bound producer serves range reads (docs/direct-read.md): every BOT says so.
+        "ranges": 1,
+        "incarnation": producer.incarnation,
     }
     assert t.take(30) == expected_rows(early, 1)
 

@@ -40,6 +40,7 @@ from zio_spark.protocol.ranges import (
     Records,
     UnknownProducer,
     Window,
+    check_incarnation,
     client_range_terms,
     decode_reply,
     decode_request,
@@ -656,6 +657,14 @@ def test_a_giver_cannot_state_or_serve_a_bad_incarnation(bad: object) -> None:
     with pytest.raises(LocalProtocolError) as e:
         RangeTerms(VERSION, "p", bad)  # type: ignore[arg-type]
     assert e.value.field == "incarnation"
+    with pytest.raises(LocalProtocolError) as e:
+        check_incarnation(bad)
+    assert e.value.field == "incarnation" and "1..64" in str(e.value)
+
+
+def test_check_incarnation_passes_a_good_one_through() -> None:
+    for good in (INC, "a", "A.b_c-9", "x" * INCARNATION_MAX, new_incarnation(bytes(16))):
+        assert check_incarnation(good) == good
 
 
 def test_the_reader_never_states_an_incarnation() -> None:

@@ -134,6 +134,7 @@ __all__ = [
     "Request",
     "UnknownProducer",
     "Window",
+    "check_incarnation",
     "client_range_terms",
     "decode_reply",
     "decode_request",
@@ -184,6 +185,19 @@ def _incarnation(value: object, field: str, local: bool) -> str:
             value,
         )
     return value
+
+
+def check_incarnation(value: object) -> str:
+    """``value`` if it is a well-formed incarnation (1..64 ASCII letters, digits, ``.``,
+    ``_``, ``-``): what a giver given one from outside (e.g. persisted with its records)
+    checks before stating it.
+
+    Raises
+    ------
+    LocalProtocolError
+        ``field="incarnation"`` if it is not.
+    """
+    return _incarnation(value, INCARNATION, local=True)
 
 
 def new_incarnation(entropy: bytes) -> str:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from zio_spark.codec.records import DAT_BYTES
 from zio_spark.errors import ConfigError, StorageError, TransportError
@@ -96,6 +96,9 @@ def closes_retention_on_failure(
             raise
 
     return wrapper
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +204,9 @@ class ProducerBacklog:
                 retention.next_seq - 1,
                 retention.next_seq,
             )
+        # Called under the lock when held records get other numbers (a taker's resume
+        # renumbered them): the range service takes a new incarnation then.
+        self.on_renumber: Callable[[], None] | None = None
 
     # -- application side (any thread) --------------------------------------------
 
@@ -351,6 +357,12 @@ class ProducerBacklog:
         with self._cond:
             return len(self._records)
 
+    def read_held(self, read: Callable[[HeldRecords], T]) -> T:
+        """``read(records)`` under the lock, for readers that never change them (range
+        reads: nothing is sent, released or counted; keep ``read`` short)."""
+        with self._cond:
+            return read(self._records)
+
     def delivery(self) -> Delivery:
         with self._cond:
             return Delivery(
@@ -387,6 +399,8 @@ class ProducerBacklog:
                         self.retention.renumber(shift)
                     self._acked_count += records.release(never_sent - 1)
                     records.renumber(shift)
+                    if self.on_renumber is not None:
+                        self.on_renumber()
                     kept = len(records)
                     self.stats["renumbered"] += kept
                     log.warning(

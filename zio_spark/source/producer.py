@@ -39,6 +39,11 @@ retention window and its accounting are :mod:`zio_spark.source.backlog`; the eng
 are the transport's: a :class:`~zio_spark.transport.flow_server.FlowServer` (server mode)
 or a reconnecting :class:`~zio_spark.transport.flow_client.FlowClient` (client mode),
 each in a thread of its own, with a :class:`~zio_spark.transport.giver.GiverHandler`.
+A bound producer also serves range reads (the direct read mode, docs/direct-read.md):
+its port's handlers come from :mod:`zio_spark.source.range_serving`, which routes a
+reader's flow (``read: "range"``) apart from the taker's and states ``ranges: 1`` and
+the producer's :attr:`~Producer.incarnation` in every BOT. A producer in client mode
+serves no range reads.
 
 Producer ids must be stable across restarts for exactly-once. A restarted producer
 numbers from 1 again; when a taker's ``resume`` shows it already holds more than this
@@ -78,6 +83,7 @@ from zio_spark.source.backlog import (
     closes_retention_on_failure,
     open_retention,
 )
+from zio_spark.source.range_serving import RangeService
 from zio_spark.transport.curve import optional_client_curve, optional_server_curve
 from zio_spark.transport.flow_client import FlowClient
 from zio_spark.transport.flow_server import FlowServer
@@ -159,6 +165,14 @@ class Producer:
         same ``producer_id`` (required) and folder resends what was not acknowledged and
         numbers on after its last seq: its restart loses nothing. One process per folder
         (an ``flock``); a folder of another producer id is refused.
+    incarnation
+        The name of this producer's sequence-number space, stated to range readers
+        (docs/direct-read.md; 1..64 ASCII letters, digits, ``.``, ``_``, ``-``). None (the
+        default): a fresh random one, right for a producer that numbers from 1 at every
+        start; with ``retention_dir``, the folder's own (kept across restarts with the
+        records and their numbers; another one is a ConfigError). Server mode serves range reads
+        (:mod:`zio_spark.source.range_serving`); client mode does not (it has no port a
+        reader could reach), though :attr:`incarnation` is kept the same way.
 
     Raises
     ------
@@ -198,6 +212,7 @@ class Producer:
         connect_timeout: float = 10.0,
         reconnect: bool = True,
         retention_dir: str | os.PathLike[str] | None = None,
+        incarnation: str | None = None,
     ) -> None:
         if bind is not None and connect is not None:
             raise ConfigError(
@@ -236,6 +251,12 @@ class Producer:
             wake=lambda: self._call_soon(self._woken),
             retention=open_retention(retention_dir, producer_id),
         )
+        self._ranges = RangeService(
+            self._backlog,
+            GiverPolicy(producer_id or "", stream, batch),
+            incarnation=incarnation,
+            stats=self.stats,
+        )
         self._zre: ZreNode | None = None  # the discovery node, once advertise() ran
         self._server: FlowServer | None = None
         self._client: FlowClient | None = None
@@ -243,6 +264,7 @@ class Producer:
             self.endpoint = connect
             self.producer_id = producer_id or f"{socket.gethostname()}|{connect}"
             self._backlog.producer_id, self._backlog.endpoint = self.producer_id, connect
+            self._ranges.policy = GiverPolicy(self.producer_id, stream, batch)
             # DATs are sent only within paid credit, at most the credit offered: a bound.
             port_options: dict[str, Any] = {"sndhwm": credit + _CLIENT_QUEUE_SLACK}
             if curve_server_key is not None or curve_secret_key is not None:
@@ -294,10 +316,10 @@ class Producer:
         self.socket_type = port.socket_type
         self.producer_id = producer_id or f"{socket.gethostname()}|{self.endpoint}"
         self._backlog.producer_id, self._backlog.endpoint = self.producer_id, self.endpoint
-        policy = GiverPolicy(self.producer_id, stream, batch)
+        self._ranges.policy = GiverPolicy(self.producer_id, stream, batch)
         self._server = FlowServer(
             port,
-            lambda: GiverHandler(self._backlog, policy),
+            self._ranges.handler,
             ctx=self.ctx,
             idle_timeout=idle_timeout,
             name=f"producer {self.producer_id}",
@@ -420,6 +442,18 @@ class Producer:
         return self._backlog.last_acks
 
     @property
+    def incarnation(self) -> str:
+        """The name of this producer's sequence-number space, stated to range readers
+        with ``ranges: 1`` in every BOT of a bound producer. A new one replaces it if a
+        taker's ``resume`` makes the producer renumber held records."""
+        return self._ranges.incarnation
+
+    @property
+    def serves_ranges(self) -> bool:
+        """True for a bound producer: it answers range reads (docs/direct-read.md)."""
+        return self._server is not None
+
+    @property
     def last_error(self) -> str | None:
         """Client mode: why the last flow failed (None if none did)."""
         return None if self._client is None else self._client.last_error
@@ -491,6 +525,8 @@ class Producer:
             done = threading.Event()
 
             def end() -> None:
+                if self._server is not None:
+                    self._ranges.end_flows("the producer is closing")
                 g = self._taker
                 conn = None if g is None else g.conn
                 if self._client is not None:

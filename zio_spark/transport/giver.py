@@ -371,7 +371,13 @@ class GiverHandler(FlowHandler, ClientHandler):
         if giving.arrow:
             attrs["encoding"] = ENCODING
             attrs.update(self.backlog.stated(giving, None) or {})
-        conn.accept(None, attrs)
+        conn.accept(None, self.reply_attrs(attrs))
+
+    def reply_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Server: the attributes of the BOT reply to an accepted taker (made after its
+        ``resume`` was applied). A subclass adds its own statements here (the
+        producer's range capability); default: ``attrs`` as they are."""
+        return attrs
 
     def on_message(self, conn: ServerFlow | ClientFlow, msg: Message) -> bool:
         """No fast lane: a giver's input (PAY, EOT) goes to the flow machine."""

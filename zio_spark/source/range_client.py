@@ -1,0 +1,366 @@
+"""A range reader's blocking client: held windows and ranges straight from a producer.
+
+The reader's side of the direct read mode (docs/direct-read.md, the pure protocol in
+:mod:`zio_spark.protocol.ranges`), for the Spark planner and tasks to come; no pyspark
+here. Two calls, each on a flow of its own:
+
+- :func:`held_window` asks a producer for its held window: ``(incarnation, first, end)``;
+- :func:`read_range` reads records ``[start, end)`` planned on ``incarnation`` and
+  yields them as Arrow record batches of the wire schema (``seq``, ``value``, ``key``,
+  ``granule``, ``headers``), in order, each record once.
+
+:class:`RangeConnection` is the flow under both, for a caller that asks many things on
+one flow (the driver's control flow).
+
+Engine: a :class:`~zio_spark.transport.port.ClientPort` under a
+:class:`~zio_spark.transport.flow_endpoint.FlowEndpoint`, the blocking flow endpoint the
+rest of the transport already has: every wait takes a deadline and raises a
+:class:`~zio_spark.errors.TransportError` naming the endpoint and what was awaited, and
+nothing runs in another thread. The reconnecting
+:class:`~zio_spark.transport.flow_client.FlowClient` is a loop engine for long-lived
+flows; a request whose failure must reach the caller (a task, to retry or fail) wants no
+reconnection and no thread.
+
+Per flow: BOT ``{direction: inject, credit, stream, read: "range", encoding: ["arrow"]}``
+(:func:`~zio_spark.protocol.ranges.offer_attrs`); the server's BOT must state the
+capability as its own (:func:`~zio_spark.protocol.ranges.client_range_terms`), else
+:class:`RangesNotServed` is raised after an EOT, with no request sent (such a producer
+is read through the spool path). A request rides on a PAY of all the credit held; credit
+is paid back as DATs are taken (half the flow's credit at a time). A refusal of a range
+is raised as :meth:`RangeReader.loss <zio_spark.protocol.ranges.RangeReader.loss>`'s
+:class:`~zio_spark.errors.DataLossError`: batches already yielded by that
+:func:`read_range` are then to be discarded (a refusal follows records only when acks
+freed the rest of the range: a speculative copy of a committed task). The reader never
+acknowledges: acks are the taker's flow's (the driver's commit).
+
+Thread-safety: each call makes its own socket; calls may run in many threads at once
+with one context.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import zmq
+
+from zio_spark.codec.records import ENCODING, decode_batch
+from zio_spark.errors import ProtocolError, RemoteProtocolError, TransportError
+from zio_spark.protocol.flow import Direction, FlowState, Role
+from zio_spark.protocol.ranges import (
+    HeldReport,
+    RangeReader,
+    RangeTerms,
+    ReaderState,
+    UnknownProducer,
+    client_range_terms,
+    offer_attrs,
+)
+from zio_spark.transport.curve import Curve
+from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
+from zio_spark.transport.port import ClientPort
+
+__all__ = [
+    "DEFAULT_CREDIT",
+    "HeldWindow",
+    "RangeConnection",
+    "RangesNotServed",
+    "held_window",
+    "read_range",
+]
+
+log = logging.getLogger("zio_spark.transport")
+
+DEFAULT_CREDIT = 64
+"""DATs in flight per range flow (the giver may lower it)."""
+_EOT_WAIT = 2.0  # seconds, at most, for the echo of our EOT when the flow ends
+
+
+class HeldWindow(NamedTuple):
+    """A producer's held window: records ``first .. end - 1``, numbered in
+    ``incarnation`` (``first == end``: none held)."""
+
+    incarnation: str
+    first: int
+    end: int
+
+
+class RangesNotServed(TransportError):
+    """The peer did not state the range capability as its own (a plain ZIO giver, an
+    older zio-spark producer, a producer in client mode behind a broker): no request was
+    sent; read this producer through the spool path."""
+
+
+class RangeConnection:
+    """One range flow to the giver at ``endpoint``: requests one at a time.
+
+    Opens the flow in the constructor (BOT and the server's reply, within ``timeout``)
+    and checks the capability. Use as a context manager, or call :meth:`close`.
+
+    Parameters
+    ----------
+    endpoint
+        The producer's flow port (a bound :class:`~zio_spark.source.producer.Producer`).
+    ctx, mode, curve
+        The zmq context (default: the global one), the socket mode (as the producer's)
+        and CURVE client options (:func:`~zio_spark.transport.curve.client_curve`).
+    timeout
+        Seconds any one wait may last (the BOT reply, the next DAT, room to send).
+    credit
+        DATs in flight (the giver may lower it).
+    stream, batch
+        The stream asked for (None: the giver's), the most records per DAT.
+
+    Raises
+    ------
+    RangesNotServed
+        If the giver did not state the capability (after an EOT; nothing asked).
+    TransportError
+        If no BOT reply comes within ``timeout`` (a silent or absent peer), or the socket
+        cannot be made; :class:`~zio_spark.transport.flow_endpoint.FlowRejected` if the
+        producer rejects the flow (e.g. another stream).
+    RemoteProtocolError
+        If the giver's BOT is malformed (a bad ``ranges``/``incarnation``).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        mode: str | None = None,
+        curve: Curve | None = None,
+        timeout: float = 30.0,
+        credit: int = DEFAULT_CREDIT,
+        stream: str | None = None,
+        batch: int | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.port = ClientPort(
+            ctx or zmq.Context.instance(),
+            mode=mode,
+            curve=curve,
+            linger_ms=0,
+            send_timeout_ms=timeout * 1000.0,
+        )
+        try:
+            self.port.connect(endpoint)
+            self.ep = FlowEndpoint(self.port, Role.CLIENT)
+            sent: dict[str, Any] = {"encoding": [ENCODING]}
+            if stream is not None:
+                sent["stream"] = stream
+            if batch is not None:
+                sent["batch"] = batch
+            sent = offer_attrs(sent)
+            self.ep.send_bot(Direction.INJECT, credit, sent)
+            try:
+                bot = self.ep.recv_bot(timeout)
+            except FlowRejected:
+                raise
+            except TransportError as e:
+                raise TransportError(
+                    f"range reader: no BOT reply within {timeout:g} s (is a bound zio-spark "
+                    "producer listening there, with the same socket mode?)",
+                    endpoint=endpoint,
+                ) from e
+            sent_attrs = {"direction": Direction.INJECT.value, "credit": credit, **sent}
+            self.terms: RangeTerms = client_range_terms(sent_attrs, bot.attrs)
+            if not self.terms.capable:
+                self._end()
+                raise RangesNotServed(
+                    "this peer does not serve range reads (its BOT states no 'ranges' "
+                    "capability as its own): this producer can only be read through the "
+                    "spool path (no request was sent)",
+                    endpoint=endpoint,
+                )
+            own = bot.attrs.get("encoding")
+            if own != ENCODING:
+                self._end()
+                raise RemoteProtocolError(
+                    f"the giver at {endpoint} picked encoding {own!r}; this reader reads "
+                    f"{ENCODING!r} record batches only",
+                    field="encoding",
+                    value=own,
+                )
+            self.credit = self.ep.flow.credit  # the flow's total, as the giver accepted it
+            self.reader = RangeReader(self.terms)
+        except BaseException:
+            self.port.close(0)
+            raise
+
+    @property
+    def incarnation(self) -> str:
+        """The incarnation the giver stated in its BOT (fixed for the flow's life)."""
+        assert self.terms.incarnation is not None
+        return self.terms.incarnation
+
+    @property
+    def producer(self) -> str | None:
+        """The producer id the giver stated."""
+        return self.terms.producer
+
+    def __enter__(self) -> RangeConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the flow (EOT, a short wait for the echo) and close the socket
+        (idempotent)."""
+        if self.port.closed:
+            return
+        try:
+            self._end()
+        finally:
+            self.port.close(0)
+
+    def _end(self) -> None:
+        ep = self.ep
+        if ep.flow.state not in (FlowState.READY, FlowState.EOT_RECEIVED):
+            return
+        try:
+            ep.send_eot(timeout=min(self.timeout, _EOT_WAIT))
+        except (TransportError, ProtocolError) as e:
+            log.info("range reader %s: no clean end of the flow: %s", self.endpoint, e)
+
+    def _next_dat(self, what: str) -> tuple[dict[str, Any], tuple[bytes, ...]]:
+        try:
+            data = self.ep.get(self.timeout, auto_pay=False)
+        except TransportError as e:
+            if self.port.closed:
+                raise
+            raise TransportError(
+                f"range reader: no DAT within {self.timeout:g} s while {what} was awaited "
+                "(the producer is silent: stopped, overloaded or gone)",
+                endpoint=self.endpoint,
+            ) from e
+        if data is None:
+            eot = self.ep.peer_eot
+            reason = "" if eot is None else f" ({dict(eot.attrs)})"
+            raise TransportError(
+                f"range reader: the producer ended the flow while {what} was awaited{reason}",
+                endpoint=self.endpoint,
+            )
+        return dict(data.attrs), data.message.payload
+
+    def _repay(self) -> None:
+        flow = self.ep.flow
+        if flow.credit * 2 >= self.credit and flow.credit > 0:
+            self.ep.pay(flow.credit)
+
+    def held(self, producer: str) -> HeldWindow:
+        """The held window of ``producer`` now.
+
+        Raises
+        ------
+        TransportError
+            If the giver serves no such producer (``unknown_producer``), ends the flow,
+            or does not answer within ``timeout``.
+        RemoteProtocolError
+            If the answer breaks the protocol (e.g. another incarnation than its BOT's).
+        """
+        self.ep.channel.send(self.reader.send_query(self.ep.flow, producer))
+        attrs, _ = self._next_dat("the held window")
+        reply = self.reader.on_dat(attrs)
+        if isinstance(reply, UnknownProducer):
+            raise TransportError(
+                f"range reader: the giver serves no producer {producer!r}",
+                endpoint=self.endpoint,
+            )
+        if not isinstance(reply, HeldReport):  # pragma: no cover - on_dat checks it
+            raise RemoteProtocolError(f"not a held answer: {reply!r}", field="held")
+        self._repay()
+        return HeldWindow(reply.incarnation, reply.first, reply.end)
+
+    def read(
+        self, producer: str, incarnation: str, start: int, end: int
+    ) -> Iterator[pa.RecordBatch]:
+        """Records ``[start, end)`` of ``producer``, planned on ``incarnation``, as record
+        batches in order (lazily: nothing is asked before the first ``next``).
+
+        Raises
+        ------
+        DataLossError
+            If the giver refuses the range (not held, another incarnation, unknown
+            producer): batches yielded before are to be discarded.
+        TransportError
+            If the giver ends the flow or a wait runs out.
+        RemoteProtocolError
+            If the giver breaks the protocol (a gap, a duplicate, records of another
+            incarnation...).
+        """
+        reader = self.reader
+        self.ep.channel.send(reader.send_request(self.ep.flow, producer, incarnation, start, end))
+        while True:
+            attrs, payload = self._next_dat(f"records [{start}, {end}) of {producer!r}")
+            reply = reader.on_dat(attrs)
+            if reply is None:
+                if len(payload) != 1:
+                    raise RemoteProtocolError(
+                        f"a DAT of records must carry one Arrow frame, got {len(payload)}",
+                        field="payload",
+                        value=len(payload),
+                    )
+                cursor = start + reader.received
+                batch = decode_batch(payload[0], expected_first=cursor)
+                first = batch.column(0)[0].as_py()
+                reader.records(first, batch.num_rows)
+                self._repay()
+                yield batch
+                continue
+            self._repay()
+            if reader.state is ReaderState.DONE:
+                return
+            raise reader.loss(reply)
+
+
+def held_window(
+    endpoint: str,
+    producer_id: str,
+    *,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    curve: Curve | None = None,
+    mode: str | None = None,
+    timeout: float = 30.0,
+) -> HeldWindow:
+    """``(incarnation, first, end)``: the held window of ``producer_id`` at the producer
+    listening on ``endpoint``, on a flow of its own (see :class:`RangeConnection` for the
+    options and errors)."""
+    with RangeConnection(endpoint, ctx=ctx, curve=curve, mode=mode, timeout=timeout) as conn:
+        return conn.held(producer_id)
+
+
+def read_range(
+    endpoint: str,
+    producer_id: str,
+    incarnation: str,
+    start: int,
+    end: int,
+    *,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    curve: Curve | None = None,
+    mode: str | None = None,
+    timeout: float = 30.0,
+    credit: int = DEFAULT_CREDIT,
+    batch: int | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Records ``[start, end)`` of ``producer_id``, planned on ``incarnation``, read from
+    the producer at ``endpoint`` on a flow of its own, as Arrow record batches of the
+    wire schema in order. A generator: the flow opens at the first ``next`` and closes
+    (EOT, socket closed) when it ends, fails or is closed.
+
+    Raises
+    ------
+    DataLossError
+        If the producer refuses the range (:meth:`RangeConnection.read`).
+    RangesNotServed, TransportError, RemoteProtocolError
+        As :class:`RangeConnection` and :meth:`RangeConnection.read`.
+    """
+    with RangeConnection(
+        endpoint, ctx=ctx, curve=curve, mode=mode, timeout=timeout, credit=credit, batch=batch
+    ) as conn:
+        yield from conn.read(producer_id, incarnation, start, end)

@@ -1,0 +1,353 @@
+"""A bound producer serves range reads (the direct read mode, docs/direct-read.md).
+
+The pure protocol is :mod:`zio_spark.protocol.ranges`; this module wires its giver side
+into :class:`~zio_spark.source.producer.Producer`'s server port:
+
+- **Routing.** The port's :class:`~zio_spark.transport.flow_server.FlowServer` makes one
+  :class:`ProducerFlowHandler` per client. A client whose BOT says ``read: "range"``
+  (:func:`~zio_spark.protocol.ranges.server_asks_range`) gets a :class:`RangeFlow`;
+  every other client is the normal taker, served exactly as
+  :class:`~zio_spark.transport.giver.GiverHandler` serves it. A range flow never attaches
+  to the backlog: it is not a taker, so it does not replace (end) the taker's flow, does
+  not move its ``resume`` or the numbering, and the taker's BOT does not end range flows
+  (the giver's "one taker at a time" rule looks only at flows that give).
+- **Capability.** Every BOT reply of the port, the taker's included, states
+  ``ranges: 1`` and the producer's current incarnation
+  (:func:`~zio_spark.protocol.ranges.state_capability`).
+- **Serving.** A range flow answers ``held`` queries with the backlog's window now
+  (``first``: the oldest record not yet acknowledged, ``end``: the next seq to assign)
+  and ``range`` requests by :class:`~zio_spark.protocol.ranges.RangeGiver`'s rule, one
+  DAT per paid credit: Arrow DATs with a ``seq`` column (the normal giver's encoder), or
+  plain DATs with ``seq`` in the label if the reader did not offer Arrow. Reads are
+  read-only: nothing is marked sent, released or counted as delivered (delivery counts
+  stay about the real takers; ``stats["range_records"]`` counts what range flows sent).
+- **Thread-safety.** Everything here runs in the server's loop thread. The held records
+  are shared with the application's :meth:`Producer.send` threads, so each step reads
+  the incarnation, the window and the records it sends under the backlog's lock
+  (:meth:`~zio_spark.source.backlog.ProducerBacklog.read_held`), in one go; the Arrow
+  encoding is done after the lock is released (the columns taken are lists of immutable
+  values).
+- **Acks** are the taker's (the driver's commit, on its control or taker flow): a PAY
+  carrying ``ack`` on a range flow is refused (EOT with the reason, then the flow is
+  dropped as a protocol violation) and frees nothing.
+- **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
+  ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
+  it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
+  one is drawn at once (under the lock, before anything is served with the new numbers),
+  and every range flow opened on the old one ends with EOT without another DAT.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from typing import Any
+
+from zio_spark.codec.records import DAT_BYTES, ENCODING, encode_records
+from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
+from zio_spark.protocol.flow import (
+    BotReceived,
+    Credit,
+    Direction,
+    EotReceived,
+    FlowState,
+    pay_ack,
+)
+from zio_spark.protocol.negotiate import server_terms
+from zio_spark.protocol.ranges import (
+    RangeGiver,
+    Records,
+    Window,
+    check_incarnation,
+    encode_reply,
+    forbid_requests,
+    new_incarnation,
+    server_asks_range,
+    state_capability,
+)
+from zio_spark.source.backlog import ProducerBacklog
+from zio_spark.source.held import HeldRecords
+from zio_spark.transport.flow_client import ClientFlow
+from zio_spark.transport.flow_server import ServerFlow
+from zio_spark.transport.giver import GiverHandler, GiverPolicy, Taken, plain_attrs
+
+__all__ = ["ProducerFlowHandler", "RangeFlow", "RangeService"]
+
+log = logging.getLogger("zio_spark.transport")
+
+_STALE = object()  # a step's answer: the flow's incarnation is no longer the producer's
+
+
+class RangeService:
+    """A producer's range serving: its incarnation, its range flows, the port's handlers.
+
+    ``incarnation``: the one to state (checked by the protocol's rules; None: a fresh
+    random one). Hooks itself into ``backlog`` (``on_renumber``).
+
+    Raises
+    ------
+    ConfigError
+        If ``incarnation`` is malformed.
+    """
+
+    def __init__(
+        self,
+        backlog: ProducerBacklog,
+        policy: GiverPolicy,
+        *,
+        incarnation: str | None = None,
+        stats: collections.Counter[str] | None = None,
+    ) -> None:
+        kept = backlog.retention.incarnation if backlog.retention is not None else None
+        if incarnation is None:
+            # A retention folder keeps its records *and* their numbers across restarts:
+            # its incarnation is the producer's. Else a fresh one: numbering restarts.
+            incarnation = kept if kept is not None else new_incarnation(os.urandom(16))
+        elif kept is not None and incarnation != kept:
+            raise ConfigError(
+                "incarnation",
+                incarnation,
+                f"none, or the retention folder's own {kept!r} (the folder's records are "
+                "numbered in that one)",
+            )
+        else:
+            try:
+                check_incarnation(incarnation)
+            except LocalProtocolError as e:
+                raise ConfigError(
+                    "incarnation",
+                    incarnation,
+                    "1..64 ASCII letters, digits, '.', '_' or '-' (the name of the "
+                    "producer's sequence-number space)",
+                ) from e
+        self.backlog = backlog
+        self.policy = policy
+        self.stats = stats if stats is not None else collections.Counter()
+        self._incarnation = incarnation
+        self.flows: set[RangeFlow] = set()  # open range flows (loop thread)
+        backlog.on_renumber = self._renumbered
+
+    @property
+    def incarnation(self) -> str:
+        """The producer's sequence-number space now."""
+        return self._incarnation
+
+    def handler(self) -> ProducerFlowHandler:
+        """The server port's handler factory: one per client."""
+        return ProducerFlowHandler(self)
+
+    def _renumbered(self) -> None:
+        # Under the backlog's lock: the held records just got other numbers. A range
+        # flow's next step sees the new incarnation and ends instead of serving.
+        # With retention the folder drew the new name (its HEAD, written first): the
+        # same one survives this producer's restart.
+        retention = self.backlog.retention
+        fresh = retention.incarnation if retention is not None else new_incarnation(os.urandom(16))
+        old, self._incarnation = self._incarnation, fresh
+        self.stats["incarnations"] += 1
+        log.warning(
+            "producer %s: records renumbered; incarnation %s replaces %s (range flows of "
+            "the old one end)",
+            self.policy.producer_id,
+            self._incarnation,
+            old,
+        )
+
+    def end_flows(self, reason: str) -> None:
+        """End every open range flow with EOT (loop thread; e.g. the producer closes)."""
+        for flow in list(self.flows):
+            try:
+                flow.end(reason)
+            except TransportError as e:  # that reader is gone: nothing to tell it
+                log.info("producer %s: cannot end a range flow: %s", self.policy.producer_id, e)
+
+    def window(self, records: HeldRecords) -> Window:
+        return Window(records.first, records.next_seq)
+
+
+class RangeFlow:
+    """One range reader's flow (server side, loop thread): requests in PAYs, answers in
+    DATs within the paid credit."""
+
+    def __init__(self, service: RangeService, conn: ServerFlow, arrow: bool, batch: int) -> None:
+        self.service = service
+        self.conn = conn
+        self.arrow = arrow
+        self.batch = batch if arrow else 1
+        self.giver = RangeGiver(service.incarnation)
+        self.ending = False
+
+    def on_credit(self, credit: Credit) -> None:
+        attrs = credit.attrs
+        if pay_ack(attrs) is not None:
+            text = (
+                f"a range flow never acknowledges (PAY ack {attrs.get('ack')!r}): acks "
+                "belong to the taker's flow (the driver's commit), range reads free nothing"
+            )
+            if self.conn.flow.state is FlowState.READY:
+                self.conn.send_eot({"reason": text})
+            raise RemoteProtocolError(text, field="ack", value=attrs.get("ack"))
+        self.giver.on_pay(attrs)
+        self.pump()
+
+    def end(self, reason: str) -> None:
+        """Send EOT (once) and serve nothing more; the reader's echo closes the flow."""
+        if self.ending:
+            return
+        self.ending = True
+        if self.conn.flow.state is FlowState.READY:
+            log.info(
+                "producer %s: ending range flow of %s: %s",
+                self.service.policy.producer_id,
+                self.conn.name,
+                reason,
+            )
+            self.conn.send_eot({"reason": reason})
+
+    def _step(self, records: HeldRecords) -> object:
+        """Under the backlog's lock: what to send next, and the records for it."""
+        service = self.service
+        if self.giver.incarnation != service.incarnation:
+            return _STALE
+        producer = self.giver.producer
+        window = service.window(records) if producer == service.policy.producer_id else None
+        got = self.giver.next(window, self.batch)
+        if isinstance(got, Records):
+            taken = records.take(got.first, got.count, DAT_BYTES)
+            return got, taken
+        return got
+
+    def pump(self) -> None:
+        """Answer the open request while credit lasts (loop thread).
+
+        Raises
+        ------
+        TransportError
+            If a send fails (the server then ends this flow).
+        """
+        conn = self.conn
+        flow = conn.flow
+        backlog = self.service.backlog
+        stats = self.service.stats
+        while not self.ending and flow.state is FlowState.READY and flow.credit > 0:
+            if self.giver.request is None:
+                return
+            step = backlog.read_held(self._step)
+            if step is _STALE:
+                self.end("the producer renumbered its records (a new incarnation)")
+                return
+            if isinstance(step, tuple):
+                records, taken = step
+                assert isinstance(taken, Taken) and taken.first == records.first
+                self._send(taken)
+                n = len(taken.values)
+                self.giver.sent(records, n)
+                stats["range_records"] += n
+                stats["range_dats"] += 1
+                continue
+            assert step is not None
+            conn.send_dat((), encode_reply(step))  # type: ignore[arg-type]
+
+    def _send(self, got: Taken) -> None:
+        if self.arrow:
+            payload = encode_records(got.first, got.values, got.keys, got.granules, got.headers)
+            self.conn.send_dat((payload,))
+            return
+        self.conn.send_dat(
+            (got.values[0],),
+            plain_attrs(
+                got.first,
+                None if got.keys is None else got.keys[0],
+                None if got.headers is None else got.headers[0],
+                None if got.granules is None else got.granules[0],
+            ),
+        )
+
+
+class ProducerFlowHandler(GiverHandler):
+    """The bound producer's handler for one client: a range flow for a reader that asks
+    for one (``read: "range"``), else the normal giver's flow (module doc)."""
+
+    def __init__(self, service: RangeService) -> None:
+        super().__init__(service.backlog, service.policy)
+        self.service = service
+        self.range: RangeFlow | None = None
+
+    def reply_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        return state_capability(attrs, self.service.incarnation)
+
+    def on_bot(self, conn: ServerFlow | ClientFlow, bot: BotReceived) -> None:
+        if isinstance(conn, ServerFlow):
+            try:
+                asks = server_asks_range(bot.attrs)
+            except RemoteProtocolError as e:
+                conn.reject({"reason": str(e)})
+                raise
+            if asks:
+                self._open_range(conn, bot)
+                return
+        super().on_bot(conn, bot)
+
+    def _open_range(self, conn: ServerFlow, bot: BotReceived) -> None:
+        service = self.service
+        policy = service.policy
+        if bot.direction is not Direction.INJECT:
+            conn.reject({"reason": "a range reader takes: connect with direction inject"})
+            return
+        try:
+            terms = server_terms("giver", bot.attrs, (ENCODING,))
+        except RemoteProtocolError as e:
+            conn.reject({"reason": str(e)})
+            raise
+        stream = policy.stream
+        if stream is None:
+            stream = terms.stream or "zio"
+        elif terms.stream is not None and terms.stream != stream:
+            conn.reject({"reason": f"no stream {terms.stream!r} here (this is {stream!r})"})
+            return
+        arrow = terms.encoding == ENCODING
+        limit = terms.batch
+        batch = policy.batch if limit is None else min(policy.batch, limit)
+        flow = RangeFlow(service, conn, arrow, batch)
+        attrs: dict[str, Any] = {
+            "producer": policy.producer_id,
+            "stream": stream,
+            "last": service.backlog.last_seq,
+        }
+        if arrow:
+            attrs["encoding"] = ENCODING
+        conn.accept(None, state_capability(attrs, flow.giver.incarnation))
+        self.range = flow
+        service.flows.add(flow)
+        service.stats["range_flows"] += 1
+
+    def on_credit(self, conn: ServerFlow | ClientFlow, credit: Credit) -> None:
+        if self.range is not None:
+            self.range.on_credit(credit)
+            return
+        if isinstance(conn, ServerFlow):
+            forbid_requests(credit.attrs)  # a taker's flow carries no range request
+        super().on_credit(conn, credit)
+
+    def on_tick(self, conn: ServerFlow | ClientFlow, now: float) -> None:
+        flow = self.range
+        if flow is None:
+            super().on_tick(conn, now)
+            return
+        if flow.giver.incarnation != self.service.incarnation:
+            flow.end("the producer renumbered its records (a new incarnation)")
+            return
+        flow.pump()
+
+    def on_eot(self, conn: ServerFlow | ClientFlow, eot: EotReceived) -> None:
+        if self.range is None:
+            super().on_eot(conn, eot)
+
+    def on_close(self, conn: ServerFlow | ClientFlow, reason: str) -> None:
+        flow, self.range = self.range, None
+        if flow is not None:
+            flow.ending = True
+            self.service.flows.discard(flow)
+            return
+        super().on_close(conn, reason)
