@@ -25,8 +25,13 @@ from zio_spark.protocol.message import FLOW_FORM, Message
 from zio_spark.protocol.ranges import (
     CAPABILITY,
     INCARNATION_MAX,
+    READ_CONTROL,
+    READ_RANGE,
     SEQ_MAX,
     VERSION,
+    Acked,
+    CommitRefused,
+    CommitRequest,
     Done,
     HeldQuery,
     HeldReport,
@@ -50,6 +55,7 @@ from zio_spark.protocol.ranges import (
     new_incarnation,
     offer_attrs,
     server_asks_range,
+    server_read_mode,
     state_capability,
 )
 
@@ -1063,3 +1069,232 @@ def test_a_reader_planned_on_one_incarnation_never_gets_records_of_another(
         (refusal,) = h.replies
         text = str(h.reader.loss(refusal))
         assert planned in text and stated in text and f"[{start}, {end})" in text
+
+
+# ------------------------------------------------------------------ the control flow
+
+
+class Control:
+    """A driver's control flow (``read: "control"``) to a giver over a FlowPair; the
+    giver's held window is the model of what it holds (commits move ``first``)."""
+
+    def __init__(self, window: Window, *, incarnation: str = INC, credit: int = 4) -> None:
+        self.pair = FlowPair()
+        offer = offer_attrs({"stream": "s"}, read=READ_CONTROL)
+        bot = self.pair.to_server(self.pair.client.send_bot(Direction.INJECT, credit, offer))
+        assert isinstance(bot, BotReceived) and server_read_mode(bot.attrs) == READ_CONTROL
+        sent = {"direction": "inject", "credit": credit, **offer}
+        extras = state_capability({"producer": "p", "stream": "s"}, incarnation)
+        reply = self.pair.to_client(self.pair.server.accept(None, extras))
+        assert isinstance(reply, BotReceived)
+        self.reader = RangeReader(client_range_terms(sent, dict(reply.attrs)))
+        self.giver = RangeGiver(incarnation, control=True)
+        self.window = window
+        self.freed_by: list[str] = []  # the incarnation of each commit that freed records
+
+    def commit(self, incarnation: str, upto: int) -> Any:
+        """Send a commit (credit 0 when none is held), serve it, apply what the giver
+        says to free, deliver the answer; returns it."""
+        client = self.pair.client
+        msg = self.reader.send_commit(client, "p", incarnation, upto, credit=client.credit)
+        event = self.pair.to_server(msg)
+        assert isinstance(event, Credit)
+        self.giver.on_pay(event.attrs)
+        got = self.giver.next(self.window, 1)
+        if isinstance(got, Acked):
+            if got.upto >= self.window.first:
+                self.freed_by.append(incarnation)
+            self.window = Window(got.first, self.window.end)
+        assert got is not None and not isinstance(got, Records)
+        dat = self.pair.to_client(self.pair.server.send_dat((), encode_reply(got)))
+        assert isinstance(dat, Data)
+        reply = self.reader.on_dat(dat.attrs)
+        if self.pair.client.credit == 0:
+            self.pair.to_server(self.pair.client.pay(1))
+        return reply
+
+
+def test_a_control_bot_says_read_control() -> None:
+    assert offer_attrs(read=READ_CONTROL) == {"read": "control"}
+    assert server_read_mode({"read": "control"}) == READ_CONTROL
+    assert server_read_mode({"read": "range"}) == READ_RANGE
+    assert server_read_mode({}) is None
+    assert server_asks_range({"read": "control"})
+    with pytest.raises(LocalProtocolError) as e:
+        offer_attrs(read="stream")
+    assert e.value.field == "read"
+    with pytest.raises(LocalProtocolError):
+        offer_attrs({"read": "range"}, read=READ_CONTROL)
+
+
+def test_a_commit_is_an_ack_with_its_incarnation_on_the_wire() -> None:
+    req = CommitRequest(3, "p1", INC, 41)
+    attrs = encode_request(req)
+    assert attrs == {"ack": 41, "commit": {"id": 3, "producer": "p1", "incarnation": INC}}
+    assert decode_request(attrs) == req
+    for bad in ({"commit": attrs["commit"]}, {**attrs, "ack": -1}, {**attrs, "ack": True}):
+        with pytest.raises(RemoteProtocolError) as e:
+            decode_request(bad)
+        assert e.value.field == "PAY.ack"
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_request({**attrs, "held": {"id": 1, "producer": "p1"}})
+    with pytest.raises(RemoteProtocolError) as e:
+        forbid_requests(attrs)
+    assert e.value.field == "commit"
+
+
+def test_commit_answers_round_trip() -> None:
+    for reply in (
+        Acked(1, INC, 4, 5, 9),
+        Acked(1, INC, 0, 3, 3),
+        CommitRefused(2, OTHER, 1, 7),
+        UnknownProducer(3, commit=True),
+    ):
+        attrs = encode_reply(reply)
+        assert set(attrs) == {"commit"}
+        assert decode_reply(attrs) == reply
+    bad = {"commit": {"id": 1, "status": "acked", "incarnation": INC, "upto": 5, "first": 5}}
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_reply({"commit": {**bad["commit"], "end": 9}})
+    assert e.value.field == "commit.upto"
+
+
+def test_a_commit_frees_up_to_its_number_and_answers_the_window() -> None:
+    c = Control(Window(1, 11))
+    assert c.commit(INC, 4) == Acked(0, INC, 4, 5, 11)
+    assert c.window == Window(5, 11) and c.reader.state is ReaderState.IDLE
+
+
+def test_a_commit_at_or_below_the_window_is_a_no_op() -> None:
+    c = Control(Window(1, 11))
+    c.commit(INC, 6)
+    assert c.commit(INC, 6) == Acked(1, INC, 6, 7, 11)
+    assert c.commit(INC, 2) == Acked(2, INC, 2, 7, 11)
+    assert c.commit(INC, 0) == Acked(3, INC, 0, 7, 11)
+    assert c.window == Window(7, 11) and c.freed_by == [INC]
+
+
+def test_a_commit_of_another_incarnation_frees_nothing() -> None:
+    c = Control(Window(1, 11))
+    reply = c.commit(OTHER, 4)
+    assert reply == CommitRefused(0, INC, 1, 11)
+    assert c.window == Window(1, 11) and c.freed_by == []
+    assert c.reader.state is ReaderState.REFUSED
+    assert c.commit(INC, 4) == Acked(1, INC, 4, 5, 11)  # the flow goes on
+
+
+def test_a_commit_beyond_the_end_is_a_protocol_error_naming_both_numbers() -> None:
+    giver = RangeGiver(INC, control=True)
+    giver.on_pay(encode_request(CommitRequest(0, "p", INC, 11)))
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.next(Window(1, 11), 1)
+    assert e.value.field == "ack" and e.value.value == 11
+    assert "11" in str(e.value) and "last record is 10" in str(e.value)
+    assert giver.request is None
+    # The last record itself is fine; an empty window's last record too.
+    giver.on_pay(encode_request(CommitRequest(1, "p", INC, 10)))
+    assert giver.next(Window(1, 11), 1) == Acked(1, INC, 10, 11, 11)
+
+
+def test_a_commit_of_an_unknown_producer_frees_nothing() -> None:
+    giver = RangeGiver(INC, control=True)
+    giver.on_pay(encode_request(CommitRequest(0, "q", INC, 3)))
+    assert giver.next(None, 1) == UnknownProducer(0, commit=True)
+
+
+def test_a_control_flow_takes_no_range_and_no_bare_ack() -> None:
+    giver = RangeGiver(INC, control=True)
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(RangeRequest(0, "p", INC, 1, 2)))
+    assert e.value.field == "range"
+    for bare in ({"ack": 3}, {"ack": 3, "held": {"id": 1, "producer": "p"}}):
+        with pytest.raises(RemoteProtocolError) as e:
+            giver.on_pay(bare)
+        assert e.value.field == "ack"
+    assert giver.on_pay({}) is None
+    assert isinstance(giver.on_pay({"held": {"id": 1, "producer": "p"}}), HeldQuery)
+
+
+def test_a_range_flow_takes_no_commit() -> None:
+    giver = RangeGiver(INC)
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(CommitRequest(0, "p", INC, 3)))
+    assert e.value.field == "commit"
+
+
+def test_the_reader_rejects_a_commit_applied_in_another_incarnation() -> None:
+    reader = RangeReader(CAPABLE)
+    reader.commit("p1", OTHER, 4)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(Acked(0, OTHER, 4, 5, 9)))
+    assert e.value.field == "commit.incarnation" and reader.state is ReaderState.ERROR
+    reader = RangeReader(CAPABLE)
+    reader.commit("p1", INC, 4)
+    with pytest.raises(RemoteProtocolError) as e:
+        reader.on_dat(encode_reply(Acked(0, INC, 3, 5, 9)))
+    assert e.value.field == "commit.upto"
+    reader = RangeReader(CAPABLE)
+    reader.commit("p1", OTHER, 4)
+    with pytest.raises(RemoteProtocolError):  # a refusal must name the BOT's incarnation
+        reader.on_dat(encode_reply(CommitRefused(0, OTHER, 1, 9)))
+    reader = RangeReader(CAPABLE)
+    reader.commit("p1", INC, 4)
+    with pytest.raises(RemoteProtocolError) as e:  # a held answer to a commit
+        reader.on_dat(encode_reply(HeldReport(0, "p1", INC, 1, 9)))
+    assert e.value.field == "held"
+
+
+def test_a_held_query_on_a_control_flow() -> None:
+    c = Control(Window(3, 9))
+    msg = c.reader.send_query(c.pair.client, "p")
+    event = c.pair.to_server(msg)
+    assert isinstance(event, Credit)
+    c.giver.on_pay(event.attrs)
+    got = c.giver.next(c.window, 1)
+    assert got == HeldReport(0, "p", INC, 3, 9)
+
+
+@PROPS
+@given(
+    st.integers(0, 40),
+    st.integers(0, 40),
+    incarnations,
+    incarnations,
+    st.lists(st.tuples(st.booleans(), st.integers(0, 90)), max_size=12),
+)
+def test_no_commit_of_one_incarnation_frees_records_of_another(
+    first: int, size: int, giver_inc: str, other: str, commits: list[tuple[bool, int]]
+) -> None:
+    """No ack of incarnation X ever frees a record of a giver in incarnation Y != X:
+    whatever the numbers, those commits are refused and the window does not move."""
+    assume(giver_inc != other)
+    c = Control(Window(first, first + size), incarnation=giver_inc)
+    for own, upto in commits:
+        before = c.window
+        inc = giver_inc if own else other
+        if own and upto >= before.end:
+            continue  # a protocol error, tested above
+        reply = c.commit(inc, upto)
+        if own:
+            assert isinstance(reply, Acked)
+        else:
+            assert reply == CommitRefused(reply.id, giver_inc, before.first, before.end)
+            assert c.window == before
+    assert other not in c.freed_by
+
+
+@PROPS
+@given(st.integers(1, 30), st.integers(0, 60), st.lists(st.integers(0, 90), max_size=12))
+def test_commits_in_any_order_free_exactly_up_to_the_max(
+    first: int, size: int, uptos: list[int]
+) -> None:
+    """Acks applied in any order (a restarted driver re-acks its last commit, acks of an
+    older commit arrive late) free exactly up to the largest: monotonic, never an error
+    below the window."""
+    end = first + size
+    uptos = [u for u in uptos if u < end]
+    c = Control(Window(first, end))
+    for upto in uptos:
+        assert isinstance(c.commit(INC, upto), Acked)
+    top = max(uptos, default=-1)
+    assert c.window == Window(max(first, top + 1), end)

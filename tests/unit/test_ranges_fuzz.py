@@ -2,8 +2,10 @@
 
 Inputs go the whole way a peer's bytes go: a single-frame ZIO message (czmq form) is
 decoded, its flow object read, and the range decoders applied -- :func:`decode_request`
-(a PAY at the giver), :func:`decode_reply` and :meth:`RangeReader.on_dat` (a DAT at the
-reader), :func:`client_range_terms` and :func:`server_asks_range` (a BOT). Each input is
+(a PAY at the giver, and :meth:`RangeGiver.on_pay` of a range flow and of a control
+flow), :func:`decode_reply` and :meth:`RangeReader.on_dat` (a DAT at the reader),
+:func:`client_range_terms` and :func:`server_read_mode` (a BOT). Commits (``ack`` with
+``commit``) and their answers are among the seeds. Each input is
 a mutation of a valid message, at the byte level (flips, truncation, insertion, deletion,
 splicing) or at the JSON level (a field replaced by another JSON value, dropped, added,
 or a request object swapped for another). A decoder may accept it -- then what it
@@ -16,6 +18,7 @@ marked ``fuzz`` (``pytest -m fuzz``) and run 100_000 inputs per decoder.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -30,7 +33,10 @@ from hypothesis import strategies as st
 from zio_spark.errors import RemoteProtocolError
 from zio_spark.protocol.message import FLOW_FORM, Message, decode_single, encode_single
 from zio_spark.protocol.ranges import (
+    READ_CONTROL,
+    CommitRefused,
     OtherIncarnation,
+    RangeGiver,
     RangeReader,
     RangeTerms,
     client_range_terms,
@@ -39,7 +45,7 @@ from zio_spark.protocol.ranges import (
     encode_reply,
     encode_request,
     offer_attrs,
-    server_asks_range,
+    server_read_mode,
     state_capability,
 )
 
@@ -59,6 +65,18 @@ REQUEST_SEEDS: list[dict[str, Any]] = [
     },
     {"flow": "PAY", "credit": 1, "held": {"id": 3, "producer": "p1"}},
     {"flow": "PAY", "credit": 2, "ack": 4},
+    {
+        "flow": "PAY",
+        "credit": 0,
+        "ack": 4,
+        "commit": {"id": 2, "producer": "p1", "incarnation": INC},
+    },
+    {
+        "flow": "PAY",
+        "credit": 1,
+        "ack": 0,
+        "commit": {"id": 0, "producer": "p", "incarnation": "i2"},
+    },
 ]
 REPLY_SEEDS: list[dict[str, Any]] = [
     {"flow": "DAT", "range": {"id": 0, "status": "done", "start": 1, "end": 9}},
@@ -81,6 +99,21 @@ REPLY_SEEDS: list[dict[str, Any]] = [
     },
     {"flow": "DAT", "held": {"id": 0, "status": "unknown_producer"}},
     {"flow": "DAT", "seq": 1},
+    {
+        "flow": "DAT",
+        "commit": {"id": 0, "status": "acked", "incarnation": INC, "upto": 4, "first": 5, "end": 9},
+    },
+    {
+        "flow": "DAT",
+        "commit": {
+            "id": 0,
+            "status": "other_incarnation",
+            "incarnation": INC,
+            "first": 1,
+            "end": 9,
+        },
+    },
+    {"flow": "DAT", "commit": {"id": 0, "status": "unknown_producer"}},
 ]
 BOT_SEEDS: list[dict[str, Any]] = [
     {
@@ -91,6 +124,7 @@ BOT_SEEDS: list[dict[str, Any]] = [
     },
     {"flow": "BOT", **{**SENT_BOT, "direction": "extract"}},  # an echo
     {"flow": "BOT", **SENT_BOT},  # what a capable giver's server side reads
+    {"flow": "BOT", "direction": "inject", "credit": 1, **offer_attrs(read=READ_CONTROL)},
     {
         "flow": "BOT",
         "direction": "extract",
@@ -128,6 +162,9 @@ INTERESTING: list[Any] = [
     "unknown_producer",
     "other_incarnation",
     "range",
+    "control",
+    "acked",
+    "commit",
     "i1",
     "i2",
     "x" * 64,
@@ -149,6 +186,9 @@ KEYS = [
     "status",
     "range",
     "held",
+    "commit",
+    "ack",
+    "upto",
     "ranges",
     "read",
 ]
@@ -172,7 +212,7 @@ def _mutate_json(rng: random.Random, obj: dict[str, Any]) -> dict[str, Any]:
             target[rng.choice(KEYS)] = copy.deepcopy(rng.choice(INTERESTING))
         else:  # another seed's request or answer object, or both kinds at once
             donor = rng.choice(REQUEST_SEEDS + REPLY_SEEDS)
-            for key in ("range", "held"):
+            for key in ("range", "held", "commit", "ack"):
                 if key in donor:
                     target[key] = json.loads(json.dumps(donor[key]))
     return out
@@ -220,9 +260,15 @@ def _flow_object(data: bytes) -> Mapping[str, Any]:
 
 def _try_request(data: bytes) -> str:
     try:
-        req = decode_request(_flow_object(data))
+        obj = _flow_object(data)
+        req = decode_request(obj)
     except RemoteProtocolError as e:
         return str(e.field)
+    # A giver of either flow takes it or refuses it, typed (a range flow takes no
+    # commit, a control flow no range and no bare ack).
+    for control in (False, True):
+        with contextlib.suppress(RemoteProtocolError):
+            RangeGiver(INC, control=control).on_pay(obj)
     if req is None:
         return "none"
     assert decode_request(encode_request(req)) == req
@@ -244,6 +290,8 @@ def _try_reply(data: bytes) -> str:
     reader = RangeReader(RangeTerms(1, "p1", INC))
     if "held" in obj:
         reader.query("p1")
+    elif "commit" in obj:
+        reader.commit("p1", "i0" if isinstance(reply, CommitRefused) else INC, 4)
     elif isinstance(reply, OtherIncarnation):
         reader.request("p1", "i0", 1, 9)
     else:
@@ -270,7 +318,7 @@ def _try_bot(data: bytes) -> str:
     except RemoteProtocolError as e:
         outcome = str(e.field)
     try:
-        server_asks_range(obj)
+        server_read_mode(obj)
     except RemoteProtocolError as e:
         outcome += f" server {e.field}"
     return outcome
@@ -339,6 +387,8 @@ def test_fuzz_request_decoder_seeded() -> None:
     assert outcomes["ok"] > CASES // 20, outcomes
     want = {"none", "label", "range", "held", "range.id", "range.producer", "range.start"}
     want |= {"range.end", "held.id", "held.producer", "range.incarnation"}
+    want |= {"commit", "commit.id", "commit.incarnation", "PAY.ack"}
+    print("request outcomes:", dict(outcomes.most_common()))
     assert set(outcomes) >= want, outcomes
 
 
@@ -350,6 +400,8 @@ def test_fuzz_reply_decoder_seeded() -> None:
     want = {"none", "label", "range", "held", "range.id", "range.status", "held.status"}
     want |= {"range.first", "held.producer", "reader range.id"}
     want |= {"range.incarnation", "held.incarnation", "reader range.incarnation"}
+    want |= {"commit.status", "commit.upto", "commit.incarnation", "reader commit.incarnation"}
+    print("reply outcomes:", dict(outcomes.most_common()))
     assert set(outcomes) >= want, outcomes
 
 
@@ -358,4 +410,5 @@ def test_fuzz_bot_terms_seeded() -> None:
     outcomes = _run(0x2A62, BOT_SEEDS, _try_bot)
     assert sum(outcomes.values()) == CASES
     assert outcomes["ok"] > CASES // 20, outcomes
+    print("bot outcomes:", dict(outcomes.most_common()))
     assert {"ranges", "producer", "incarnation", "ok server read"} <= set(outcomes), outcomes

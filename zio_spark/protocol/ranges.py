@@ -107,7 +107,7 @@ from zio_spark.errors import (
     ProtocolError,
     RemoteProtocolError,
 )
-from zio_spark.protocol.flow import Flow, profile_bot
+from zio_spark.protocol.flow import Flow, pay_ack, profile_bot
 from zio_spark.protocol.message import Message
 from zio_spark.protocol.negotiate import own_statements
 
@@ -116,9 +116,13 @@ __all__ = [
     "INCARNATION",
     "INCARNATION_MAX",
     "READ",
+    "READ_CONTROL",
     "READ_RANGE",
     "SEQ_MAX",
     "VERSION",
+    "Acked",
+    "CommitRefused",
+    "CommitRequest",
     "Done",
     "HeldQuery",
     "HeldReport",
@@ -144,6 +148,7 @@ __all__ = [
     "new_incarnation",
     "offer_attrs",
     "server_asks_range",
+    "server_read_mode",
     "state_capability",
 ]
 
@@ -157,6 +162,12 @@ READ = "read"
 READ_RANGE = "range"
 """Taker BOT attribute ``read: "range"``: this flow carries range requests, no stream."""
 
+READ_CONTROL = "control"
+"""Taker BOT attribute ``read: "control"``: the driver's control flow to a producer:
+``held`` queries and ``commit`` acks, never a range, never a record (part of version 1)."""
+
+_READ_MODES = (READ_RANGE, READ_CONTROL)
+
 SEQ_MAX = 2**63 - 1
 """Largest sequence number or request id (the Arrow ``seq`` column is an int64)."""
 
@@ -169,7 +180,7 @@ INCARNATION_MAX = 64
 
 _INCARNATION_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{INCARNATION_MAX}}}")
 
-_REQUEST_KEYS = ("range", "held")
+_REQUEST_KEYS = ("range", "held", "commit")
 
 
 # ------------------------------------------------------------------------- incarnation
@@ -247,8 +258,9 @@ class RangeTerms:
 NOT_CAPABLE = RangeTerms()
 
 
-def offer_attrs(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The extras of a range reader's BOT: ``attrs`` plus ``read: "range"``.
+def offer_attrs(attrs: Mapping[str, Any] | None = None, read: str = READ_RANGE) -> dict[str, Any]:
+    """The extras of a range reader's BOT: ``attrs`` plus ``read: "range"`` (or
+    ``read: "control"`` for the driver's control flow: ``read=READ_CONTROL``).
 
     Raises
     ------
@@ -265,13 +277,19 @@ def offer_attrs(attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
                 field=key,
                 value=out[key],
             )
-    if out.get(READ, READ_RANGE) != READ_RANGE:
+    if read not in _READ_MODES:
         raise LocalProtocolError(
-            f"BOT {READ} must be {READ_RANGE!r} on a range flow, got {out[READ]!r}",
+            f"read must be one of {', '.join(map(repr, _READ_MODES))}, got {read!r}",
+            field=READ,
+            value=read,
+        )
+    if out.get(READ, read) != read:
+        raise LocalProtocolError(
+            f"BOT {READ} must be {read!r} on this flow, got {out[READ]!r}",
             field=READ,
             value=out[READ],
         )
-    out[READ] = READ_RANGE
+    out[READ] = read
     return out
 
 
@@ -330,23 +348,39 @@ def client_range_terms(sent: Mapping[str, Any], reply: Mapping[str, Any]) -> Ran
     return RangeTerms(min(raw, VERSION), prof.producer, incarnation)
 
 
-def server_asks_range(bot: Mapping[str, Any]) -> bool:
-    """True if the client's BOT (our server side's view) opens a range flow.
+def server_read_mode(bot: Mapping[str, Any]) -> str | None:
+    """The flow the client's BOT (our server side's view) opens: :data:`READ_RANGE` (a
+    range reader), :data:`READ_CONTROL` (the driver's control flow) or None (a taker of
+    the stream).
 
     Raises
     ------
     RemoteProtocolError
-        If ``read`` is present but not ``"range"`` (a mode we do not know: serving it
-        as a stream would send data the client did not ask for).
+        If ``read`` is present but neither (a mode we do not know: serving it as a
+        stream would send data the client did not ask for).
     """
     raw = bot.get(READ)
     if raw is None:
-        return False
-    if raw != READ_RANGE or not isinstance(raw, str):
+        return None
+    if not isinstance(raw, str) or raw not in _READ_MODES:
         raise RemoteProtocolError(
-            f"BOT {READ} must be {READ_RANGE!r}, got {raw!r}", field=READ, value=raw
+            f"BOT {READ} must be {READ_RANGE!r} or {READ_CONTROL!r}, got {raw!r}",
+            field=READ,
+            value=raw,
         )
-    return True
+    return raw
+
+
+def server_asks_range(bot: Mapping[str, Any]) -> bool:
+    """True if the client's BOT opens a flow of the range protocol (a range reader's or
+    a control flow: :func:`server_read_mode` says which), False for a stream's taker.
+
+    Raises
+    ------
+    RemoteProtocolError
+        As :func:`server_read_mode`.
+    """
+    return server_read_mode(bot) is not None
 
 
 # ---------------------------------------------------------------------------- messages
@@ -372,7 +406,20 @@ class HeldQuery:
     producer: str
 
 
-Request = RangeRequest | HeldQuery
+@dataclass(frozen=True, slots=True)
+class CommitRequest:
+    """The driver's commit on a control flow (request number ``id``): free every record
+    of ``producer`` up to ``upto`` (inclusive), numbered in ``incarnation`` (the one the
+    committed offsets were planned on). On the wire: PAY ``ack: upto`` with
+    ``commit: {id, producer, incarnation}``."""
+
+    id: int
+    producer: str
+    incarnation: str
+    upto: int
+
+
+Request = RangeRequest | HeldQuery | CommitRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,10 +454,35 @@ class OtherIncarnation:
 
 @dataclass(frozen=True, slots=True)
 class UnknownProducer:
-    """The giver serves no such producer id. ``query``: the answer to a held query."""
+    """The giver serves no such producer id. ``query``: the answer to a held query,
+    ``commit``: to a commit (neither: to a range)."""
 
     id: int
     query: bool = False
+    commit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    """A commit applied: every record up to ``upto`` of ``incarnation`` is freed (or was
+    already: acks are monotonic), the held window now being ``[first, end)``."""
+
+    id: int
+    incarnation: str
+    upto: int
+    first: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRefused:
+    """A commit of another incarnation than the giver's ``incarnation``: nothing freed
+    (its numbers may name records no batch read). ``[first, end)``: the giver's window."""
+
+    id: int
+    incarnation: str
+    first: int
+    end: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,7 +498,7 @@ class HeldReport:
     end: int
 
 
-Reply = Done | NotHeld | OtherIncarnation | UnknownProducer | HeldReport
+Reply = Done | NotHeld | OtherIncarnation | UnknownProducer | HeldReport | Acked | CommitRefused
 
 
 def _fail(local: bool, text: str, field: str, value: object) -> ProtocolError:
@@ -484,12 +556,15 @@ def _window(obj: Mapping[str, Any], where: str, local: bool) -> tuple[int, int]:
     return first, end
 
 
-def _check_request(req: Mapping[str, Any], key: str, local: bool) -> Request:
+def _check_request(req: Mapping[str, Any], key: str, local: bool, ack: object = None) -> Request:
     rid = _int(req, key, "id", local)
     producer = _producer(req, key, local)
     if key == "held":
         return HeldQuery(rid, producer)
     incarnation = _incarnation(req.get(INCARNATION), f"{key}.{INCARNATION}", local)
+    if key == "commit":
+        upto = _int({"ack": ack}, "PAY", "ack", local)
+        return CommitRequest(rid, producer, incarnation, upto)
     start = _int(req, key, "start", local)
     end = _int(req, key, "end", local)
     if start > end:
@@ -519,6 +594,10 @@ def encode_request(req: Request) -> dict[str, Any]:
             "start": req.start,
             "end": req.end,
         }
+    elif isinstance(req, CommitRequest):
+        obj = {"id": req.id, "producer": req.producer, "incarnation": req.incarnation}
+        _check_request(obj, "commit", local=True, ack=req.upto)
+        return {"ack": req.upto, "commit": obj}
     else:
         key = "held"
         obj = {"id": req.id, "producer": req.producer}
@@ -538,7 +617,7 @@ def decode_request(attrs: Mapping[str, Any]) -> Request | None:
     key = _which(attrs, "a PAY carries one request")
     if key is None:
         return None
-    return _check_request(_object(attrs, key, local=False), key, local=False)
+    return _check_request(_object(attrs, key, local=False), key, local=False, ack=attrs.get("ack"))
 
 
 def _which(attrs: Mapping[str, Any], one: str) -> str | None:
@@ -547,7 +626,7 @@ def _which(attrs: Mapping[str, Any], one: str) -> str | None:
     present = [k for k in _REQUEST_KEYS if k in attrs]
     if len(present) > 1:
         raise RemoteProtocolError(
-            f"{one}, got both 'range' and 'held'", field="range", value=present
+            f"{one}, got {' and '.join(map(repr, present))}", field=present[0], value=present
         )
     return present[0] if present else None
 
@@ -590,8 +669,16 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
         obj[INCARNATION] = reply.incarnation
         obj["first"], obj["end"] = reply.first, reply.end
     elif isinstance(reply, UnknownProducer):
-        key = "held" if reply.query else "range"
+        key = _reply_key(reply)
         obj = {"id": reply.id, "status": "unknown_producer"}
+    elif isinstance(reply, Acked):
+        key, obj = "commit", {"id": reply.id, "status": "acked"}
+        obj[INCARNATION], obj["upto"] = reply.incarnation, reply.upto
+        obj["first"], obj["end"] = reply.first, reply.end
+    elif isinstance(reply, CommitRefused):
+        key, obj = "commit", {"id": reply.id, "status": "other_incarnation"}
+        obj[INCARNATION] = reply.incarnation
+        obj["first"], obj["end"] = reply.first, reply.end
     else:
         key = "held"
         obj = {"id": reply.id, "producer": reply.producer, "status": "held"}
@@ -603,12 +690,25 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
 
 _RANGE_STATUSES = ("done", "not_held", "other_incarnation", "unknown_producer")
 _HELD_STATUSES = ("held", "unknown_producer")
+_COMMIT_STATUSES = ("acked", "other_incarnation", "unknown_producer")
+_STATUSES = {"range": _RANGE_STATUSES, "held": _HELD_STATUSES, "commit": _COMMIT_STATUSES}
+
+
+def _reply_key(reply: Reply) -> str:
+    """The DAT key an answer rides under: ``range``, ``held`` or ``commit``."""
+    if isinstance(reply, Acked | CommitRefused):
+        return "commit"
+    if isinstance(reply, HeldReport):
+        return "held"
+    if isinstance(reply, UnknownProducer):
+        return "commit" if reply.commit else "held" if reply.query else "range"
+    return "range"
 
 
 def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
     rid = _int(obj, key, "id", local)
     status = obj.get("status")
-    allowed = _RANGE_STATUSES if key == "range" else _HELD_STATUSES
+    allowed = _STATUSES[key]
     if not isinstance(status, str) or status not in allowed:
         raise _fail(
             local,
@@ -617,7 +717,7 @@ def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
             status,
         )
     if status == "unknown_producer":
-        return UnknownProducer(rid, query=key == "held")
+        return UnknownProducer(rid, query=key == "held", commit=key == "commit")
     if status == "done":
         start = _int(obj, key, "start", local)
         end = _int(obj, key, "end", local)
@@ -625,6 +725,20 @@ def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
             raise _fail(local, f"range: start {start} must be <= end {end}", "range.start", start)
         return Done(rid, start, end)
     first, end = _window(obj, key, local)
+    if key == "commit":
+        incarnation = _incarnation(obj.get(INCARNATION), f"{key}.{INCARNATION}", local)
+        if status == "other_incarnation":
+            return CommitRefused(rid, incarnation, first, end)
+        upto = _int(obj, key, "upto", local)
+        if not upto < first:
+            raise _fail(
+                local,
+                f"commit: acked up to {upto}, but the window after it starts at {first} "
+                "(it must start after what was freed)",
+                f"{key}.upto",
+                upto,
+            )
+        return Acked(rid, incarnation, upto, first, end)
     if status == "not_held":
         return NotHeld(rid, first, end)
     if status == "other_incarnation":
@@ -703,12 +817,20 @@ class RangeGiver:
     encoding, then call :meth:`sent`), a :class:`Reply` (send
     ``flow.send_dat((), encode_reply(reply))``: the request is then over), or None
     (nothing asked). Credit is the flow's: call :meth:`next` only when it holds some.
+
+    ``control``: the flow opened with ``read: "control"`` (the driver's): it takes held
+    queries and commits, never a range; a range flow takes ranges and held queries, never
+    a commit. A commit is answered by :meth:`next` too: :class:`Acked` means *free every
+    record up to* ``upto`` now (the caller does it, with the same window, under the same
+    lock; freeing is monotonic, so an ``upto`` below the window frees nothing),
+    :class:`CommitRefused` (another incarnation) or :class:`UnknownProducer` free nothing.
     """
 
-    __slots__ = ("_cursor", "_request", "_served", "incarnation")
+    __slots__ = ("_cursor", "_request", "_served", "control", "incarnation")
 
-    def __init__(self, incarnation: str) -> None:
+    def __init__(self, incarnation: str, *, control: bool = False) -> None:
         self.incarnation = _incarnation(incarnation, INCARNATION, local=True)
+        self.control = control
         self._request: Request | None = None
         self._cursor = 0  # next seq of the current range request
         self._served = -1  # id of the last request taken, for the increasing-id rule
@@ -730,9 +852,33 @@ class RangeGiver:
         ------
         RemoteProtocolError
             If the request does not decode, arrives while another is open, or its id
-            does not increase.
+            does not increase; on a control flow, if it is a range (``field="range"``) or
+            an ``ack`` comes without ``commit`` (``field="ack"``: a bare number could free
+            records of another numbering); on a range flow, if it is a commit.
         """
         req = decode_request(attrs)
+        if self.control:
+            if isinstance(req, RangeRequest):
+                raise RemoteProtocolError(
+                    f"a control flow ({READ}: {READ_CONTROL!r}) carries no range request "
+                    f"(range {req.id} of {req.producer!r}): open a range flow to read",
+                    field="range",
+                    value=req.id,
+                )
+            if not isinstance(req, CommitRequest) and pay_ack(attrs) is not None:
+                raise RemoteProtocolError(
+                    f"PAY ack {attrs.get('ack')!r} without 'commit' on a control flow: an "
+                    "ack must name the producer and the incarnation it was committed in",
+                    field="ack",
+                    value=attrs.get("ack"),
+                )
+        elif isinstance(req, CommitRequest):
+            raise RemoteProtocolError(
+                f"a commit (ack {req.upto}) on a range flow: acks belong to the driver's "
+                f"control flow ({READ}: {READ_CONTROL!r}), range reads free nothing",
+                field="commit",
+                value=req.id,
+            )
         if req is None:
             return None
         if self._request is not None:
@@ -761,6 +907,9 @@ class RangeGiver:
         ------
         LocalProtocolError
             If ``batch`` is not an integer >= 1.
+        RemoteProtocolError
+            ``field="ack"`` for a commit of the giver's incarnation beyond the window's
+            end (a record never numbered: the request is dropped, nothing freed).
         """
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise LocalProtocolError(
@@ -771,10 +920,26 @@ class RangeGiver:
             return None
         if window is None:
             self._request = None
-            return UnknownProducer(req.id, query=isinstance(req, HeldQuery))
+            return UnknownProducer(
+                req.id, query=isinstance(req, HeldQuery), commit=isinstance(req, CommitRequest)
+            )
         if isinstance(req, HeldQuery):
             self._request = None
             return HeldReport(req.id, req.producer, self.incarnation, window.first, window.end)
+        if isinstance(req, CommitRequest):
+            self._request = None
+            if req.incarnation != self.incarnation:
+                return CommitRefused(req.id, self.incarnation, window.first, window.end)
+            if req.upto >= window.end:
+                raise RemoteProtocolError(
+                    f"commit {req.id}: ack {req.upto} of {req.producer!r} is beyond the "
+                    f"producer's end: its last record is {window.end - 1} (incarnation "
+                    f"{self.incarnation!r})",
+                    field="ack",
+                    value=req.upto,
+                )
+            first = max(window.first, req.upto + 1)
+            return Acked(req.id, self.incarnation, req.upto, first, window.end)
         # The rule: the numbers are the ones planned on, and the rest [cursor, end) lies
         # in the window, now.
         if req.incarnation != self.incarnation:
@@ -821,6 +986,8 @@ class RangeGiver:
 
 
 def _key(req: Request) -> str:
+    if isinstance(req, CommitRequest):
+        return "commit"
     return "range" if isinstance(req, RangeRequest) else "held"
 
 
@@ -924,6 +1091,29 @@ class RangeReader:
         """
         self._ready()
         return self._out(HeldQuery(self._next_id, producer))
+
+    def commit(self, producer: str, incarnation: str, upto: int) -> dict[str, Any]:
+        """The PAY extras of a commit on a control flow: free the records of ``producer``
+        up to ``upto``, committed in ``incarnation`` (``ack`` and ``commit``).
+
+        Raises
+        ------
+        LocalProtocolError
+            As :meth:`request`.
+        """
+        self._ready()
+        return self._out(CommitRequest(self._next_id, producer, incarnation, upto))
+
+    def send_commit(
+        self, flow: Flow, producer: str, incarnation: str, upto: int, credit: int | None = None
+    ) -> Message:
+        """:meth:`commit` on a PAY of ``flow`` (see :meth:`send_request`)."""
+        self._ready()
+        req = CommitRequest(self._next_id, producer, incarnation, upto)
+        attrs = encode_request(req)
+        msg = flow.pay(flow.credit if credit is None else credit, attrs)
+        self._out(req)
+        return msg
 
     def send_request(
         self,
@@ -1045,7 +1235,7 @@ class RangeReader:
                 )
             self._check_records_incarnation(req)
             return None
-        key = "held" if isinstance(reply, HeldReport) or getattr(reply, "query", False) else "range"
+        key = _reply_key(reply)
         if not waiting or req is None:
             raise self._remote(
                 f"an answer to request {reply.id} arrived with none open "
@@ -1059,7 +1249,7 @@ class RangeReader:
                 f"{key}.id",
                 reply.id,
             )
-        if (key == "held") != isinstance(req, HeldQuery):
+        if key != _key(req):
             raise self._remote(
                 f"a {key!r} answer arrived for a {_key(req)!r} request {req.id}",
                 key,
@@ -1093,6 +1283,33 @@ class RangeReader:
                     reply.incarnation,
                 )
             self.state = ReaderState.IDLE
+        elif isinstance(reply, Acked):
+            assert isinstance(req, CommitRequest)
+            if (
+                reply.upto != req.upto
+                or reply.incarnation != req.incarnation
+                or reply.incarnation != self.terms.incarnation
+            ):
+                raise self._remote(
+                    f"commit {req.id} acked as {reply.upto} of incarnation "
+                    f"{reply.incarnation!r}, but {req.upto} of {req.incarnation!r} was sent "
+                    f"and the giver stated {self.terms.incarnation!r} in its BOT (a commit "
+                    "of another incarnation must be refused, never applied)",
+                    "commit.upto" if reply.upto != req.upto else f"commit.{INCARNATION}",
+                    reply.upto if reply.upto != req.upto else reply.incarnation,
+                )
+            self.state = ReaderState.IDLE
+        elif isinstance(reply, CommitRefused):
+            assert isinstance(req, CommitRequest)
+            if reply.incarnation == req.incarnation or reply.incarnation != self.terms.incarnation:
+                raise self._remote(
+                    f"commit {req.id} refused as other_incarnation {reply.incarnation!r}, but "
+                    f"it was sent in {req.incarnation!r} and the giver stated "
+                    f"{self.terms.incarnation!r} in its BOT",
+                    f"commit.{INCARNATION}",
+                    reply.incarnation,
+                )
+            self.state = ReaderState.REFUSED
         elif isinstance(reply, OtherIncarnation) and isinstance(req, RangeRequest):
             if reply.incarnation == req.incarnation or reply.incarnation != self.terms.incarnation:
                 raise self._remote(
