@@ -363,6 +363,19 @@ class ProducerBacklog:
         with self._cond:
             return read(self._records)
 
+    def commit_held(self, step: Callable[[HeldRecords], tuple[T, int | None]]) -> T:
+        """``step(records)`` under the lock, then free every record up to the number it
+        returns (None: nothing), as a taker's ack does (:meth:`ack`: memory, the
+        retention log, the ``acked`` count), in the same hold of the lock: the driver's
+        commit on its control flow, checked against the window it frees from. Freeing is
+        monotonic: a number below what is held frees nothing."""
+        with self._cond:
+            out, upto = step(self._records)
+            if upto is not None:
+                self._release(upto)
+                self._cond.notify_all()
+            return out
+
     def delivery(self) -> Delivery:
         with self._cond:
             return Delivery(

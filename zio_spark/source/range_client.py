@@ -10,7 +10,11 @@ here. Two calls, each on a flow of its own:
   ``granule``, ``headers``), in order, each record once.
 
 :class:`RangeConnection` is the flow under both, for a caller that asks many things on
-one flow (the driver's control flow).
+one flow. :class:`ControlConnection` is the driver's control flow to one producer
+(``read: "control"``): :meth:`~ControlConnection.held` for ``latestOffset`` and
+:meth:`~ControlConnection.ack` for Spark's commit (``ack`` with ``commit: {id, producer,
+incarnation}``; the producer frees up to the number only if the incarnation is its own,
+else :class:`AckRefused` and nothing is freed).
 
 Engine: a :class:`~zio_spark.transport.port.ClientPort` under a
 :class:`~zio_spark.transport.flow_endpoint.FlowEndpoint`, the blocking flow endpoint the
@@ -30,8 +34,8 @@ is paid back as DATs are taken (half the flow's credit at a time). A refusal of 
 is raised as :meth:`RangeReader.loss <zio_spark.protocol.ranges.RangeReader.loss>`'s
 :class:`~zio_spark.errors.DataLossError`: batches already yielded by that
 :func:`read_range` are then to be discarded (a refusal follows records only when acks
-freed the rest of the range: a speculative copy of a committed task). The reader never
-acknowledges: acks are the taker's flow's (the driver's commit).
+freed the rest of the range: a speculative copy of a committed task). A range reader
+never acknowledges: acks go on the driver's control flow (or a spool-mode taker's).
 
 Thread-safety: each call makes its own socket; calls may run in many threads at once
 with one context.
@@ -47,9 +51,13 @@ import pyarrow as pa
 import zmq
 
 from zio_spark.codec.records import ENCODING, decode_batch
-from zio_spark.errors import ProtocolError, RemoteProtocolError, TransportError
+from zio_spark.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, TransportError
 from zio_spark.protocol.flow import Direction, FlowState, Role
 from zio_spark.protocol.ranges import (
+    READ_CONTROL,
+    READ_RANGE,
+    Acked,
+    CommitRefused,
     HeldReport,
     RangeReader,
     RangeTerms,
@@ -64,6 +72,8 @@ from zio_spark.transport.port import ClientPort
 
 __all__ = [
     "DEFAULT_CREDIT",
+    "AckRefused",
+    "ControlConnection",
     "HeldWindow",
     "RangeConnection",
     "RangesNotServed",
@@ -91,6 +101,17 @@ class RangesNotServed(TransportError):
     """The peer did not state the range capability as its own (a plain ZIO giver, an
     older zio-spark producer, a producer in client mode behind a broker): no request was
     sent; read this producer through the spool path."""
+
+
+class AckRefused(TransportError):
+    """The producer refused a commit: it numbers its records in another incarnation
+    (``window``: its held window now, in that one) than the one the commit names (it
+    restarted without its records), or serves no such producer (``window`` None). Nothing
+    was freed; the flow stays open."""
+
+    def __init__(self, message: str, *, endpoint: str, window: HeldWindow | None) -> None:
+        super().__init__(message, endpoint=endpoint)
+        self.window = window
 
 
 class RangeConnection:
@@ -125,6 +146,8 @@ class RangeConnection:
         If the giver's BOT is malformed (a bad ``ranges``/``incarnation``).
     """
 
+    _READ = READ_RANGE  # the BOT's read mode
+
     def __init__(
         self,
         endpoint: str,
@@ -154,7 +177,7 @@ class RangeConnection:
                 sent["stream"] = stream
             if batch is not None:
                 sent["batch"] = batch
-            sent = offer_attrs(sent)
+            sent = offer_attrs(sent, read=self._READ)
             self.ep.send_bot(Direction.INJECT, credit, sent)
             try:
                 bot = self.ep.recv_bot(timeout)
@@ -364,3 +387,103 @@ def read_range(
         endpoint, ctx=ctx, curve=curve, mode=mode, timeout=timeout, credit=credit, batch=batch
     ) as conn:
         yield from conn.read(producer_id, incarnation, start, end)
+
+
+class ControlConnection(RangeConnection):
+    """The driver's control flow to the producer at ``endpoint`` (BOT ``read:
+    "control"``): held queries and commits, one at a time, never a range or a record.
+    Bound to the incarnation its BOT stated (:attr:`incarnation`): the producer ends it
+    (EOT) when it renumbers. Opening, options and errors as :class:`RangeConnection`;
+    a peer without the capability is :class:`RangesNotServed`."""
+
+    _READ = READ_CONTROL
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+        mode: str | None = None,
+        curve: Curve | None = None,
+        timeout: float = 30.0,
+        credit: int = 4,
+        stream: str | None = None,
+    ) -> None:
+        super().__init__(
+            endpoint, ctx=ctx, mode=mode, curve=curve, timeout=timeout, credit=credit, stream=stream
+        )
+
+    def held(self, producer: str | None = None) -> HeldWindow:
+        """The held window of ``producer`` (default: the one the producer stated)."""
+        return super().held(self._producer(producer))
+
+    def read(
+        self, producer: str, incarnation: str, start: int, end: int
+    ) -> Iterator[pa.RecordBatch]:
+        """Never: a control flow carries no range (open a :class:`RangeConnection`).
+
+        Raises
+        ------
+        LocalProtocolError
+            Always.
+        """
+        raise LocalProtocolError(
+            "a control flow reads no range: open a RangeConnection (read_range) for it",
+            field="read",
+            value=READ_CONTROL,
+        )
+
+    def _producer(self, producer: str | None) -> str:
+        got = producer if producer is not None else self.producer
+        if got is None:  # pragma: no cover - a capable giver states its producer
+            raise LocalProtocolError("no producer id to ask for", field="producer")
+        return got
+
+    def ack(self, upto: int, incarnation: str, producer: str | None = None) -> HeldWindow:
+        """Spark committed every record of ``producer`` (default: the one the producer
+        stated) up to ``upto``, planned on ``incarnation``: the producer frees them (with
+        its retention folder's copy) and answers its held window after it. Acks are
+        monotonic: an ``upto`` below what the producer still holds (a re-ack of an
+        earlier commit, a restarted driver's) frees nothing and is no error. Blocks for
+        the answer, at most ``timeout`` seconds.
+
+        Raises
+        ------
+        AckRefused
+            If the producer numbers its records in another incarnation than
+            ``incarnation`` (it restarted without its records), or serves no such
+            producer: nothing freed, the flow stays open.
+        TransportError
+            If the producer ends the flow (e.g. ``upto`` is beyond its last record: a
+            protocol error, its EOT's reason names both numbers), or does not answer
+            within ``timeout``.
+        LocalProtocolError
+            If ``upto`` or ``incarnation`` is malformed (nothing sent).
+        RemoteProtocolError
+            If the answer breaks the protocol.
+        """
+        producer = self._producer(producer)
+        self.ep.channel.send(self.reader.send_commit(self.ep.flow, producer, incarnation, upto))
+        attrs, _ = self._next_dat(f"the answer to the ack of {upto} of {producer!r}")
+        reply = self.reader.on_dat(attrs)
+        self._repay()
+        if isinstance(reply, Acked):
+            return HeldWindow(reply.incarnation, reply.first, reply.end)
+        if isinstance(reply, CommitRefused):
+            raise AckRefused(
+                f"control flow: the ack of {upto} of {producer!r} committed in incarnation "
+                f"{incarnation!r} was refused: the producer numbers its records as "
+                f"{reply.incarnation!r} (holding [{reply.first}, {reply.end})), so it "
+                "restarted without them; nothing was freed",
+                endpoint=self.endpoint,
+                window=HeldWindow(reply.incarnation, reply.first, reply.end),
+            )
+        if isinstance(reply, UnknownProducer):
+            raise AckRefused(
+                f"control flow: the producer serves no producer {producer!r}; nothing freed",
+                endpoint=self.endpoint,
+                window=None,
+            )
+        raise RemoteProtocolError(  # pragma: no cover - on_dat checks it
+            f"not a commit answer: {reply!r}", field="commit"
+        )

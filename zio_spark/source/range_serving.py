@@ -5,8 +5,9 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
 
 - **Routing.** The port's :class:`~zio_spark.transport.flow_server.FlowServer` makes one
   :class:`ProducerFlowHandler` per client. A client whose BOT says ``read: "range"``
-  (:func:`~zio_spark.protocol.ranges.server_asks_range`) gets a :class:`RangeFlow`;
-  every other client is the normal taker, served exactly as
+  or ``read: "control"`` (:func:`~zio_spark.protocol.ranges.server_read_mode`) gets a
+  :class:`RangeFlow` (a control flow for the latter); every other client is the normal
+  taker, served exactly as
   :class:`~zio_spark.transport.giver.GiverHandler` serves it. A range flow never attaches
   to the backlog: it is not a taker, so it does not replace (end) the taker's flow, does
   not move its ``resume`` or the numbering, and the taker's BOT does not end range flows
@@ -27,9 +28,18 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   (:meth:`~zio_spark.source.backlog.ProducerBacklog.read_held`), in one go; the Arrow
   encoding is done after the lock is released (the columns taken are lists of immutable
   values).
-- **Acks** are the taker's (the driver's commit, on its control or taker flow): a PAY
-  carrying ``ack`` on a range flow is refused (EOT with the reason, then the flow is
-  dropped as a protocol violation) and frees nothing.
+- **Acks** come on the driver's control flow (direct mode) or the taker's flow (spool
+  mode). A PAY carrying ``ack`` on a range flow is refused (EOT with the reason, then the
+  flow is dropped as a protocol violation) and frees nothing. On a control flow an ack
+  must ride with ``commit: {id, producer, incarnation}``: the giver checks it against the
+  window and its incarnation and frees up to it in the same hold of the backlog's lock
+  (:meth:`~zio_spark.source.backlog.ProducerBacklog.commit_held`, which releases through
+  the taker's own path: memory, the retention folder, the ``acked`` count of
+  :meth:`Producer.delivery`: what the wire acknowledged). Another incarnation: refused,
+  nothing freed, the flow goes on; at or below what was freed: a no-op; beyond the last
+  record: EOT with the reason naming both numbers, the flow dropped, nothing freed. A
+  control flow is no taker either; next to a spool-mode taker of the same producer, acks
+  from both free up to the larger (freeing is monotonic).
 - **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
   ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
@@ -56,6 +66,9 @@ from zio_spark.protocol.flow import (
 )
 from zio_spark.protocol.negotiate import server_terms
 from zio_spark.protocol.ranges import (
+    READ_CONTROL,
+    Acked,
+    CommitRefused,
     RangeGiver,
     Records,
     Window,
@@ -63,7 +76,7 @@ from zio_spark.protocol.ranges import (
     encode_reply,
     forbid_requests,
     new_incarnation,
-    server_asks_range,
+    server_read_mode,
     state_capability,
 )
 from zio_spark.source.backlog import ProducerBacklog
@@ -168,18 +181,37 @@ class RangeService:
 
 class RangeFlow:
     """One range reader's flow (server side, loop thread): requests in PAYs, answers in
-    DATs within the paid credit."""
+    DATs within the paid credit. ``control``: the driver's control flow (``read:
+    "control"``): held queries and commits, no range."""
 
-    def __init__(self, service: RangeService, conn: ServerFlow, arrow: bool, batch: int) -> None:
+    def __init__(
+        self, service: RangeService, conn: ServerFlow, arrow: bool, batch: int, control: bool
+    ) -> None:
         self.service = service
         self.conn = conn
         self.arrow = arrow
         self.batch = batch if arrow else 1
-        self.giver = RangeGiver(service.incarnation)
+        self.control = control
+        self.giver = RangeGiver(service.incarnation, control=control)
         self.ending = False
+
+    def _refuse(self, e: RemoteProtocolError) -> RemoteProtocolError:
+        """Tell the reader why its flow ends (EOT with the reason); the caller raises
+        ``e`` and the server drops the flow as a protocol violation."""
+        self.ending = True
+        if self.conn.flow.state is FlowState.READY:
+            self.conn.send_eot({"reason": str(e)})
+        return e
 
     def on_credit(self, credit: Credit) -> None:
         attrs = credit.attrs
+        if self.control:
+            try:
+                self.giver.on_pay(attrs)
+            except RemoteProtocolError as e:
+                raise self._refuse(e) from None
+            self.pump()
+            return
         if pay_ack(attrs) is not None:
             text = (
                 f"a range flow never acknowledges (PAY ack {attrs.get('ack')!r}): acks "
@@ -218,6 +250,13 @@ class RangeFlow:
             return got, taken
         return got
 
+    def _commit_step(self, records: HeldRecords) -> tuple[object, int | None]:
+        """A control flow's step, under the backlog's lock: the answer, and up to where
+        to free (an :class:`Acked` commit's ``upto``; the giver checked it against this
+        window and the incarnation, so the release happens under the same lock)."""
+        got = self._step(records)
+        return got, got.upto if isinstance(got, Acked) else None
+
     def pump(self) -> None:
         """Answer the open request while credit lasts (loop thread).
 
@@ -233,7 +272,17 @@ class RangeFlow:
         while not self.ending and flow.state is FlowState.READY and flow.credit > 0:
             if self.giver.request is None:
                 return
-            step = backlog.read_held(self._step)
+            if self.control:
+                try:
+                    step = backlog.commit_held(self._commit_step)
+                except RemoteProtocolError as e:  # an ack beyond the end: nothing freed
+                    raise self._refuse(e) from None
+                if isinstance(step, Acked):
+                    stats["control_acks"] += 1
+                elif isinstance(step, CommitRefused):
+                    stats["control_acks_refused"] += 1
+            else:
+                step = backlog.read_held(self._step)
             if step is _STALE:
                 self.end("the producer renumbered its records (a new incarnation)")
                 return
@@ -280,16 +329,16 @@ class ProducerFlowHandler(GiverHandler):
     def on_bot(self, conn: ServerFlow | ClientFlow, bot: BotReceived) -> None:
         if isinstance(conn, ServerFlow):
             try:
-                asks = server_asks_range(bot.attrs)
+                mode = server_read_mode(bot.attrs)
             except RemoteProtocolError as e:
                 conn.reject({"reason": str(e)})
                 raise
-            if asks:
-                self._open_range(conn, bot)
+            if mode is not None:
+                self._open_range(conn, bot, control=mode == READ_CONTROL)
                 return
         super().on_bot(conn, bot)
 
-    def _open_range(self, conn: ServerFlow, bot: BotReceived) -> None:
+    def _open_range(self, conn: ServerFlow, bot: BotReceived, control: bool) -> None:
         service = self.service
         policy = service.policy
         if bot.direction is not Direction.INJECT:
@@ -309,7 +358,7 @@ class ProducerFlowHandler(GiverHandler):
         arrow = terms.encoding == ENCODING
         limit = terms.batch
         batch = policy.batch if limit is None else min(policy.batch, limit)
-        flow = RangeFlow(service, conn, arrow, batch)
+        flow = RangeFlow(service, conn, arrow, batch, control)
         attrs: dict[str, Any] = {
             "producer": policy.producer_id,
             "stream": stream,
@@ -320,7 +369,7 @@ class ProducerFlowHandler(GiverHandler):
         conn.accept(None, state_capability(attrs, flow.giver.incarnation))
         self.range = flow
         service.flows.add(flow)
-        service.stats["range_flows"] += 1
+        service.stats["control_flows" if control else "range_flows"] += 1
 
     def on_credit(self, conn: ServerFlow | ClientFlow, credit: Credit) -> None:
         if self.range is not None:
