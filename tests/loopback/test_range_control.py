@@ -7,9 +7,10 @@ ack; the control flow's ``ack`` (with the incarnation it was committed in) frees
 through the backlog's own release path, on disk too with ``retention_dir``. Covered: the
 window after an ack, data loss below it, monotonic re-acks, an ack beyond the end (the
 flow ends with the reason), an ack of another incarnation (nothing freed), the folder
-after an ack and a restart on it, a spool-mode taker next to a control flow, and a peer
-without the capability. Every socket is on 127.0.0.1 with a random port, the ``ctx``
-fixture fails on a leaked socket, and every wait polls a condition with a deadline.
+after an ack and a restart on it, a spool-mode taker next to a control flow, its
+renumbering ending the control flow, and a peer without the capability. Every socket is
+on 127.0.0.1 with a random port, the ``ctx`` fixture fails on a leaked socket, and every
+wait polls a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zio_spark.source.backlog as backlog_module
 from tests.peers.zio_reference import ReferenceServer
 from tests.support import close_all, wait_until
 from zio_spark.errors import DataLossError, LocalProtocolError, TransportError
+from zio_spark.protocol.flow import Direction, Role
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import (
     AckRefused,
@@ -36,6 +38,7 @@ from zio_spark.source.range_client import (
 from zio_spark.source.receiver import Receiver
 from zio_spark.storage.retention import RetentionLog
 from zio_spark.storage.spool import Spool
+from zio_spark.transport.flow_endpoint import FlowEndpoint
 
 T = 10.0  # seconds any one wait may last (returns as soon as it can)
 P = "p1"
@@ -234,3 +237,26 @@ def test_a_plain_giver_is_not_sent_a_commit(ctx):
         assert ref.endpoint in str(e.value)
         wait_until(lambda: len(ref.bots) == 1, what="the BOT", timeout=T)
         assert ref.pays_received == [] and ref.sent == []
+
+
+def test_renumbering_ends_the_control_flow_and_old_commits_are_refused(ctx, closing, make_client):
+    """A spool taker resuming beyond what this process sent renumbers the held records:
+    the control flow of the old incarnation ends, and a commit of the old numbers on a
+    new control flow frees nothing."""
+    p = _producer(ctx, closing)
+    _send(p, 10)
+    old = p.incarnation
+    c = _control(p, ctx, closing)
+    assert c.held() == HeldWindow(old, 1, 11)
+    taker = FlowEndpoint(make_client(), Role.CLIENT)
+    taker.channel.connect(p.endpoint)
+    attrs = {"stream": "zio", "ack": True, "resume": 100, "encoding": ["arrow"]}
+    taker.connect(Direction.INJECT, 4, attrs, T)
+    assert p.incarnation != old
+    with pytest.raises(TransportError, match="ended the flow"):
+        c.ack(5, old)
+    c2 = _control(p, ctx, closing)
+    with pytest.raises(AckRefused):
+        c2.ack(105, old)
+    assert p.acked == 100 and p.pending == 10
+    assert c2.ack(105, p.incarnation) == HeldWindow(p.incarnation, 106, 111)
