@@ -87,8 +87,22 @@ incarnation than the one the giver stated in its BOT, a held answer of another
 incarnation, or an ``other_incarnation`` refusal naming the request's own, are a
 :class:`~zio_spark.errors.RemoteProtocolError`.
 
-The giver frees records only on acks (``ack`` in PAY, as in the spool path), so a retried
-or speculative task re-reads exactly what the first attempt read, or is refused.
+The giver frees records only on acks, so a retried or speculative task re-reads exactly
+what the first attempt read, or is refused. A range flow never carries one; in the
+direct mode they come on the driver's **control flow**: BOT ``"read": "control"`` (part
+of version 1: a giver stating ``ranges: 1`` accepts it), on which the driver sends
+``held`` queries and commits, never a range (no record ever flows on it). A commit is a
+PAY ``"ack": n`` with ``"commit": {"id": k, "producer": p, "incarnation": i}`` (``i``:
+the incarnation the committed offsets were planned on; an ``ack`` without it on a
+control flow is a :class:`RemoteProtocolError`, a bare number could free another
+numbering's records), answered by one DAT
+``"commit": {"id": k, "status": "acked", "incarnation": i, "upto": n, "first": a,
+"end": b}`` (every record ``<= n`` freed, or freed already: acks are monotonic, a
+re-ack is a no-op; ``[a, b)`` the window after it), ``"status": "other_incarnation"``
+with the giver's incarnation and window (nothing freed), or ``"unknown_producer"``. An
+``ack`` of the giver's incarnation at or beyond ``end`` names no record of it: a
+:class:`RemoteProtocolError` naming both numbers. A control flow is bound to its BOT's
+incarnation as range flows are (a renumbering giver ends it).
 
 Everything here is pure: attribute mappings in, attribute dicts and events out.
 """
