@@ -30,8 +30,10 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
-from tests.support import TERM_TIMEOUT_S, TrackingContext, tracked_context
+from tests.support import TERM_TIMEOUT_S, TrackingContext, close_all, tracked_context
 from zio_spark.pzq.broker import QueueBroker
+from zio_spark.source.producer import Producer
+from zio_spark.source.receiver import Receiver
 from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.port import ClientPort, ServerPort
 
@@ -39,6 +41,26 @@ from zio_spark.transport.port import ClientPort, ServerPort
 @pytest.fixture
 def ctx() -> Iterator[TrackingContext]:
     yield from tracked_context()
+
+
+@pytest.fixture
+def closing() -> Iterator[list[Any]]:
+    """Things to close at teardown, newest first (receivers before their producers): a
+    :class:`Receiver` is stopped and must have no error, a :class:`Producer` closed
+    without waiting for delivery, anything else ``close()``d; every one is tried."""
+    things: list[Any] = []
+    yield things
+
+    def close(thing: Any) -> None:
+        if isinstance(thing, Receiver):
+            thing.stop()
+            assert thing.error is None, thing.error
+        elif isinstance(thing, Producer):
+            thing.close(flush=False, timeout=5)
+        else:
+            thing.close()
+
+    close_all(things, close)
 
 
 @pytest.fixture

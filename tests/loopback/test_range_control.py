@@ -15,7 +15,6 @@ wait polls a condition with a deadline.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import pytest
 
 import zio_spark.source.backlog as backlog_module
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import close_all, wait_until
+from tests.support import wait_until
 from zio_spark.errors import DataLossError, LocalProtocolError, TransportError
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.source.producer import Producer
@@ -42,24 +41,6 @@ from zio_spark.transport.flow_endpoint import FlowEndpoint
 
 T = 10.0  # seconds any one wait may last (returns as soon as it can)
 P = "p1"
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Things to close at teardown, newest first (receivers before their producers)."""
-    things: list[Any] = []
-    yield things
-
-    def close(thing: Any) -> None:
-        if isinstance(thing, Receiver):
-            thing.stop()
-            assert thing.error is None, thing.error
-        elif isinstance(thing, Producer):
-            thing.close(flush=False, timeout=5)
-        else:
-            thing.close()
-
-    close_all(things, close)
 
 
 def _producer(ctx: Any, closing: list[Any], **kw: Any) -> Producer:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -21,7 +20,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import close_all, wait_until
+from tests.support import wait_until
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.protocol.flow import BotReceived, Direction, Role
 from zio_spark.protocol.ranges import state_capability
@@ -41,24 +40,6 @@ from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
 
 T = 10.0  # seconds any one wait of a range read may last (returns as soon as it can)
 P = "p1"
-
-
-@pytest.fixture
-def closing() -> Iterator[list[Any]]:
-    """Things to close at teardown, newest first (receivers before their producers)."""
-    things: list[Any] = []
-    yield things
-
-    def close(thing: Any) -> None:
-        if isinstance(thing, Receiver):
-            thing.stop()
-            assert thing.error is None, thing.error
-        elif isinstance(thing, Producer):
-            thing.close(flush=False, timeout=5)
-        else:
-            thing.close()
-
-    close_all(things, close)
 
 
 def _producer(ctx: Any, closing: list[Any], bind: str = "tcp://127.0.0.1:*", **kw: Any) -> Producer:

@@ -15,12 +15,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import zmq
 
-from tests.support import close_all, spark_trigger, wait_until
+from tests.support import spark_trigger, wait_until
 from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -219,24 +218,6 @@ def spool(tmp_path) -> Iterator[Spool]:
     s = Spool(tmp_path / "spool", sync=False)
     yield s
     s.close()
-
-
-@pytest.fixture
-def closing() -> Iterator[list]:
-    """Things to close at teardown, newest first (receivers before their peers)."""
-    things: list = []
-    yield things
-
-    def close(thing: Any) -> None:
-        if isinstance(thing, Receiver):
-            thing.stop()
-            assert thing.error is None, thing.error
-        elif isinstance(thing, Producer):
-            thing.close(flush=False, timeout=5)
-        else:
-            thing.close()
-
-    close_all(things, close)
 
 
 def _producer(ctx, closing, producer_id: str, bind: str = "tcp://127.0.0.1:*") -> Producer:

@@ -59,12 +59,10 @@ from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolErro
 from zio_spark.protocol.flow import (
     BotReceived,
     Credit,
-    Direction,
     EotReceived,
     FlowState,
     pay_ack,
 )
-from zio_spark.protocol.negotiate import server_terms
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
     Acked,
@@ -83,7 +81,13 @@ from zio_spark.source.backlog import ProducerBacklog
 from zio_spark.source.held import HeldRecords
 from zio_spark.transport.flow_client import ClientFlow
 from zio_spark.transport.flow_server import ServerFlow
-from zio_spark.transport.giver import GiverHandler, GiverPolicy, Taken, plain_attrs
+from zio_spark.transport.giver import (
+    GiverHandler,
+    GiverPolicy,
+    Taken,
+    plain_attrs,
+    taker_terms,
+)
 
 __all__ = ["ProducerFlowHandler", "RangeFlow", "RangeService"]
 
@@ -341,20 +345,12 @@ class ProducerFlowHandler(GiverHandler):
     def _open_range(self, conn: ServerFlow, bot: BotReceived, control: bool) -> None:
         service = self.service
         policy = service.policy
-        if bot.direction is not Direction.INJECT:
-            conn.reject({"reason": "a range reader takes: connect with direction inject"})
+        accepted = taker_terms(
+            conn, bot, policy, "a range reader takes: connect with direction inject"
+        )
+        if accepted is None:
             return
-        try:
-            terms = server_terms("giver", bot.attrs, (ENCODING,))
-        except RemoteProtocolError as e:
-            conn.reject({"reason": str(e)})
-            raise
-        stream = policy.stream
-        if stream is None:
-            stream = terms.stream or "zio"
-        elif terms.stream is not None and terms.stream != stream:
-            conn.reject({"reason": f"no stream {terms.stream!r} here (this is {stream!r})"})
-            return
+        terms, stream = accepted
         arrow = terms.encoding == ENCODING
         limit = terms.batch
         batch = policy.batch if limit is None else min(policy.batch, limit)

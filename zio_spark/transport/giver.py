@@ -64,6 +64,7 @@ __all__ = [
     "Giving",
     "Taken",
     "plain_attrs",
+    "taker_terms",
 ]
 
 log = logging.getLogger("zio_spark.transport")
@@ -272,6 +273,29 @@ class GiverPolicy:
     plain_refusal: str = "this port gives only to ack-capable takers (BOT ack: true)"
 
 
+def taker_terms(
+    conn: ServerFlow, bot: BotReceived, policy: GiverPolicy, wrong_direction: str
+) -> tuple[Terms, str] | None:
+    """The terms and stream of a taker's BOT on a giver's server port, or None after
+    rejecting it (``wrong_direction``: the reason when it does not take). A BOT that does
+    not parse is rejected and its RemoteProtocolError raised (the peer is dropped)."""
+    if bot.direction is not Direction.INJECT:
+        conn.reject({"reason": wrong_direction})
+        return None
+    try:
+        terms = server_terms("giver", bot.attrs, (ENCODING,))
+    except RemoteProtocolError as e:
+        conn.reject({"reason": str(e)})
+        raise
+    stream = policy.stream
+    if stream is None:
+        stream = terms.stream or "zio"
+    elif terms.stream is not None and terms.stream != stream:
+        conn.reject({"reason": f"no stream {terms.stream!r} here (this is {stream!r})"})
+        return None
+    return terms, stream
+
+
 class GiverHandler(FlowHandler, ClientHandler):
     """One taker's flow over ``backlog``, on a server port or as a client (module doc).
 
@@ -334,20 +358,12 @@ class GiverHandler(FlowHandler, ClientHandler):
             self._on_reply(conn, bot)
             return
         policy = self.policy
-        if bot.direction is not Direction.INJECT:
-            conn.reject({"reason": "this port is a producer: connect with direction inject"})
+        accepted = taker_terms(
+            conn, bot, policy, "this port is a producer: connect with direction inject"
+        )
+        if accepted is None:
             return
-        try:
-            terms = server_terms("giver", bot.attrs, (ENCODING,))
-        except RemoteProtocolError as e:
-            conn.reject({"reason": str(e)})
-            raise
-        stream = policy.stream
-        if stream is None:
-            stream = terms.stream or "zio"
-        elif terms.stream is not None and terms.stream != stream:
-            conn.reject({"reason": f"no stream {terms.stream!r} here (this is {stream!r})"})
-            return
+        terms, stream = accepted
         if policy.require_ack and not terms.ack:
             conn.reject({"reason": policy.plain_refusal})
             return
