@@ -24,7 +24,7 @@ bash scripts/build-draft-pyzmq.sh || { echo "test.sh: scripts/build-draft-pyzmq.
 SUMMARY=()
 FAILED=0
 FAILED_LOGS=()
-logs=.cache/test-logs
+logs=$root/.cache/test-logs  # absolute: the matrix runs pytest in other folders
 rm -rf "$logs" && mkdir -p "$logs"
 # pass NAME CMD...: run one pass, record its result and duration; never stops the script.
 # Its output also goes to .cache/test-logs/N.log, so the summary can repeat what a failed
