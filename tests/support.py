@@ -4,6 +4,7 @@
 - :class:`TrackingContext`, :func:`terminate`, :func:`tracked_context`: a zmq context that
   keeps every socket it made, so a leaked socket fails the test instead of being
   garbage-collected quietly.
+- :func:`spool_rows`: what a spool holds of a producer, as ``(seq, value)``.
 - :func:`spark_trigger`: a Spark trigger done by hand on a spool and its receiver.
 - :func:`close_all`: a fixture's teardown of several things, each tried even when one fails.
 - :func:`free_port`, :func:`free_endpoint`: a loopback TCP port nobody listens on (yet).
@@ -166,6 +167,18 @@ def close_all(things: list[Any], close: Callable[[Any], None]) -> None:
         if len(errors) > 1:
             errors[0].add_note(f"{len(errors) - 1} more thing(s) failed to close: {errors[1:]!r}")
         raise errors[0]
+
+
+def spool_rows(spool: Any, producer: str) -> list[tuple[int, bytes]]:
+    """Seal ``spool``, then every retained record of ``producer`` as ``(seq, value)``."""
+    ends = spool.seal()
+    start = spool.start_offsets()[producer]
+    out: list[tuple[int, bytes]] = []
+    for batch in spool.read(producer, start, ends[producer]):
+        out.extend(
+            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
+        )
+    return out
 
 
 def spark_trigger(spool: Any, receiver: Any, producer: str, got: list[tuple[int, bytes]]) -> int:

@@ -20,7 +20,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import wait_until
+from tests.support import spool_rows, wait_until
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.protocol.flow import BotReceived, Direction, Role
 from zio_spark.protocol.ranges import state_capability
@@ -204,17 +204,6 @@ def test_concurrent_reads_from_three_threads(ctx, closing):
 # ------------------------------------------------------------------ next to the taker
 
 
-def _spool_rows(spool: Spool, producer: str) -> list[tuple[int, bytes]]:
-    ends = spool.seal()
-    start = spool.start_offsets()[producer]
-    out: list[tuple[int, bytes]] = []
-    for batch in spool.read(producer, start, ends[producer]):
-        out.extend(
-            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
-        )
-    return out
-
-
 def test_range_reads_do_not_disturb_the_taker_and_acks_free_ranges(ctx, tmp_path, closing):
     spool = Spool(tmp_path / "spool", sync=False)
     closing.append(spool)
@@ -246,7 +235,7 @@ def test_range_reads_do_not_disturb_the_taker_and_acks_free_ranges(ctx, tmp_path
         stop.set()
         t.join(30)
     assert not errors, errors
-    assert _spool_rows(spool, P) == [(x["seq"], x["value"]) for x in first + more]
+    assert spool_rows(spool, P) == [(x["seq"], x["value"]) for x in first + more]
     (st,) = r.status()
     assert st.state == "receiving" and (st.records, st.duplicates, st.failures) == (3000, 0, 0)
     assert p.stats["takers"] == 1 and p.stats.get("takers_replaced", 0) == 0

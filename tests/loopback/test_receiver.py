@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from tests.support import spark_trigger, wait_until
+from tests.support import spark_trigger, spool_rows, wait_until
 from zio_spark.codec.records import encode_records
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -58,18 +58,6 @@ def _wait_quiet(
 def _held(spool: Spool, producer: str) -> int:
     """Highest sequence number of ``producer`` the spool holds (durable once flushed)."""
     return spool.next_seq(producer) - 1
-
-
-def _contents(spool: Spool, producer: str) -> list[tuple[int, bytes]]:
-    """Seal, then every retained record of ``producer`` as ``(seq, value)``."""
-    ends = spool.seal()
-    start = spool.start_offsets()[producer]
-    out: list[tuple[int, bytes]] = []
-    for batch in spool.read(producer, start, ends[producer]):
-        out.extend(
-            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
-        )
-    return out
 
 
 class BacklogSampler:
@@ -258,7 +246,7 @@ def test_records_reach_the_spool(ctx, spool, closing):
     )
     r = _receiver(closing, spool, [prod.endpoint], ctx)
     wait_until(lambda: _held(spool, "p1") == n, what="all records in the spool", timeout=20.0)
-    assert _contents(spool, "p1") == [(i + 1, f"rec-{i}".encode()) for i in range(n)]
+    assert spool_rows(spool, "p1") == [(i + 1, f"rec-{i}".encode()) for i in range(n)]
     batch = next(iter(spool.read("p1", 1, 3)))
     assert batch.column("key").to_pylist() == [b"k0", b"k1"]
     assert batch.column("granule").to_pylist() == [0, 1]
@@ -329,7 +317,7 @@ def test_ack_only_pay_when_all_credit_is_out(ctx, spool, closing):
     # The flow still works after an ack-only PAY.
     prod.send_many([b"d"])
     wait_until(lambda: _held(spool, "quiet") == 4, what="record 4", timeout=20.0)
-    assert [v for _, v in _contents(spool, "quiet")] == [b"d"]
+    assert [v for _, v in spool_rows(spool, "quiet")] == [b"d"]
 
 
 def test_reconnect_and_receiver_restart_resume_without_duplicates(ctx, tmp_path, closing):
@@ -404,7 +392,7 @@ def test_resent_records_are_dropped(ctx, spool, closing):
     r.add_endpoint(giver.endpoint)
     wait_until(lambda: _held(spool, "again") == 150, what="round 2", timeout=20.0)
     assert giver.bots[-1]["resume"] == 100
-    assert _contents(spool, "again") == [(s, b"x%d" % s) for s in range(1, 151)]
+    assert spool_rows(spool, "again") == [(s, b"x%d" % s) for s in range(1, 151)]
     (st,) = r.status()
     assert st.duplicates == 100
     assert spool.stats.duplicates == 100  # dropped once, by the spool (issue #25)
@@ -425,7 +413,7 @@ def test_fresh_spool_starts_where_the_producer_is(ctx, tmp_path, closing):
             timeout=20.0,
         )
         assert r.fatal is None, r.fatal
-        rows = _contents(spool, "shared")
+        rows = spool_rows(spool, "shared")
         assert rows[0] == (1000 * k + 1, b"s%d" % (1000 * k))
         assert rows == [(s, b"s%d" % (s - 1)) for s in range(1000 * k + 1, rows[-1][0] + 1)]
         r.commit({"shared": 1000 * (k + 1) + 1})  # this taker used 1000 records only
@@ -470,7 +458,7 @@ def test_producer_restart_same_id_continues(ctx, spool, closing, how):
     new.send_many([b"new-%d" % i for i in range(n)])
     wait_until(lambda: _held(spool, "same") == 2 * n, what="new producer's records", timeout=20.0)
     expected = [b"old-%d" % i for i in range(n)] + [b"new-%d" % i for i in range(n)]
-    assert _contents(spool, "same") == list(zip(range(1, 2 * n + 1), expected, strict=True))
+    assert spool_rows(spool, "same") == list(zip(range(1, 2 * n + 1), expected, strict=True))
     assert new.last_seq == 2 * n  # it numbered its records after the old ones
     assert r.status()[0].duplicates == 0
 
@@ -559,7 +547,7 @@ def test_a_plain_giver_fills_the_backlog_exactly(ctx, spool, closing):
     r.commit(spool.seal())
     wait_until(lambda: r.status()[0].state == "ended", what="the rest and the EOT", timeout=20.0)
     assert r.status()[0].records == 100
-    assert [v for _, v in _contents(spool, producer)] == values[50:]
+    assert [v for _, v in spool_rows(spool, producer)] == values[50:]
 
 
 def test_a_plain_giver_that_leaves_is_not_left_open_for_the_next_runner(ctx, tmp_path, closing):
@@ -697,7 +685,7 @@ def test_garbage_peer_is_dropped_and_others_keep_flowing(ctx, spool, closing):
     assert bad_status.failures >= 3
     assert bad_status.last_error
     assert r.error is None and r.fatal is None
-    assert _contents(spool, "good") == [(i + 1, b"g%d" % i) for i in range(6000)]
+    assert spool_rows(spool, "good") == [(i + 1, b"g%d" % i) for i in range(6000)]
 
 
 def test_stop_is_prompt(ctx, spool, closing):
@@ -744,7 +732,7 @@ def test_a_spool_append_error_fails_that_flow_not_the_receiver(ctx, spool, closi
     assert refused and r.error is None
     (st,) = r.status()
     assert st.failures >= 1 and "cannot store records" in (st.last_error or "")
-    assert [s for s, _ in _contents(spool, "p1")] == list(range(1, n + 1))
+    assert [s for s, _ in spool_rows(spool, "p1")] == list(range(1, n + 1))
 
 
 # -- the producer's stated state (more: false, blocked_ms) and who holds whom back -------

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from tests.peers.zio_reference import ReferenceClientGiver
-from tests.support import close_all, wait_until
+from tests.support import close_all, spool_rows, wait_until
 from zio_spark.errors import TransportError
 from zio_spark.options import Curve
 from zio_spark.source.receiver import Receiver
@@ -204,17 +204,6 @@ def test_socket_kind_mismatch_with_real_peers(ctx, spool, things, ours, theirs, 
 # -- our own Producer as a flow client (Producer(connect=...)) -----------------------------
 
 
-def _contents(spool: Spool, producer: str) -> list[tuple[int, bytes]]:
-    ends = spool.seal()
-    start = spool.start_offsets()[producer]
-    out: list[tuple[int, bytes]] = []
-    for batch in spool.read(producer, start, ends[producer]):
-        out.extend(
-            zip(batch.column("seq").to_pylist(), batch.column("value").to_pylist(), strict=True)
-        )
-    return out
-
-
 def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_path, things):
     """Producer(connect) into a bound receiver: acknowledged, Arrow DATs; the receiver
     restarts on the same endpoint and spool, the producer restarts with the same id;
@@ -259,7 +248,7 @@ def test_producer_clients_resume_across_receiver_and_producer_restarts(ctx, tmp_
     wait_until(
         lambda: spool.next_seq("pc") == 6001, what="the restarted producer's records", timeout=20.0
     )
-    got = _contents(spool, "pc")
+    got = spool_rows(spool, "pc")
     assert got == [(s, b"r%d" % s) for s in range(3001, 6001)]  # 1..3000 were committed
     assert r2.error is None and sum(s.duplicates for s in r2.status()) >= 0
     # The first producer's flow (if r2 still had it) was replaced, not failed.

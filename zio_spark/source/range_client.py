@@ -130,7 +130,7 @@ class RangeConnection:
     timeout
         Seconds any one wait may last (the BOT reply, the next DAT, room to send).
     credit
-        DATs in flight (the giver may lower it).
+        DATs in flight (the giver may lower it; None: the connection kind's default).
     stream, batch
         The stream asked for (None: the giver's), the most records per DAT.
 
@@ -147,6 +147,7 @@ class RangeConnection:
     """
 
     _READ = READ_RANGE  # the BOT's read mode
+    _CREDIT = DEFAULT_CREDIT  # credit when none is given
 
     def __init__(
         self,
@@ -156,10 +157,11 @@ class RangeConnection:
         mode: str | None = None,
         curve: Curve | None = None,
         timeout: float = 30.0,
-        credit: int = DEFAULT_CREDIT,
+        credit: int | None = None,
         stream: str | None = None,
         batch: int | None = None,
     ) -> None:
+        credit = self._CREDIT if credit is None else credit
         self.endpoint = endpoint
         self.timeout = timeout
         self.port = ClientPort(
@@ -397,21 +399,7 @@ class ControlConnection(RangeConnection):
     a peer without the capability is :class:`RangesNotServed`."""
 
     _READ = READ_CONTROL
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
-        mode: str | None = None,
-        curve: Curve | None = None,
-        timeout: float = 30.0,
-        credit: int = 4,
-        stream: str | None = None,
-    ) -> None:
-        super().__init__(
-            endpoint, ctx=ctx, mode=mode, curve=curve, timeout=timeout, credit=credit, stream=stream
-        )
+    _CREDIT = 4  # only answers flow back: one per request
 
     def held(self, producer: str | None = None) -> HeldWindow:
         """The held window of ``producer`` (default: the one the producer stated)."""
