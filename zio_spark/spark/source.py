@@ -10,6 +10,12 @@ Spark hooks; what they call down to is in :mod:`zio_spark.source.runtime`.
 
 Offsets are ``{"<producer id>": next_seq}`` with sorted keys (Spark compares them as
 JSON strings): every record of that producer with ``seq < next_seq`` is covered.
+
+With ``readMode=direct`` no receiver, spool or segment server is made: the runner keeps
+one control flow per endpoint (:class:`~zio_spark.source.direct.Controls`, opened at the
+first hook that needs it), offsets are ``{"<producer id>": {"end": e, "incarnation":
+i}}`` (:mod:`zio_spark.source.direct`), each task reads its ranges straight from the
+producers (:class:`DirectPartition`) and ``commit`` acks on the control flows.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +34,12 @@ import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import StructType
 
+from zio_spark.codec.records import wire_to_wal
 from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError
-from zio_spark.options import SourceOptions
-from zio_spark.source import plan
+from zio_spark.options import Curve, SourceOptions
+from zio_spark.source import direct, plan
+from zio_spark.source.range_client import RangeConnection
 from zio_spark.source.runtime import (
     RunState,
     Runtime,
@@ -115,6 +124,62 @@ def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
             )
 
 
+@dataclass(frozen=True)
+class DirectPartition(InputPartition):  # type: ignore[misc]
+    """``readMode=direct``: ranges ``(endpoint, producer, incarnation, start, end)`` a
+    task reads straight from the producers, in order (pieces of one producer's range
+    are several partitions, small ranges of several producers share one, as
+    :func:`~zio_spark.source.plan.pack` cuts them)."""
+
+    ranges: tuple[tuple[str, str, str, int, int], ...]
+    fail_on_data_loss: bool
+    columns: tuple[str, ...]
+    # The ``timestamp`` column: when the driver planned the batch (the same in every
+    # retry of the task; the spool path stores when its receiver took the DAT).
+    timestamp_us: int
+    timeout: float
+    mode: str | None
+    curve: Curve | None
+    stream: str
+
+
+def _spark_batch(
+    wire: pa.RecordBatch, producer: str, origin: int, timestamp_us: int, columns: tuple[str, ...]
+) -> pa.RecordBatch:
+    """A range's wire batch as the source's columns (the spool path's values: ``origin``
+    the DAT's, ``granule`` null read as 0)."""
+    wal = wire_to_wal(wire, origin=origin, timestamp_us=timestamp_us)
+    n = wal.num_rows
+    arrays = {name: wal.column(name) for name in wal.schema.names}
+    arrays["producer"] = pa.repeat(pa.scalar(producer, pa.string()), n)
+    schema = pa.schema([SPARK_SCHEMA.field(c) for c in columns])
+    return pa.RecordBatch.from_arrays([arrays[c] for c in columns], schema=schema)
+
+
+def _fetch_direct(
+    p: DirectPartition, endpoint: str, producer: str, incarnation: str, start: int, end: int
+) -> Iterator[pa.RecordBatch]:
+    with RangeConnection(
+        endpoint, mode=p.mode, curve=p.curve, timeout=p.timeout, stream=p.stream
+    ) as conn:
+        for wire in conn.read(producer, incarnation, start, end):
+            yield _spark_batch(wire, producer, conn.origin, p.timestamp_us, p.columns)
+
+
+def _read_direct(p: DirectPartition) -> Iterator[pa.RecordBatch]:
+    for endpoint, producer, incarnation, start, end in p.ranges:
+        try:
+            if p.fail_on_data_loss:
+                yield from _fetch_direct(p, endpoint, producer, incarnation, start, end)
+            else:
+                # A refusal can follow records: keep the range whole or not at all.
+                yield from list(_fetch_direct(p, endpoint, producer, incarnation, start, end))
+        except DataLossError as e:
+            if p.fail_on_data_loss:
+                raise
+            log.warning("zio source (readMode=direct): %s; skipped (failOnDataLoss=false)", e)
+
+
 class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
     """Micro-batch reader; see the module docstring for which process calls what."""
 
@@ -126,6 +191,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._available_now = False
         self._first_waited = False
         self._run_state = RunState()
+        self._controls: direct.Controls | None = None
+        self._direct_target: dict[str, direct.Position] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -136,7 +203,54 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_available_now": False,
             "_first_waited": False,
             "_run_state": RunState(),
+            "_controls": None,
+            "_direct_target": None,
         }
+
+    @property
+    def _direct(self) -> bool:
+        return self.opts.read_mode == "direct"
+
+    def _control(self) -> direct.Controls:
+        """The direct mode's control flows (made here, never in ``__init__``)."""
+        if self._controls is None:
+            o = self.opts
+            self._controls = direct.Controls(
+                o.endpoints,
+                mode=None if o.socket == "auto" else o.socket,
+                curve=o.curve,
+                timeout=o.connect_timeout,
+                stream=o.stream,
+            )
+        return self._controls
+
+    def _losses(self, losses: list[direct.Loss]) -> None:
+        for loss in losses:
+            if loss.end is not None and self.opts.fail_on_data_loss:
+                raise DataLossError(loss.text() + " (failOnDataLoss=false reads on without them)")
+            log.warning("%s", loss.text())
+
+    def _direct_latest(
+        self, start: dict[str, Any] | None, limit: ReadLimit | None
+    ) -> dict[str, Any]:
+        controls = self._control()
+        begin = direct.parse_offsets(start)
+        # Spark plans a batch only once the previous one is in its commit log: ``start``
+        # is committed (commit() lags and never comes for availableNow's last batch).
+        controls.ack(begin)
+        seen = dict(controls.seen)
+        held = controls.held()
+        if self._available_now and self._direct_target is None:
+            # The run's target: what each producer held when it started.
+            self._direct_target = {
+                p: direct.Position(w.incarnation, w.end) for p, w in held.items()
+            }
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        end, losses = direct.latest(
+            begin, held, target=self._direct_target, max_rows=max_rows, seen=seen
+        )
+        self._losses(losses)
+        return direct.to_json(end)
 
     def _runtime(self) -> Runtime:
         if self._rt is None:
@@ -169,7 +283,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     # -- Spark hooks -----------------------------------------------------------------
 
-    def initialOffset(self) -> dict[str, int]:
+    def initialOffset(self) -> dict[str, Any]:
+        if self._direct:
+            return direct.to_json(direct.initial(self._control().held()))
         rt = self._runtime()
         return plan.sorted_offsets(rt.spool.committed())
 
@@ -180,17 +296,24 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def prepareForTriggerAvailableNow(self) -> None:
         """An availableNow run: each ``latestOffset`` waits for the producers
-        (:meth:`_available`) instead of returning what is there."""
+        (:meth:`_available`) instead of returning what is there. Direct mode: the run
+        reads up to what each producer held at its first ``latestOffset``."""
+        if self._direct:
+            self._available_now = True
+            self._direct_target = None
+            return
         self._runtime()
         self._available_now = True
         self._target = None
         self._run_state = RunState()
 
     def latestOffset(
-        self, start: dict[str, int] | None = None, limit: ReadLimit | None = None
-    ) -> dict[str, int]:
+        self, start: dict[str, Any] | None = None, limit: ReadLimit | None = None
+    ) -> dict[str, Any]:
         # Spark < 4.2 calls latestOffset() with no arguments (compat.HAS_ADMISSION_CONTROL
         # false); 4.2+ passes both, as it sees from this signature.
+        if self._direct:
+            return self._direct_latest(start, limit)
         start = start or {}
         rt = self._runtime()
         check(rt, self.opts)
@@ -216,11 +339,20 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return plan.latest_end(start, ends, rt.spool.committed(), max_rows)
 
     def reportLatestOffset(self) -> dict[str, Any]:
+        if self._controls is not None:
+            return {
+                "heldWindows": {
+                    p: {"first": w.first, "end": w.end, "incarnation": w.incarnation}
+                    for p, w in sorted(self._controls.seen.items())
+                }
+            }
         if self._rt is None:
             return {}
         return self._rt.report()
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        if self._direct:
+            return self._direct_partitions(start, end)
         rt = self._runtime()
         ranges = plan.partition_ranges(start, end, rt.spool.committed())
         return [
@@ -237,14 +369,49 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             for group in plan.pack(ranges, self.opts.max_records_per_partition)
         ]
 
+    def _direct_partitions(
+        self, start: dict[str, Any], end: dict[str, Any]
+    ) -> list[DirectPartition]:
+        controls = self._control()
+        ranges = direct.batch_ranges(direct.parse_offsets(start), direct.parse_offsets(end))
+        if any(p not in controls.where for p in ranges):
+            controls.held()  # a restarted runner: learn which endpoint serves which id
+        missing = sorted(p for p in ranges if p not in controls.where)
+        if missing:
+            raise DataLossError(
+                f"zio source (readMode=direct): no endpoint of {list(self.opts.endpoints)} "
+                f"answers for producer(s) {missing} of this batch; their ranges cannot be "
+                "read now (the query can be restarted once they are back)"
+            )
+        o = self.opts
+        planned = time.time_ns() // 1000
+        return [
+            DirectPartition(
+                tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
+                o.fail_on_data_loss,
+                self.columns,
+                planned,
+                o.connect_timeout,
+                None if o.socket == "auto" else o.socket,
+                o.curve,
+                o.stream,
+            )
+            for group in direct.pack(ranges, o.max_records_per_partition)
+        ]
+
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read_any(partition)
 
-    def commit(self, end: dict[str, int]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
+        if self._direct:
+            self._control().ack(direct.parse_offsets(end))
+            return
         rt = self._runtime()
         rt.receiver.commit({p: int(v) for p, v in end.items()})
 
     def stop(self) -> None:
+        if self._controls is not None:
+            self._controls.close()
         if self._rt is not None:
             self._rt.terminating = True  # a SIGTERM now must not cut the stop short
             self._rt.stop()
@@ -295,6 +462,8 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
 def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     # No partitions planned (nothing arrived): PySpark still runs one task, with a bare
     # InputPartition(None). It reads nothing.
+    if isinstance(partition, DirectPartition):
+        return _read_direct(partition)
     if not isinstance(partition, ZioPartition):
         return iter(())
     return _read_partition(partition)

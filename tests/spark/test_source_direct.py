@@ -1,0 +1,108 @@
+"""``readMode=direct`` end to end on local Spark: tasks read ranges straight from bound
+in-process producers on loopback, the driver acks commits on its control flows
+(docs/direct-read.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.peers.zio_reference import ReferenceServer
+from tests.support import committed_rows, to_parquet, wait_until, zio_stream
+from zio_spark.codec.schema import SPARK_SCHEMA
+from zio_spark.source.range_client import held_window
+
+T = 120.0  # seconds: every wait of a test is bounded by this
+
+
+def _values(n: int, first: int = 0) -> list[bytes]:
+    return [f"rec-{i}".encode() for i in range(first, first + n)]
+
+
+def _direct(spark: Any, endpoint: str, tmp_path: Any, **options: str) -> Any:
+    return zio_stream(spark, endpoint, tmp_path, readMode="direct", **options)
+
+
+def test_direct_reads_every_record_once_in_order_and_acks_commits(spark, ctx, producers, tmp_path):
+    """Records come once each, in the producer's order, with the spool path's columns;
+    a range larger than maxRecordsPerPartition is several partitions; after commits the
+    producer's held window moves (the driver's acks arrived)."""
+    p = producers("d1")
+    n = 3000
+    p.send_many(_values(n))
+    got: list[tuple[int, list[Any]]] = []
+    df = _direct(spark, p.endpoint, tmp_path, maxRecordsPerPartition="700")
+    assert df.schema.simpleString() == (
+        "struct<value:binary,key:binary,producer:string,seq:bigint,origin:bigint,"
+        "granule:bigint,timestamp:timestamp,headers:map<string,string>>"
+    )
+    assert [f.name for f in df.schema.fields] == SPARK_SCHEMA.names
+
+    def batch(b: Any, i: int) -> None:
+        got.append((b.rdd.getNumPartitions(), b.collect()))
+
+    q = (
+        df.writeStream.foreachBatch(batch)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    rows = lambda: [r for _, rs in got for r in rs]  # noqa: E731
+    try:
+        wait_until(lambda: len(rows()) >= n, what="the first wave", timeout=T)
+        p.send_many(_values(1000, first=n))
+        wait_until(lambda: len(rows()) >= n + 1000, what="the second wave", timeout=T)
+        # Commits lag a batch; the first wave's is acked at the latest at the next trigger.
+        wait_until(
+            lambda: held_window(p.endpoint, "d1", ctx=ctx, timeout=10).first > n,
+            what="the producer's window moving past the first wave (acks)",
+            timeout=T,
+        )
+        assert q.exception() is None
+    finally:
+        q.stop()
+    all_rows = rows()
+    assert [r.seq for r in all_rows] == list(range(1, n + 1001))  # once each, in order
+    assert [bytes(r.value) for r in all_rows] == _values(n + 1000)
+    assert {r.producer for r in all_rows} == {"d1"}
+    assert all(r.granule == 0 and r.timestamp is not None for r in all_rows)
+    assert max(parts for parts, rs in got if rs) >= 3  # 3000 records, 700 a partition
+    assert p.acked >= n
+    inc, first, _ = held_window(p.endpoint, "d1", ctx=ctx, timeout=10)
+    assert inc == p.incarnation and first == p.acked + 1
+
+
+def test_available_now_then_restart_on_the_same_checkpoint(spark, ctx, producers, tmp_path):
+    """availableNow reads what the producers held when the run started; a second run on
+    the same checkpoint acks the first run's last batch (commit() never comes for it) and
+    reads only the new records: no duplicates, none lost."""
+    a, b = producers("da"), producers("db")
+    a.send_many(_values(1500))
+    b.send_many(_values(700))
+    endpoints = f"{a.endpoint},{b.endpoint}"
+    q = to_parquet(_direct(spark, endpoints, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    assert committed_rows(q, tmp_path / "out")() == 2200
+    a.send_many(_values(300, first=1500))
+    q = to_parquet(_direct(spark, endpoints, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    out = spark.read.parquet(str(tmp_path / "out")).select("producer", "seq", "value").collect()
+    got = sorted((r.producer, r.seq, bytes(r.value)) for r in out)
+    want = [("da", i + 1, v) for i, v in enumerate(_values(1800))]
+    want += [("db", i + 1, v) for i, v in enumerate(_values(700))]
+    assert got == sorted(want)
+    # The second run acked the first run's end at its start.
+    wait_until(lambda: a.acked >= 1500 and b.acked == 700, what="the first run's acks", timeout=T)
+
+
+def test_a_producer_without_the_capability_fails_the_query_clearly(spark, ctx, tmp_path):
+    with ReferenceServer(ctx, role="giver", flavor="cpp", values=[b"a", b"b"]) as ref:
+        q = to_parquet(_direct(spark, ref.endpoint, tmp_path), tmp_path, availableNow=True)
+        with pytest.raises(Exception) as info:
+            q.awaitTermination(T)
+        text = str(info.value)
+        assert ref.endpoint in text and "readMode=spool" in text, text
+        assert ref.pays_received == [] and ref.sent == []
