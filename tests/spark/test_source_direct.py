@@ -11,7 +11,7 @@ import pytest
 from tests.peers.zio_reference import ReferenceServer
 from tests.support import committed_rows, to_parquet, wait_until, zio_stream
 from zio_spark.codec.schema import SPARK_SCHEMA
-from zio_spark.source.range_client import held_window
+from zio_spark.source.range_client import ControlConnection, held_window
 
 T = 120.0  # seconds: every wait of a test is bounded by this
 
@@ -106,3 +106,27 @@ def test_a_producer_without_the_capability_fails_the_query_clearly(spark, ctx, t
         text = str(info.value)
         assert ref.endpoint in text and "readMode=spool" in text, text
         assert ref.pays_received == [] and ref.sent == []
+
+
+def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producers, tmp_path):
+    """Records another party acked before the query read them: a DataLossError naming
+    them; with failOnDataLoss=false the run skips exactly them and reads the rest."""
+    p = producers("dl")
+    p.send_many(_values(1000))
+    q = to_parquet(_direct(spark, p.endpoint, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    p.send_many(_values(500, first=1000))
+    with ControlConnection(p.endpoint, ctx=ctx, timeout=10) as control:
+        control.ack(1200, p.incarnation)  # 1001..1200 freed, never read by the query
+    q = to_parquet(_direct(spark, p.endpoint, tmp_path), tmp_path, availableNow=True)
+    with pytest.raises(Exception) as info:
+        q.awaitTermination(T)
+    assert "[1001, 1201)" in str(info.value) and "'dl'" in str(info.value), str(info.value)
+    q = to_parquet(
+        _direct(spark, p.endpoint, tmp_path, failOnDataLoss="false"), tmp_path, availableNow=True
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
+    assert seqs == list(range(1, 1001)) + list(range(1201, 1501))

@@ -14,7 +14,9 @@ Planning rules (pure, :func:`latest`, :func:`batch_ranges`):
   of it and the next one reads from its oldest held record;
 - same incarnation as the batch start: the end is the held end (never below the start),
   cut to ``maxRecordsPerTrigger``; records below the held ``first`` that the batch
-  start had not covered are lost (:class:`Loss`);
+  start had not covered are lost (:class:`Loss`): that batch ends at ``first`` (its
+  tasks are refused the range: a ``DataLossError``, or skipped with
+  ``failOnDataLoss=false``) and the next one reads the held records;
 - another incarnation (the producer restarted without its records): the offset jumps to
   the new incarnation's ``first`` (a batch reading nothing of it), and what the old one
   held beyond the start is lost (known if an earlier held answer showed more);
@@ -189,6 +191,11 @@ def latest(
                     f"the producer no longer holds them (its window is [{w.first}, {w.end}))",
                 )
             )
+            # This batch ends at the window: its tasks are refused the lost range
+            # (skipped with failOnDataLoss=false), the next one reads what is held.
+            bases[p] = was.end
+            ends[p] = w.first
+            continue
         goal = w.end
         if target is not None:
             t = target.get(p)
