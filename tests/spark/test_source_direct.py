@@ -11,6 +11,8 @@ import pytest
 from tests.peers.zio_reference import ReferenceServer
 from tests.support import committed_rows, to_parquet, wait_until, zio_stream
 from zio_spark.codec.schema import SPARK_SCHEMA
+from zio_spark.errors import TransportError
+from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import ControlConnection, held_window
 
 T = 120.0  # seconds: every wait of a test is bounded by this
@@ -130,3 +132,54 @@ def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producer
     assert q.exception() is None
     seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
     assert seqs == list(range(1, 1001)) + list(range(1201, 1501))
+
+
+def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
+    spark, ctx, tmp_path
+):
+    """The producer restarts on the same endpoint without retention: a new incarnation,
+    numbering from 1. The query goes on in the new numbering (a new control flow), reads
+    the new records once each and never mixes the two numberings."""
+    old = Producer(ctx=ctx, producer_id="dr", linger_ms=0, bind="tcp://127.0.0.1:*")
+    made = [old]
+    got: list[tuple[int, bytes]] = []
+    try:
+        old.send_many([b"old-%d" % i for i in range(500)])
+        df = _direct(spark, old.endpoint, tmp_path, connectTimeout="3s")
+        q = (
+            df.writeStream.foreachBatch(
+                lambda b, i: got.extend(
+                    (r.seq, bytes(r.value)) for r in b.select("seq", "value").collect()
+                )
+            )
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            wait_until(lambda: len(got) >= 500, what="the old records", timeout=T)
+            endpoint = old.endpoint
+            old.close(flush=False, timeout=5)
+
+            def rebind() -> bool:  # libzmq may still be tearing the old listener down
+                try:
+                    made.append(Producer(ctx=ctx, producer_id="dr", linger_ms=0, bind=endpoint))
+                except TransportError:
+                    return False
+                return True
+
+            wait_until(rebind, what="the producer back on its endpoint", timeout=30)
+            new = made[-1]
+            assert new.incarnation != old.incarnation
+            new.send_many([b"new-%d" % i for i in range(300)])
+            wait_until(lambda: len(got) >= 800, what="the new records", timeout=T)
+            wait_until(lambda: new.acked >= 1, what="an ack in the new numbering", timeout=T)
+            assert q.exception() is None
+        finally:
+            q.stop()
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)
+    assert got == [(i + 1, b"old-%d" % i) for i in range(500)] + [
+        (i + 1, b"new-%d" % i) for i in range(300)
+    ]
