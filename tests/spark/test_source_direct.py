@@ -64,6 +64,9 @@ def test_direct_reads_every_record_once_in_order_and_acks_commits(spark, ctx, pr
         assert q.exception() is None
     finally:
         q.stop()
+    # Spark ends the runner with SIGTERM: it unwinds to stop(), which ends the control
+    # flow with EOT (the producer's side of it closes; tasks' range flows ended already).
+    wait_until(lambda: not p._ranges.flows, what="the control flow ended at the stop", timeout=T)
     all_rows = rows()
     assert [r.seq for r in all_rows] == list(range(1, n + 1001))  # once each, in order
     assert [bytes(r.value) for r in all_rows] == _values(n + 1000)

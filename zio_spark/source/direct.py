@@ -259,6 +259,7 @@ class Controls:
         self.where: dict[str, str] = {}  # producer id -> endpoint
         self.seen: dict[str, HeldWindow] = {}  # producer id -> its last held answer
         self._acked: dict[str, Position] = {}  # producer id -> the last commit acked
+        self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
 
     def _open(self, endpoint: str) -> ControlConnection:
         conn = self._conns.get(endpoint)

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
@@ -82,6 +82,37 @@ def _columns(schema: StructType | None) -> tuple[str, ...]:
             raise ConfigError("schema", f"{f.name} {got}", f"column {f.name} of type {want}")
         names.append(f.name)
     return tuple(names)
+
+
+class _Ending(Protocol):
+    terminating: bool
+
+
+def _unwind_on_sigterm(rt: _Ending) -> None:
+    """From the runner's main thread: SIGTERM (Spark ending the runner) unwinds it, so
+    the runner's own ``finally: reader.stop()`` ends the flows (``rt.terminating`` set).
+
+    The handler itself must not stop anything: it runs between any two bytecodes of the
+    main thread, which may hold a spool lock (a commit in progress); stopping from there
+    deadlocked, and the runner outlived its JVM. It unwinds once: Spark may signal again
+    while that ``finally`` runs, and a second SystemExit there cut the stop short before
+    the EOTs' echoes came (the giver's flow left open).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        if rt.terminating:
+            log.info("zio source: SIGTERM again; still ending the flows")
+            return
+        rt.terminating = True
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 @dataclass(frozen=True)
@@ -222,6 +253,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 timeout=o.connect_timeout,
                 stream=o.stream,
             )
+            _unwind_on_sigterm(self._controls)
         return self._controls
 
     def _losses(self, losses: list[direct.Loss]) -> None:
@@ -235,11 +267,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     ) -> dict[str, Any]:
         controls = self._control()
         begin = direct.parse_offsets(start)
-        # Spark plans a batch only once the previous one is in its commit log: ``start``
-        # is committed (commit() lags and never comes for availableNow's last batch).
-        controls.ack(begin)
         seen = dict(controls.seen)
         held = controls.held()
+        # Spark plans a batch only once the previous one is in its commit log: ``start``
+        # is committed (commit() lags and never comes for availableNow's last batch).
+        # After held(): a restarted runner knows each producer's endpoint only then.
+        controls.ack(begin)
         if self._available_now and self._direct_target is None:
             # The run's target: what each producer held when it started.
             self._direct_target = {
@@ -255,30 +288,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     def _runtime(self) -> Runtime:
         if self._rt is None:
             self._rt = Runtime(self.opts)
-            if threading.current_thread() is threading.main_thread():
-                previous = signal.getsignal(signal.SIGTERM)
-
-                # SIGTERM (Spark ending the runner) unwinds the main thread, so the
-                # runner's own ``finally: reader.stop()`` closes the receiver and the
-                # spool. The handler itself must not stop anything: it runs between any
-                # two bytecodes of the main thread, which may hold a spool lock (a
-                # commit in progress); stopping from there deadlocked, and the runner
-                # outlived its JVM. It unwinds once: Spark may signal again while that
-                # ``finally`` runs, and a second SystemExit there cut the stop short
-                # before the EOTs' echoes came (the giver's flow left open).
-                rt = self._rt
-
-                def on_term(signum: int, frame: Any) -> None:
-                    if rt.terminating:
-                        log.info("zio source: SIGTERM again; still ending the flows")
-                        return
-                    rt.terminating = True
-                    if callable(previous):
-                        previous(signum, frame)
-                    else:
-                        raise SystemExit(0)
-
-                signal.signal(signal.SIGTERM, on_term)
+            _unwind_on_sigterm(self._rt)
         return self._rt
 
     # -- Spark hooks -----------------------------------------------------------------
@@ -411,6 +421,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def stop(self) -> None:
         if self._controls is not None:
+            self._controls.terminating = True
             self._controls.close()
         if self._rt is not None:
             self._rt.terminating = True  # a SIGTERM now must not cut the stop short
