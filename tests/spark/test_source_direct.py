@@ -103,14 +103,30 @@ def test_available_now_then_restart_on_the_same_checkpoint(spark, ctx, producers
     wait_until(lambda: a.acked >= 1500 and b.acked == 700, what="the first run's acks", timeout=T)
 
 
-def test_a_producer_without_the_capability_fails_the_query_clearly(spark, ctx, tmp_path):
-    with ReferenceServer(ctx, role="giver", flavor="cpp", values=[b"a", b"b"]) as ref:
-        q = to_parquet(_direct(spark, ref.endpoint, tmp_path), tmp_path, availableNow=True)
-        with pytest.raises(Exception) as info:
-            q.awaitTermination(T)
-        text = str(info.value)
-        assert ref.endpoint in text and "readMode=spool" in text, text
-        assert ref.pays_received == [] and ref.sent == []
+def test_a_giver_without_the_capability_is_read_through_the_spool_in_the_same_query(
+    spark, ctx, producers, tmp_path
+):
+    """A plain (reference) giver next to a capable producer: it is sent nothing but its
+    taker BOT's flow (no range or control request), read through the receiver and the
+    spool, and the capable one directly, in the same availableNow run."""
+    p = producers("dm")
+    p.send_many(_values(800))
+    plain = [b"plain-%d" % i for i in range(300)]
+    with ReferenceServer(ctx, role="giver", flavor="cpp", values=plain, credit=10) as ref:
+        df = _direct(spark, f"{p.endpoint},{ref.endpoint}", tmp_path, connectTimeout="20s")
+        q = to_parquet(df, tmp_path, availableNow=True)
+        assert q.awaitTermination(T)
+        assert q.exception() is None
+        out = spark.read.parquet(str(tmp_path / "out")).select("producer", "seq", "value")
+        rows = out.collect()
+    mine = sorted((r.seq, bytes(r.value)) for r in rows if r.producer == "dm")
+    assert mine == [(i + 1, v) for i, v in enumerate(_values(800))]
+    others = sorted((r.seq, bytes(r.value)) for r in rows if r.producer != "dm")
+    assert [v for _, v in others] == plain
+    assert len({r.producer for r in rows}) == 2
+    assert p.stats["range_flows"] >= 1 and p.stats["control_flows"] >= 1
+    assert p.stats.get("takers", 0) == 0  # the capable producer never had a taker
+    assert (tmp_path / "spool").is_dir()  # the plain giver went through the spool
 
 
 def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producers, tmp_path):

@@ -13,10 +13,11 @@ from zio_spark.options import parse_source_options
 from zio_spark.source.direct import (
     Position,
     batch_ranges,
+    check_disjoint,
     initial,
     latest,
     pack,
-    parse_offsets,
+    split_offsets,
     to_json,
 )
 from zio_spark.source.range_client import HeldWindow
@@ -30,16 +31,24 @@ def test_offsets_are_deterministic_json_and_parse_back() -> None:
     assert json.dumps(out) == (
         '{"a": {"end": 1, "incarnation": "inc-b"}, "z": {"end": 5, "incarnation": "inc-a"}}'
     )
-    assert parse_offsets(json.loads(json.dumps(out))) == offs
-    assert parse_offsets(None) == {}
+    assert split_offsets(json.loads(json.dumps(out))) == (offs, {})
+    assert split_offsets(None) == ({}, {})
+    # Givers read through the spool keep the spool path's numbers, in the same offsets.
+    assert split_offsets({"s": 7, **out}) == (offs, {"s": 7})
 
 
 @pytest.mark.parametrize(
-    "bad", [{"p": 5}, {"p": {"end": 5}}, {"p": {"end": True, "incarnation": A}}]
+    "bad", [{"p": "5"}, {"p": {"end": 5}}, {"p": {"end": True, "incarnation": A}}, {"p": True}]
 )
-def test_a_spool_checkpoint_is_refused_in_direct_mode(bad: dict[str, object]) -> None:
-    with pytest.raises(ConfigError, match=r"readMode.*spool-mode checkpoint"):
-        parse_offsets(bad)
+def test_other_offsets_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=r"readMode.*new checkpointLocation"):
+        split_offsets(bad)
+
+
+def test_a_producer_read_through_the_spool_does_not_go_on_directly() -> None:
+    check_disjoint({"p": HeldWindow(A, 1, 2)}, {"q": 3})
+    with pytest.raises(ConfigError, match=r"\['p'\] were read through the spool"):
+        check_disjoint({"p": HeldWindow(A, 1, 2)}, {"p": 3})
 
 
 def test_initial_offsets_start_at_the_oldest_held_record() -> None:

@@ -54,10 +54,11 @@ __all__ = [
     "Loss",
     "Position",
     "batch_ranges",
+    "check_disjoint",
     "initial",
     "latest",
     "pack",
-    "parse_offsets",
+    "split_offsets",
     "to_json",
 ]
 
@@ -107,17 +108,21 @@ def to_json(offsets: Mapping[str, Position]) -> dict[str, dict[str, Any]]:
     }
 
 
-def parse_offsets(raw: Mapping[str, Any] | None) -> Offsets:
-    """Offsets from Spark (JSON decoded) back to positions.
+def split_offsets(raw: Mapping[str, Any] | None) -> tuple[Offsets, dict[str, int]]:
+    """Offsets from Spark (JSON decoded): the direct producers' positions, and the
+    spool path's ``next_seq`` of the givers read through the spool (a bare number).
 
     Raises
     ------
     ConfigError
-        If they are not direct-mode offsets (e.g. a checkpoint written in spool mode,
-        whose offsets are bare numbers): such a checkpoint cannot go on in direct mode.
+        If an offset is neither (a checkpoint of something else).
     """
     out: Offsets = {}
+    spool: dict[str, int] = {}
     for p, v in dict(raw or {}).items():
+        if isinstance(v, int) and not isinstance(v, bool):
+            spool[str(p)] = v
+            continue
         if (
             not isinstance(v, Mapping)
             or not isinstance(v.get("incarnation"), str)
@@ -127,12 +132,34 @@ def parse_offsets(raw: Mapping[str, Any] | None) -> Offsets:
             raise ConfigError(
                 "readMode",
                 "direct",
-                f"a checkpoint of a direct-mode query: its offset of producer {p!r} is "
-                f"{v!r}, not {{end, incarnation}} (a spool-mode checkpoint?). Use a new "
-                "checkpointLocation, or readMode=spool",
+                f"a checkpoint of a zio query: its offset of producer {p!r} is {v!r}, "
+                "neither {end, incarnation} (read directly) nor a number (read through "
+                "the spool). Use a new checkpointLocation",
             )
         out[str(p)] = Position(v["incarnation"], int(v["end"]))
-    return out
+    return out, spool
+
+
+def check_disjoint(held: Mapping[str, HeldWindow], spool: Mapping[str, int]) -> None:
+    """A producer read through the spool so far (a spool-mode checkpoint, or a giver
+    that stated no capability before) cannot go on directly: its spool numbers and its
+    held window do not line up.
+
+    Raises
+    ------
+    ConfigError
+        Naming the producers.
+    """
+    both = sorted(set(held) & set(spool))
+    if both:
+        raise ConfigError(
+            "readMode",
+            "direct",
+            f"a checkpoint whose producers {both} were read through the spool "
+            "(readMode=spool, or before they stated the range capability); they serve "
+            "range reads now. Go on with readMode=spool, or start from a new "
+            "checkpointLocation",
+        )
 
 
 def initial(held: Mapping[str, HeldWindow]) -> Offsets:
@@ -235,8 +262,9 @@ class Controls:
 
     Opened at the first :meth:`held` (never in a constructor Spark pickles), each
     reopened once after a failure; an endpoint that does not answer is skipped for that
-    trigger (logged). A producer that does not state the range capability fails the
-    query (:class:`~zio_spark.errors.ConfigError` naming it: use ``readMode=spool``).
+    trigger (logged). An endpoint whose giver does not state the range capability is
+    put in :attr:`plain` (never asked again): the stream reader reads it through the
+    spool.
     """
 
     def __init__(
@@ -258,6 +286,9 @@ class Controls:
         self._conns: dict[str, ControlConnection] = {}
         self.where: dict[str, str] = {}  # producer id -> endpoint
         self.seen: dict[str, HeldWindow] = {}  # producer id -> its last held answer
+        # Endpoints whose giver does not state the range capability: read through the
+        # spool (never asked again).
+        self.plain: set[str] = set()
         self._acked: dict[str, Position] = {}  # producer id -> the last commit acked
         self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
 
@@ -274,13 +305,14 @@ class Controls:
                 timeout=self.timeout,
                 stream=self.stream,
             )
-        except RangesNotServed as e:
-            raise ConfigError(
-                "readMode",
-                "direct",
-                f"producers that serve range reads; the producer at {endpoint} does not "
-                f"state the capability ({e}). Read it with readMode=spool (the default)",
-            ) from e
+        except RangesNotServed:
+            log.info(
+                "zio source (readMode=direct): %s does not serve range reads; it is read "
+                "through the spool",
+                endpoint,
+            )
+            self.plain.add(endpoint)
+            raise
         self._conns[endpoint] = conn
         return conn
 
@@ -297,12 +329,14 @@ class Controls:
         do not answer are left out (and logged)."""
         out: dict[str, HeldWindow] = {}
         for endpoint in self.endpoints:
+            if endpoint in self.plain:
+                continue
             for attempt in (1, 2):
                 try:
                     conn = self._open(endpoint)
                     w = conn.held()
-                except ConfigError:
-                    raise
+                except RangesNotServed:
+                    break
                 except TransportError as e:
                     self._drop(endpoint)
                     if attempt == 2:

@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import pyarrow as pa
@@ -224,6 +224,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._run_state = RunState()
         self._controls: direct.Controls | None = None
         self._direct_target: dict[str, direct.Position] | None = None
+        self._rt_plain: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -236,6 +237,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_run_state": RunState(),
             "_controls": None,
             "_direct_target": None,
+            "_rt_plain": frozenset(),
         }
 
     @property
@@ -266,9 +268,10 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self, start: dict[str, Any] | None, limit: ReadLimit | None
     ) -> dict[str, Any]:
         controls = self._control()
-        begin = direct.parse_offsets(start)
+        begin, spool_start = direct.split_offsets(start)
         seen = dict(controls.seen)
         held = controls.held()
+        direct.check_disjoint(held, spool_start)
         # Spark plans a batch only once the previous one is in its commit log: ``start``
         # is committed (commit() lags and never comes for availableNow's last batch).
         # After held(): a restarted runner knows each producer's endpoint only then.
@@ -283,19 +286,52 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             begin, held, target=self._direct_target, max_rows=max_rows, seen=seen
         )
         self._losses(losses)
-        return direct.to_json(end)
+        out: dict[str, Any] = direct.to_json(end)
+        if self._plain() or spool_start:
+            # The givers read through the spool, in the same batch (their own
+            # maxRecordsPerTrigger budget).
+            out.update(self._spool_latest(spool_start, limit))
+        return dict(sorted(out.items()))
 
     def _runtime(self) -> Runtime:
         if self._rt is None:
-            self._rt = Runtime(self.opts)
+            opts = self.opts
+            if self._direct:
+                # Direct mode: the receiver takes the givers without the range capability.
+                plain = tuple(sorted(self._control().plain))
+                opts = replace(opts, endpoints=plain, read_mode="spool")
+                self._rt_plain = frozenset(plain)
+            self._rt = Runtime(opts)
             _unwind_on_sigterm(self._rt)
         return self._rt
+
+    def _plain(self) -> bool:
+        """Direct mode: whether some endpoints are read through the spool (their givers
+        do not state the range capability); the spool runtime is made for them on the
+        first need. An endpoint found plain after that fails the query (its receiver's
+        endpoints are fixed for the run)."""
+        plain = self._control().plain
+        if not plain:
+            return False
+        if self._rt is not None and not plain <= self._rt_plain:
+            raise ConfigError(
+                "readMode",
+                "direct",
+                f"givers found without the range capability before the run's first "
+                f"batch; {sorted(plain - self._rt_plain)} answered only later. Restart "
+                "the query (they are then read through the spool from the start), or "
+                "use readMode=spool",
+            )
+        return True
 
     # -- Spark hooks -----------------------------------------------------------------
 
     def initialOffset(self) -> dict[str, Any]:
         if self._direct:
-            return direct.to_json(direct.initial(self._control().held()))
+            out: dict[str, Any] = direct.to_json(direct.initial(self._control().held()))
+            if self._plain():
+                out.update(plan.sorted_offsets(self._runtime().spool.committed()))
+            return dict(sorted(out.items()))
         rt = self._runtime()
         return plan.sorted_offsets(rt.spool.committed())
 
@@ -311,6 +347,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         if self._direct:
             self._available_now = True
             self._direct_target = None
+            self._target = None
+            self._run_state = RunState()
             return
         self._runtime()
         self._available_now = True
@@ -324,7 +362,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         # false); 4.2+ passes both, as it sees from this signature.
         if self._direct:
             return self._direct_latest(start, limit)
-        start = start or {}
+        return self._spool_latest(start or {}, limit)
+
+    def _spool_latest(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, int]:
         rt = self._runtime()
         check(rt, self.opts)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -350,12 +390,13 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._controls is not None:
-            return {
+            held = {
                 "heldWindows": {
                     p: {"first": w.first, "end": w.end, "incarnation": w.incarnation}
                     for p, w in sorted(self._controls.seen.items())
                 }
             }
+            return {**(self._rt.report() if self._rt is not None else {}), **held}
         if self._rt is None:
             return {}
         return self._rt.report()
@@ -363,6 +404,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         if self._direct:
             return self._direct_partitions(start, end)
+        return self._spool_partitions(start, end)
+
+    def _spool_partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[ZioPartition]:
         rt = self._runtime()
         ranges = plan.partition_ranges(start, end, rt.spool.committed())
         return [
@@ -381,9 +425,14 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def _direct_partitions(
         self, start: dict[str, Any], end: dict[str, Any]
-    ) -> list[DirectPartition]:
+    ) -> list[InputPartition]:
         controls = self._control()
-        ranges = direct.batch_ranges(direct.parse_offsets(start), direct.parse_offsets(end))
+        begin, spool_start = direct.split_offsets(start)
+        finish, spool_end = direct.split_offsets(end)
+        spooled: list[InputPartition] = []
+        if spool_end:
+            spooled = list(self._spool_partitions(spool_start, spool_end))
+        ranges = direct.batch_ranges(begin, finish)
         if any(p not in controls.where for p in ranges):
             controls.held()  # a restarted runner: learn which endpoint serves which id
         missing = sorted(p for p in ranges if p not in controls.where)
@@ -395,7 +444,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             )
         o = self.opts
         planned = time.time_ns() // 1000
-        return [
+        return spooled + [
             DirectPartition(
                 tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
                 o.fail_on_data_loss,
@@ -414,7 +463,10 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def commit(self, end: dict[str, Any]) -> None:
         if self._direct:
-            self._control().ack(direct.parse_offsets(end))
+            finish, spool_end = direct.split_offsets(end)
+            self._control().ack(finish)
+            if spool_end:
+                self._runtime().receiver.commit(spool_end)
             return
         rt = self._runtime()
         rt.receiver.commit({p: int(v) for p, v in end.items()})
