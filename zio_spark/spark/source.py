@@ -36,7 +36,7 @@ from pyspark.sql.types import StructType
 
 from zio_spark.codec.records import wire_to_wal
 from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
-from zio_spark.errors import ConfigError, DataLossError
+from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import Curve, SourceOptions
 from zio_spark.source import direct, plan
 from zio_spark.source.range_client import RangeConnection
@@ -287,10 +287,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         )
         self._losses(losses)
         out: dict[str, Any] = direct.to_json(end)
-        if self._plain() or spool_start:
+        if self._plain():
             # The givers read through the spool, in the same batch (their own
             # maxRecordsPerTrigger budget).
             out.update(self._spool_latest(spool_start, limit))
+        else:
+            out.update(spool_start)  # not answering yet (a restarted runner): kept
         return dict(sorted(out.items()))
 
     def _runtime(self) -> Runtime:
@@ -430,7 +432,15 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         begin, spool_start = direct.split_offsets(start)
         finish, spool_end = direct.split_offsets(end)
         spooled: list[InputPartition] = []
-        if spool_end:
+        if any(spool_end[p] > max(spool_start.get(p, 1), 1) for p in spool_end):
+            if not controls.plain:
+                controls.held()  # a restarted runner: learn which givers are plain
+            if not self._plain():
+                raise TransportError(
+                    "zio source (readMode=direct): this batch reads givers through the "
+                    f"spool ({sorted(spool_end)}), but none of {list(self.opts.endpoints)} "
+                    "answered as such a giver yet; restart the query once they are back"
+                )
             spooled = list(self._spool_partitions(spool_start, spool_end))
         ranges = direct.batch_ranges(begin, finish)
         if any(p not in controls.where for p in ranges):
