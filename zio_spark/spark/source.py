@@ -447,7 +447,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             controls.held()  # a restarted runner: learn which endpoint serves which id
         missing = sorted(p for p in ranges if p not in controls.where)
         if missing:
-            raise DataLossError(
+            raise TransportError(
                 f"zio source (readMode=direct): no endpoint of {list(self.opts.endpoints)} "
                 f"answers for producer(s) {missing} of this batch; their ranges cannot be "
                 "read now (the query can be restarted once they are back)"
