@@ -202,3 +202,27 @@ def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
     assert got == [(i + 1, b"old-%d" % i) for i in range(500)] + [
         (i + 1, b"new-%d" % i) for i in range(300)
     ]
+
+
+def test_max_records_per_trigger_cuts_direct_batches(spark, ctx, producers, tmp_path):
+    p = producers("dt")
+    p.send_many(_values(2500))
+    sizes: list[int] = []
+    seqs: list[int] = []
+
+    def batch(b: Any, i: int) -> None:
+        got = [r.seq for r in b.select("seq").collect()]
+        sizes.append(len(got))
+        seqs.extend(got)
+
+    q = (
+        _direct(spark, p.endpoint, tmp_path, maxRecordsPerTrigger="1000")
+        .writeStream.foreachBatch(batch)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    assert sorted(seqs) == list(range(1, 2501))
+    assert [s for s in sizes if s] == [1000, 1000, 500]
