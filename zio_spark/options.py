@@ -22,6 +22,7 @@ from typing import Any, Final, TypeVar
 from zio_spark.errors import ConfigError, check_count
 
 __all__ = [
+    "READ_MODES",
     "Curve",
     "QueueOptions",
     "SinkOptions",
@@ -387,6 +388,11 @@ class Curve:
     secret_key: bytes
 
 
+READ_MODES: Final = ("spool", "direct")
+"""The source's read paths (``readMode``): ``spool``, the default, first; ``direct``
+(docs/direct-read.md)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SourceOptions:
     endpoints: tuple[str, ...] = ()
@@ -413,6 +419,9 @@ class SourceOptions:
     curve: Curve | None = None
     max_records: int | None = None  # batch reads only
     timeout: float | None = None  # batch reads only
+    # spool (every record through the driver's receiver and spool) or direct (executors
+    # read ranges straight from the producers; docs/direct-read.md).
+    read_mode: str = "spool"
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +494,11 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         "(default: the driver's Spark host address)",
     ),
     "failOnDataLoss": (parse_bool, "fail the query when records are known lost"),
+    "readMode": (
+        lambda n, v: parse_choice(n, v, READ_MODES),
+        "spool (the driver receives and spools every record) or direct (tasks read "
+        "ranges straight from range-capable producers; endpoints only)",
+    ),
     "plainGiverQuiet": (
         parse_duration,
         "availableNow: how long a giver that cannot state its position (a plain ZIO "
@@ -531,6 +545,7 @@ _SOURCE_FIELDS: dict[str, str] = {
     "spoolAccess": "spool_access",
     "failOnDataLoss": "fail_on_data_loss",
     "plainGiverQuiet": "plain_giver_quiet",
+    "readMode": "read_mode",
     "maxRecords": "max_records",
     "timeout": "timeout",
 }
@@ -671,6 +686,8 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
     )
     if "groupPort" in opts and "group" not in opts:
         raise ConfigError("groupPort", opts["groupPort"], "to be used together with 'group'")
+    if opts.get("readMode") == "direct":
+        _direct_topology(opts)
     zre = _zre(opts)
     parsed = SourceOptions(
         **_fields(opts, _SOURCE_FIELDS),
@@ -686,6 +703,21 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
     where = parsed.endpoints + parsed.bind
     spool = default_spool_path(parsed.stream, where, zre.group if zre else None)
     return replace(parsed, spool_path=spool)
+
+
+def _direct_topology(opts: Mapping[str, Any]) -> None:
+    """``readMode=direct`` reads producers named in ``endpoints`` only: the driver opens a
+    control flow to each and tasks connect to them. Giver clients of ``bind`` have no
+    port a task could reach, and ``group`` discovery is not wired to it yet."""
+    for other in ("bind", "group"):
+        if other in opts:
+            raise ConfigError(
+                "readMode",
+                "direct",
+                f"spool with {other!r}: direct reads connect to producers listed in "
+                f"'endpoints' (bound zio-spark producers); with {other!r} use "
+                "readMode=spool",
+            )
 
 
 def _bind_curve(opts: dict[str, Any]) -> Curve | None:

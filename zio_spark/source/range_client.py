@@ -211,6 +211,9 @@ class RangeConnection:
                     value=own,
                 )
             self.credit = self.ep.flow.credit  # the flow's total, as the giver accepted it
+            # The coord origin of the giver's last DAT (the spool path's ``origin``
+            # column: the receiver stores its DATs' origin).
+            self.origin = 0
             self.reader = RangeReader(self.terms)
         except BaseException:
             self.port.close(0)
@@ -270,6 +273,7 @@ class RangeConnection:
                 f"range reader: the producer ended the flow while {what} was awaited{reason}",
                 endpoint=self.endpoint,
             )
+        self.origin = data.message.origin
         return dict(data.attrs), data.message.payload
 
     def _repay(self) -> None:

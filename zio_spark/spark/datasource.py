@@ -38,12 +38,21 @@ def check_source_options(opts: SourceOptions) -> None:
     Raises
     ------
     ConfigError
+        ``readMode=direct`` on a Spark before 4.2 (the direct offsets need
+        ``latestOffset(start, limit)``);
         ``maxRecordsPerTrigger`` on a Spark without admission control for Python sources
         (before 4.2): Spark would never pass the limit, so each micro-batch would take
         everything stored, not the rows asked for.
     """
     from zio_spark.errors import ConfigError
 
+    if opts.read_mode == "direct" and not compat.HAS_ADMISSION_CONTROL:
+        raise ConfigError(
+            "readMode",
+            "direct",
+            f"spool on this Spark ({compat.spark_version()}): the direct read mode needs "
+            "Spark 4.2 or later (latestOffset with its batch start)",
+        )
     if opts.max_records_per_trigger is not None and not compat.HAS_ADMISSION_CONTROL:
         raise ConfigError(
             "maxRecordsPerTrigger",
@@ -90,9 +99,18 @@ class ZioDataSource(DataSource):  # type: ignore[misc]
 
     def reader(self, schema: StructType) -> DataSourceReader:
         compat.require("DataSourceReader", "spark.read.format('zio')")
+        from zio_spark.errors import ConfigError
         from zio_spark.spark.source import ZioBatchReader, _columns
 
-        return ZioBatchReader(self._source_options(), _columns(schema))
+        opts = self._source_options()
+        if opts.read_mode == "direct":
+            raise ConfigError(
+                "readMode",
+                "direct",
+                "spool for a batch read (spark.read): the direct read mode is for "
+                "streaming queries (spark.readStream) only",
+            )
+        return ZioBatchReader(opts, _columns(schema))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         # Runs on the driver: bad options or input columns fail before any task starts.

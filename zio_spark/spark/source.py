@@ -10,6 +10,12 @@ Spark hooks; what they call down to is in :mod:`zio_spark.source.runtime`.
 
 Offsets are ``{"<producer id>": next_seq}`` with sorted keys (Spark compares them as
 JSON strings): every record of that producer with ``seq < next_seq`` is covered.
+
+With ``readMode=direct`` no receiver, spool or segment server is made: the runner keeps
+one control flow per endpoint (:class:`~zio_spark.source.direct.Controls`, opened at the
+first hook that needs it), offsets are ``{"<producer id>": {"end": e, "incarnation":
+i}}`` (:mod:`zio_spark.source.direct`), each task reads its ranges straight from the
+producers (:class:`DirectPartition`) and ``commit`` acks on the control flows.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import StructType
 
+from zio_spark.codec.records import wire_to_wal
 from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
-from zio_spark.errors import ConfigError, DataLossError
-from zio_spark.options import SourceOptions
-from zio_spark.source import plan
+from zio_spark.errors import ConfigError, DataLossError, TransportError
+from zio_spark.options import Curve, SourceOptions
+from zio_spark.source import direct, plan
+from zio_spark.source.range_client import RangeConnection
 from zio_spark.source.runtime import (
     RunState,
     Runtime,
@@ -75,6 +84,37 @@ def _columns(schema: StructType | None) -> tuple[str, ...]:
     return tuple(names)
 
 
+class _Ending(Protocol):
+    terminating: bool
+
+
+def _unwind_on_sigterm(rt: _Ending) -> None:
+    """From the runner's main thread: SIGTERM (Spark ending the runner) unwinds it, so
+    the runner's own ``finally: reader.stop()`` ends the flows (``rt.terminating`` set).
+
+    The handler itself must not stop anything: it runs between any two bytecodes of the
+    main thread, which may hold a spool lock (a commit in progress); stopping from there
+    deadlocked, and the runner outlived its JVM. It unwinds once: Spark may signal again
+    while that ``finally`` runs, and a second SystemExit there cut the stop short before
+    the EOTs' echoes came (the giver's flow left open).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        if rt.terminating:
+            log.info("zio source: SIGTERM again; still ending the flows")
+            return
+        rt.terminating = True
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
 @dataclass(frozen=True)
 class ZioPartition(InputPartition):  # type: ignore[misc]
     """Ranges ``(producer, start, end)`` to read in one task, and how executors reach
@@ -115,6 +155,62 @@ def _read_partition(p: ZioPartition) -> Iterator[pa.RecordBatch]:
             )
 
 
+@dataclass(frozen=True)
+class DirectPartition(InputPartition):  # type: ignore[misc]
+    """``readMode=direct``: ranges ``(endpoint, producer, incarnation, start, end)`` a
+    task reads straight from the producers, in order (pieces of one producer's range
+    are several partitions, small ranges of several producers share one, as
+    :func:`~zio_spark.source.plan.pack` cuts them)."""
+
+    ranges: tuple[tuple[str, str, str, int, int], ...]
+    fail_on_data_loss: bool
+    columns: tuple[str, ...]
+    # The ``timestamp`` column: when the driver planned the batch (the same in every
+    # retry of the task; the spool path stores when its receiver took the DAT).
+    timestamp_us: int
+    timeout: float
+    mode: str | None
+    curve: Curve | None
+    stream: str
+
+
+def _spark_batch(
+    wire: pa.RecordBatch, producer: str, origin: int, timestamp_us: int, columns: tuple[str, ...]
+) -> pa.RecordBatch:
+    """A range's wire batch as the source's columns (the spool path's values: ``origin``
+    the DAT's, ``granule`` null read as 0)."""
+    wal = wire_to_wal(wire, origin=origin, timestamp_us=timestamp_us)
+    n = wal.num_rows
+    arrays = {name: wal.column(name) for name in wal.schema.names}
+    arrays["producer"] = pa.repeat(pa.scalar(producer, pa.string()), n)
+    schema = pa.schema([SPARK_SCHEMA.field(c) for c in columns])
+    return pa.RecordBatch.from_arrays([arrays[c] for c in columns], schema=schema)
+
+
+def _fetch_direct(
+    p: DirectPartition, endpoint: str, producer: str, incarnation: str, start: int, end: int
+) -> Iterator[pa.RecordBatch]:
+    with RangeConnection(
+        endpoint, mode=p.mode, curve=p.curve, timeout=p.timeout, stream=p.stream
+    ) as conn:
+        for wire in conn.read(producer, incarnation, start, end):
+            yield _spark_batch(wire, producer, conn.origin, p.timestamp_us, p.columns)
+
+
+def _read_direct(p: DirectPartition) -> Iterator[pa.RecordBatch]:
+    for endpoint, producer, incarnation, start, end in p.ranges:
+        try:
+            if p.fail_on_data_loss:
+                yield from _fetch_direct(p, endpoint, producer, incarnation, start, end)
+            else:
+                # A refusal can follow records: keep the range whole or not at all.
+                yield from list(_fetch_direct(p, endpoint, producer, incarnation, start, end))
+        except DataLossError as e:
+            if p.fail_on_data_loss:
+                raise
+            log.warning("zio source (readMode=direct): %s; skipped (failOnDataLoss=false)", e)
+
+
 class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # type: ignore[misc]
     """Micro-batch reader; see the module docstring for which process calls what."""
 
@@ -126,6 +222,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._available_now = False
         self._first_waited = False
         self._run_state = RunState()
+        self._controls: direct.Controls | None = None
+        self._direct_target: dict[str, direct.Position] | None = None
+        self._rt_plain: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -136,40 +235,105 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_available_now": False,
             "_first_waited": False,
             "_run_state": RunState(),
+            "_controls": None,
+            "_direct_target": None,
+            "_rt_plain": frozenset(),
         }
+
+    @property
+    def _direct(self) -> bool:
+        return self.opts.read_mode == "direct"
+
+    def _control(self) -> direct.Controls:
+        """The direct mode's control flows (made here, never in ``__init__``)."""
+        if self._controls is None:
+            o = self.opts
+            self._controls = direct.Controls(
+                o.endpoints,
+                mode=None if o.socket == "auto" else o.socket,
+                curve=o.curve,
+                timeout=o.connect_timeout,
+                stream=o.stream,
+            )
+            _unwind_on_sigterm(self._controls)
+        return self._controls
+
+    def _losses(self, losses: list[direct.Loss]) -> None:
+        for loss in losses:
+            if loss.end is not None and self.opts.fail_on_data_loss:
+                raise DataLossError(loss.text() + " (failOnDataLoss=false reads on without them)")
+            log.warning("%s", loss.text())
+
+    def _direct_latest(
+        self, start: dict[str, Any] | None, limit: ReadLimit | None
+    ) -> dict[str, Any]:
+        controls = self._control()
+        begin, spool_start = direct.split_offsets(start)
+        seen = dict(controls.seen)
+        held = controls.held()
+        direct.check_disjoint(held, spool_start)
+        # Spark plans a batch only once the previous one is in its commit log: ``start``
+        # is committed (commit() lags and never comes for availableNow's last batch).
+        # After held(): a restarted runner knows each producer's endpoint only then.
+        controls.ack(begin)
+        if self._available_now and self._direct_target is None:
+            # The run's target: what each producer held when it started.
+            self._direct_target = {
+                p: direct.Position(w.incarnation, w.end) for p, w in held.items()
+            }
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        end, losses = direct.latest(
+            begin, held, target=self._direct_target, max_rows=max_rows, seen=seen
+        )
+        self._losses(losses)
+        out: dict[str, Any] = direct.to_json(end)
+        if self._plain():
+            # The givers read through the spool, in the same batch (their own
+            # maxRecordsPerTrigger budget).
+            out.update(self._spool_latest(spool_start, limit))
+        else:
+            out.update(spool_start)  # not answering yet (a restarted runner): kept
+        return dict(sorted(out.items()))
 
     def _runtime(self) -> Runtime:
         if self._rt is None:
-            self._rt = Runtime(self.opts)
-            if threading.current_thread() is threading.main_thread():
-                previous = signal.getsignal(signal.SIGTERM)
-
-                # SIGTERM (Spark ending the runner) unwinds the main thread, so the
-                # runner's own ``finally: reader.stop()`` closes the receiver and the
-                # spool. The handler itself must not stop anything: it runs between any
-                # two bytecodes of the main thread, which may hold a spool lock (a
-                # commit in progress); stopping from there deadlocked, and the runner
-                # outlived its JVM. It unwinds once: Spark may signal again while that
-                # ``finally`` runs, and a second SystemExit there cut the stop short
-                # before the EOTs' echoes came (the giver's flow left open).
-                rt = self._rt
-
-                def on_term(signum: int, frame: Any) -> None:
-                    if rt.terminating:
-                        log.info("zio source: SIGTERM again; still ending the flows")
-                        return
-                    rt.terminating = True
-                    if callable(previous):
-                        previous(signum, frame)
-                    else:
-                        raise SystemExit(0)
-
-                signal.signal(signal.SIGTERM, on_term)
+            opts = self.opts
+            if self._direct:
+                # Direct mode: the receiver takes the givers without the range capability.
+                plain = tuple(sorted(self._control().plain))
+                opts = replace(opts, endpoints=plain, read_mode="spool")
+                self._rt_plain = frozenset(plain)
+            self._rt = Runtime(opts)
+            _unwind_on_sigterm(self._rt)
         return self._rt
+
+    def _plain(self) -> bool:
+        """Direct mode: whether some endpoints are read through the spool (their givers
+        do not state the range capability); the spool runtime is made for them on the
+        first need. An endpoint found plain after that fails the query (its receiver's
+        endpoints are fixed for the run)."""
+        plain = self._control().plain
+        if not plain:
+            return False
+        if self._rt is not None and not plain <= self._rt_plain:
+            raise ConfigError(
+                "readMode",
+                "direct",
+                f"givers found without the range capability before the run's first "
+                f"batch; {sorted(plain - self._rt_plain)} answered only later. Restart "
+                "the query (they are then read through the spool from the start), or "
+                "use readMode=spool",
+            )
+        return True
 
     # -- Spark hooks -----------------------------------------------------------------
 
-    def initialOffset(self) -> dict[str, int]:
+    def initialOffset(self) -> dict[str, Any]:
+        if self._direct:
+            out: dict[str, Any] = direct.to_json(direct.initial(self._control().held()))
+            if self._plain():
+                out.update(plan.sorted_offsets(self._runtime().spool.committed()))
+            return dict(sorted(out.items()))
         rt = self._runtime()
         return plan.sorted_offsets(rt.spool.committed())
 
@@ -180,18 +344,29 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def prepareForTriggerAvailableNow(self) -> None:
         """An availableNow run: each ``latestOffset`` waits for the producers
-        (:meth:`_available`) instead of returning what is there."""
+        (:meth:`_available`) instead of returning what is there. Direct mode: the run
+        reads up to what each producer held at its first ``latestOffset``."""
+        if self._direct:
+            self._available_now = True
+            self._direct_target = None
+            self._target = None
+            self._run_state = RunState()
+            return
         self._runtime()
         self._available_now = True
         self._target = None
         self._run_state = RunState()
 
     def latestOffset(
-        self, start: dict[str, int] | None = None, limit: ReadLimit | None = None
-    ) -> dict[str, int]:
+        self, start: dict[str, Any] | None = None, limit: ReadLimit | None = None
+    ) -> dict[str, Any]:
         # Spark < 4.2 calls latestOffset() with no arguments (compat.HAS_ADMISSION_CONTROL
         # false); 4.2+ passes both, as it sees from this signature.
-        start = start or {}
+        if self._direct:
+            return self._direct_latest(start, limit)
+        return self._spool_latest(start or {}, limit)
+
+    def _spool_latest(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, int]:
         rt = self._runtime()
         check(rt, self.opts)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -216,11 +391,24 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return plan.latest_end(start, ends, rt.spool.committed(), max_rows)
 
     def reportLatestOffset(self) -> dict[str, Any]:
+        if self._controls is not None:
+            held = {
+                "heldWindows": {
+                    p: {"first": w.first, "end": w.end, "incarnation": w.incarnation}
+                    for p, w in sorted(self._controls.seen.items())
+                }
+            }
+            return {**(self._rt.report() if self._rt is not None else {}), **held}
         if self._rt is None:
             return {}
         return self._rt.report()
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        if self._direct:
+            return self._direct_partitions(start, end)
+        return self._spool_partitions(start, end)
+
+    def _spool_partitions(self, start: dict[str, Any], end: dict[str, Any]) -> list[ZioPartition]:
         rt = self._runtime()
         ranges = plan.partition_ranges(start, end, rt.spool.committed())
         return [
@@ -237,14 +425,66 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             for group in plan.pack(ranges, self.opts.max_records_per_partition)
         ]
 
+    def _direct_partitions(
+        self, start: dict[str, Any], end: dict[str, Any]
+    ) -> list[InputPartition]:
+        controls = self._control()
+        begin, spool_start = direct.split_offsets(start)
+        finish, spool_end = direct.split_offsets(end)
+        spooled: list[InputPartition] = []
+        if any(spool_end[p] > max(spool_start.get(p, 1), 1) for p in spool_end):
+            if not controls.plain:
+                controls.held()  # a restarted runner: learn which givers are plain
+            if not self._plain():
+                raise TransportError(
+                    "zio source (readMode=direct): this batch reads givers through the "
+                    f"spool ({sorted(spool_end)}), but none of {list(self.opts.endpoints)} "
+                    "answered as such a giver yet; restart the query once they are back"
+                )
+            spooled = list(self._spool_partitions(spool_start, spool_end))
+        ranges = direct.batch_ranges(begin, finish)
+        if any(p not in controls.where for p in ranges):
+            controls.held()  # a restarted runner: learn which endpoint serves which id
+        missing = sorted(p for p in ranges if p not in controls.where)
+        if missing:
+            raise TransportError(
+                f"zio source (readMode=direct): no endpoint of {list(self.opts.endpoints)} "
+                f"answers for producer(s) {missing} of this batch; their ranges cannot be "
+                "read now (the query can be restarted once they are back)"
+            )
+        o = self.opts
+        planned = time.time_ns() // 1000
+        return spooled + [
+            DirectPartition(
+                tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
+                o.fail_on_data_loss,
+                self.columns,
+                planned,
+                o.connect_timeout,
+                None if o.socket == "auto" else o.socket,
+                o.curve,
+                o.stream,
+            )
+            for group in direct.pack(ranges, o.max_records_per_partition)
+        ]
+
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read_any(partition)
 
-    def commit(self, end: dict[str, int]) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
+        if self._direct:
+            finish, spool_end = direct.split_offsets(end)
+            self._control().ack(finish)
+            if spool_end:
+                self._runtime().receiver.commit(spool_end)
+            return
         rt = self._runtime()
         rt.receiver.commit({p: int(v) for p, v in end.items()})
 
     def stop(self) -> None:
+        if self._controls is not None:
+            self._controls.terminating = True
+            self._controls.close()
         if self._rt is not None:
             self._rt.terminating = True  # a SIGTERM now must not cut the stop short
             self._rt.stop()
@@ -295,6 +535,8 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
 def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     # No partitions planned (nothing arrived): PySpark still runs one task, with a bare
     # InputPartition(None). It reads nothing.
+    if isinstance(partition, DirectPartition):
+        return _read_direct(partition)
     if not isinstance(partition, ZioPartition):
         return iter(())
     return _read_partition(partition)

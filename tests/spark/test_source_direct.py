@@ -1,0 +1,228 @@
+"""``readMode=direct`` end to end on local Spark: tasks read ranges straight from bound
+in-process producers on loopback, the driver acks commits on its control flows
+(docs/direct-read.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.peers.zio_reference import ReferenceServer
+from tests.support import committed_rows, to_parquet, wait_until, zio_stream
+from zio_spark.codec.schema import SPARK_SCHEMA
+from zio_spark.errors import TransportError
+from zio_spark.source.producer import Producer
+from zio_spark.source.range_client import ControlConnection, held_window
+
+T = 120.0  # seconds: every wait of a test is bounded by this
+
+
+def _values(n: int, first: int = 0) -> list[bytes]:
+    return [f"rec-{i}".encode() for i in range(first, first + n)]
+
+
+def _direct(spark: Any, endpoint: str, tmp_path: Any, **options: str) -> Any:
+    return zio_stream(spark, endpoint, tmp_path, readMode="direct", **options)
+
+
+def test_direct_reads_every_record_once_in_order_and_acks_commits(spark, ctx, producers, tmp_path):
+    """Records come once each, in the producer's order, with the spool path's columns;
+    a range larger than maxRecordsPerPartition is several partitions; after commits the
+    producer's held window moves (the driver's acks arrived)."""
+    p = producers("d1")
+    n = 3000
+    p.send_many(_values(n))
+    got: list[tuple[int, list[Any]]] = []
+    df = _direct(spark, p.endpoint, tmp_path, maxRecordsPerPartition="700")
+    assert df.schema.simpleString() == (
+        "struct<value:binary,key:binary,producer:string,seq:bigint,origin:bigint,"
+        "granule:bigint,timestamp:timestamp,headers:map<string,string>>"
+    )
+    assert [f.name for f in df.schema.fields] == SPARK_SCHEMA.names
+
+    def batch(b: Any, i: int) -> None:
+        got.append((b.rdd.getNumPartitions(), b.collect()))
+
+    q = (
+        df.writeStream.foreachBatch(batch)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    rows = lambda: [r for _, rs in got for r in rs]  # noqa: E731
+    try:
+        wait_until(lambda: len(rows()) >= n, what="the first wave", timeout=T)
+        p.send_many(_values(1000, first=n))
+        wait_until(lambda: len(rows()) >= n + 1000, what="the second wave", timeout=T)
+        # Commits lag a batch; the first wave's is acked at the latest at the next trigger.
+        wait_until(
+            lambda: held_window(p.endpoint, "d1", ctx=ctx, timeout=10).first > n,
+            what="the producer's window moving past the first wave (acks)",
+            timeout=T,
+        )
+        assert q.exception() is None
+    finally:
+        q.stop()
+    # Spark ends the runner with SIGTERM: it unwinds to stop(), which ends the control
+    # flow with EOT (the producer's side of it closes; tasks' range flows ended already).
+    wait_until(lambda: not p._ranges.flows, what="the control flow ended at the stop", timeout=T)
+    all_rows = rows()
+    assert [r.seq for r in all_rows] == list(range(1, n + 1001))  # once each, in order
+    assert [bytes(r.value) for r in all_rows] == _values(n + 1000)
+    assert {r.producer for r in all_rows} == {"d1"}
+    assert all(r.granule == 0 and r.timestamp is not None for r in all_rows)
+    assert max(parts for parts, rs in got if rs) >= 3  # 3000 records, 700 a partition
+    assert p.acked >= n
+    inc, first, _ = held_window(p.endpoint, "d1", ctx=ctx, timeout=10)
+    assert inc == p.incarnation and first == p.acked + 1
+
+
+def test_available_now_then_restart_on_the_same_checkpoint(spark, ctx, producers, tmp_path):
+    """availableNow reads what the producers held when the run started; a second run on
+    the same checkpoint acks the first run's last batch (commit() never comes for it) and
+    reads only the new records: no duplicates, none lost."""
+    a, b = producers("da"), producers("db")
+    a.send_many(_values(1500))
+    b.send_many(_values(700))
+    endpoints = f"{a.endpoint},{b.endpoint}"
+    q = to_parquet(_direct(spark, endpoints, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    assert committed_rows(q, tmp_path / "out")() == 2200
+    a.send_many(_values(300, first=1500))
+    q = to_parquet(_direct(spark, endpoints, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    out = spark.read.parquet(str(tmp_path / "out")).select("producer", "seq", "value").collect()
+    got = sorted((r.producer, r.seq, bytes(r.value)) for r in out)
+    want = [("da", i + 1, v) for i, v in enumerate(_values(1800))]
+    want += [("db", i + 1, v) for i, v in enumerate(_values(700))]
+    assert got == sorted(want)
+    # The second run acked the first run's end at its start.
+    wait_until(lambda: a.acked >= 1500 and b.acked == 700, what="the first run's acks", timeout=T)
+
+
+def test_a_giver_without_the_capability_is_read_through_the_spool_in_the_same_query(
+    spark, ctx, producers, tmp_path
+):
+    """A plain (reference) giver next to a capable producer: it is sent nothing but its
+    taker BOT's flow (no range or control request), read through the receiver and the
+    spool, and the capable one directly, in the same availableNow run."""
+    p = producers("dm")
+    p.send_many(_values(800))
+    plain = [b"plain-%d" % i for i in range(300)]
+    with ReferenceServer(ctx, role="giver", flavor="cpp", values=plain, credit=10) as ref:
+        df = _direct(spark, f"{p.endpoint},{ref.endpoint}", tmp_path, connectTimeout="20s")
+        q = to_parquet(df, tmp_path, availableNow=True)
+        assert q.awaitTermination(T)
+        assert q.exception() is None
+        out = spark.read.parquet(str(tmp_path / "out")).select("producer", "seq", "value")
+        rows = out.collect()
+    mine = sorted((r.seq, bytes(r.value)) for r in rows if r.producer == "dm")
+    assert mine == [(i + 1, v) for i, v in enumerate(_values(800))]
+    others = sorted((r.seq, bytes(r.value)) for r in rows if r.producer != "dm")
+    assert [v for _, v in others] == plain
+    assert len({r.producer for r in rows}) == 2
+    assert p.stats["range_flows"] >= 1 and p.stats["control_flows"] >= 1
+    assert p.stats.get("takers", 0) == 0  # the capable producer never had a taker
+    assert (tmp_path / "spool").is_dir()  # the plain giver went through the spool
+
+
+def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producers, tmp_path):
+    """Records another party acked before the query read them: a DataLossError naming
+    them; with failOnDataLoss=false the run skips exactly them and reads the rest."""
+    p = producers("dl")
+    p.send_many(_values(1000))
+    q = to_parquet(_direct(spark, p.endpoint, tmp_path), tmp_path, availableNow=True)
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    p.send_many(_values(500, first=1000))
+    with ControlConnection(p.endpoint, ctx=ctx, timeout=10) as control:
+        control.ack(1200, p.incarnation)  # 1001..1200 freed, never read by the query
+    q = to_parquet(_direct(spark, p.endpoint, tmp_path), tmp_path, availableNow=True)
+    with pytest.raises(Exception) as info:
+        q.awaitTermination(T)
+    assert "[1001, 1201)" in str(info.value) and "'dl'" in str(info.value), str(info.value)
+    q = to_parquet(
+        _direct(spark, p.endpoint, tmp_path, failOnDataLoss="false"), tmp_path, availableNow=True
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
+    assert seqs == list(range(1, 1001)) + list(range(1201, 1501))
+
+
+def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
+    spark, ctx, tmp_path
+):
+    """The producer restarts on the same endpoint without retention: a new incarnation,
+    numbering from 1. The query goes on in the new numbering (a new control flow), reads
+    the new records once each and never mixes the two numberings."""
+    old = Producer(ctx=ctx, producer_id="dr", linger_ms=0, bind="tcp://127.0.0.1:*")
+    made = [old]
+    got: list[tuple[int, bytes]] = []
+    try:
+        old.send_many([b"old-%d" % i for i in range(500)])
+        df = _direct(spark, old.endpoint, tmp_path, connectTimeout="3s")
+        q = (
+            df.writeStream.foreachBatch(
+                lambda b, i: got.extend(
+                    (r.seq, bytes(r.value)) for r in b.select("seq", "value").collect()
+                )
+            )
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            wait_until(lambda: len(got) >= 500, what="the old records", timeout=T)
+            endpoint = old.endpoint
+            old.close(flush=False, timeout=5)
+
+            def rebind() -> bool:  # libzmq may still be tearing the old listener down
+                try:
+                    made.append(Producer(ctx=ctx, producer_id="dr", linger_ms=0, bind=endpoint))
+                except TransportError:
+                    return False
+                return True
+
+            wait_until(rebind, what="the producer back on its endpoint", timeout=30)
+            new = made[-1]
+            assert new.incarnation != old.incarnation
+            new.send_many([b"new-%d" % i for i in range(300)])
+            wait_until(lambda: len(got) >= 800, what="the new records", timeout=T)
+            wait_until(lambda: new.acked >= 1, what="an ack in the new numbering", timeout=T)
+            assert q.exception() is None
+        finally:
+            q.stop()
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)
+    assert got == [(i + 1, b"old-%d" % i) for i in range(500)] + [
+        (i + 1, b"new-%d" % i) for i in range(300)
+    ]
+
+
+def test_max_records_per_trigger_cuts_direct_batches(spark, ctx, producers, tmp_path):
+    p = producers("dt")
+    p.send_many(_values(2500))
+    sizes: list[int] = []
+    seqs: list[int] = []
+
+    def batch(b: Any, i: int) -> None:
+        got = [r.seq for r in b.select("seq").collect()]
+        sizes.append(len(got))
+        seqs.extend(got)
+
+    q = (
+        _direct(spark, p.endpoint, tmp_path, maxRecordsPerTrigger="1000")
+        .writeStream.foreachBatch(batch)
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    assert sorted(seqs) == list(range(1, 2501))
+    assert [s for s in sizes if s] == [1000, 1000, 500]

@@ -1,0 +1,157 @@
+"""The direct read mode's planning (zio_spark.source.direct, pure parts) and its option."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from zio_spark.codec.schema import SPARK_SCHEMA, WIRE_SCHEMA
+from zio_spark.errors import ConfigError
+from zio_spark.options import parse_source_options
+from zio_spark.source.direct import (
+    Position,
+    batch_ranges,
+    check_disjoint,
+    initial,
+    latest,
+    pack,
+    split_offsets,
+    to_json,
+)
+from zio_spark.source.range_client import HeldWindow
+
+A, B = "inc-a", "inc-b"
+
+
+def test_offsets_are_deterministic_json_and_parse_back() -> None:
+    offs = {"z": Position(A, 5), "a": Position(B, 1)}
+    out = to_json(offs)
+    assert json.dumps(out) == (
+        '{"a": {"end": 1, "incarnation": "inc-b"}, "z": {"end": 5, "incarnation": "inc-a"}}'
+    )
+    assert split_offsets(json.loads(json.dumps(out))) == (offs, {})
+    assert split_offsets(None) == ({}, {})
+    # Givers read through the spool keep the spool path's numbers, in the same offsets.
+    assert split_offsets({"s": 7, **out}) == (offs, {"s": 7})
+
+
+@pytest.mark.parametrize(
+    "bad", [{"p": "5"}, {"p": {"end": 5}}, {"p": {"end": True, "incarnation": A}}, {"p": True}]
+)
+def test_other_offsets_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=r"readMode.*new checkpointLocation"):
+        split_offsets(bad)
+
+
+def test_a_producer_read_through_the_spool_does_not_go_on_directly() -> None:
+    check_disjoint({"p": HeldWindow(A, 1, 2)}, {"q": 3})
+    with pytest.raises(ConfigError, match=r"\['p'\] were read through the spool"):
+        check_disjoint({"p": HeldWindow(A, 1, 2)}, {"p": 3})
+
+
+def test_initial_offsets_start_at_the_oldest_held_record() -> None:
+    assert initial({"p": HeldWindow(A, 7, 20)}) == {"p": Position(A, 7)}
+
+
+def test_latest_reads_to_the_held_end_and_never_back() -> None:
+    start = {"p": Position(A, 7), "q": Position(A, 3)}
+    held = {"p": HeldWindow(A, 7, 20), "q": HeldWindow(A, 1, 2)}  # q's end behind: kept
+    end, losses = latest(start, held)
+    assert end == {"p": Position(A, 20), "q": Position(A, 3)} and losses == []
+
+
+def test_latest_cuts_to_max_rows_in_producer_order() -> None:
+    start = {"p": Position(A, 1), "q": Position(B, 1)}
+    held = {"p": HeldWindow(A, 1, 11), "q": HeldWindow(B, 1, 11)}
+    end, _ = latest(start, held, max_rows=15)
+    assert end == {"p": Position(A, 11), "q": Position(B, 6)}
+
+
+def test_a_new_producer_joins_at_its_first_record_without_records_in_that_batch() -> None:
+    end, losses = latest({}, {"p": HeldWindow(A, 4, 9)})
+    assert end == {"p": Position(A, 4)} and losses == []
+    assert batch_ranges({}, end) == {}
+
+
+def test_a_producer_not_answering_keeps_its_offset() -> None:
+    end, _ = latest({"p": Position(A, 4)}, {})
+    assert end == {"p": Position(A, 4)}
+
+
+def test_freed_records_not_read_are_a_loss() -> None:
+    end, losses = latest({"p": Position(A, 4)}, {"p": HeldWindow(A, 9, 12)})
+    assert end == {"p": Position(A, 9)}  # the lost range alone; the next batch reads on
+    (loss,) = losses
+    assert (loss.start, loss.end) == (4, 9) and "[4, 9)" in loss.text()
+
+
+def test_a_new_incarnation_jumps_to_its_first_record_and_names_the_loss() -> None:
+    start = {"p": Position(A, 10)}
+    held = {"p": HeldWindow(B, 1, 5)}
+    end, losses = latest(start, held, seen={"p": HeldWindow(A, 1, 15)})
+    assert end == {"p": Position(B, 1)}
+    (loss,) = losses
+    assert (loss.incarnation, loss.start, loss.end) == (A, 10, 15)
+    assert batch_ranges(start, end) == {}  # nothing read across incarnations
+    # Nothing known beyond the start: a possible loss only (end None).
+    _, losses = latest(start, held)
+    assert losses[0].end is None
+    # Everything of the old one was read: no loss.
+    _, losses = latest(start, held, seen={"p": HeldWindow(A, 1, 10)})
+    assert losses == []
+
+
+def test_available_now_stops_at_the_target() -> None:
+    start = {"p": Position(A, 1), "q": Position(A, 1)}
+    held = {"p": HeldWindow(A, 1, 50), "q": HeldWindow(B, 1, 50)}
+    end, _ = latest(start, held, target={"p": Position(A, 30)})
+    assert end["p"] == Position(A, 30)
+    assert end["q"] == Position(B, 1)  # another incarnation: the switch, nothing read
+
+
+def test_batch_ranges_and_pack_cut_like_the_spool_path() -> None:
+    start = {"p": Position(A, 1), "q": Position(B, 5)}
+    end = {"p": Position(A, 1001), "q": Position(B, 8)}
+    ranges = batch_ranges(start, end)
+    assert ranges == {"p": (A, 1, 1001), "q": (B, 5, 8)}
+    assert pack(ranges, 400) == [
+        (("p", A, 1, 334),),
+        (("p", A, 334, 667),),
+        (("p", A, 667, 1001), ("q", B, 5, 8)),  # small ranges share a partition
+    ]
+
+
+def test_read_mode_option() -> None:
+    assert parse_source_options({"endpoints": "tcp://h:1"}).read_mode == "spool"
+    opts = parse_source_options({"endpoints": "tcp://h:1", "readmode": "Direct"})
+    assert opts.read_mode == "direct"
+    with pytest.raises(ConfigError, match=r"'readMode'.*one of spool, direct"):
+        parse_source_options({"endpoints": "tcp://h:1", "readMode": "fast"})
+    with pytest.raises(ConfigError, match=r"'readMode'.*with 'bind'"):
+        parse_source_options({"bind": "tcp://127.0.0.1:5555", "readMode": "direct"})
+    with pytest.raises(ConfigError, match=r"'readMode'.*with 'group'"):
+        parse_source_options({"group": "g", "readMode": "direct"})
+
+
+def test_a_range_batch_becomes_the_spool_paths_columns() -> None:
+    from zio_spark.spark.source import _spark_batch
+
+    wire = pa.RecordBatch.from_arrays(
+        [
+            pa.array([3, 4], pa.int64()),
+            pa.array([b"v3", b"v4"]),
+            pa.array([None, b"k"]),
+            pa.array([None, 7], pa.int64()),
+            pa.array([[("h", "x")], []], pa.map_(pa.string(), pa.string())),
+        ],
+        schema=WIRE_SCHEMA,
+    )
+    out = _spark_batch(wire, "p", 2, 1_000_000, tuple(SPARK_SCHEMA.names))
+    assert out.schema.equals(SPARK_SCHEMA)
+    assert out.column("producer").to_pylist() == ["p", "p"]
+    assert out.column("granule").to_pylist() == [0, 7]
+    assert out.column("origin").to_pylist() == [2, 2]
+    part = _spark_batch(wire, "p", 2, 1_000_000, ("seq", "value"))
+    assert part.schema.names == ["seq", "value"] and part.column("seq").to_pylist() == [3, 4]
