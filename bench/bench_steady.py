@@ -147,12 +147,16 @@ class _SteadyReader(DataSourceStreamReader):  # type: ignore[misc]
 # ----------------------------------------------------------------------------- children
 
 
-def _producer_child(endpoint_file: str, window: int, producer_id: str, rate: float) -> None:
+def _producer_child(
+    endpoint_file: str, window: int, producer_id: str, rate: float, batch: int
+) -> None:
     """Our Producer in its own process (bound: it serves range reads too), sending 100 B
     records as fast as it may, or ``rate`` records a second (in chunks every 100 ms)."""
     from zio_spark.source.producer import Producer
 
     kw: dict[str, Any] = {"producer_id": producer_id, "linger_ms": 0}
+    if batch > 0:
+        kw["batch"] = batch
     if window > 0:
         kw["max_unacked"] = window
     prod = Producer("tcp://127.0.0.1:*", **kw)
@@ -336,7 +340,7 @@ def _measure(
 
 
 def _producers(
-    work: Path, n: int, window: int, rate: float
+    work: Path, n: int, window: int, rate: float, batch: int = 0
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """``n`` producer processes (ids ``steady``, or ``steady-<i>``) and their endpoints."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -355,6 +359,8 @@ def _producers(
                     pid,
                     "--rate",
                     str(rate),
+                    "--producer-batch",
+                    str(batch),
                 )
             )
             files.append(ep_file)
@@ -381,8 +387,9 @@ def _zio(
     direct: bool = False,
     producers: int = 1,
     rate: float = 0.0,
+    batch: int = 0,
 ) -> dict[str, Any]:
-    procs, endpoints = _producers(work, producers, window, rate)
+    procs, endpoints = _producers(work, producers, window, rate, batch)
     try:
         df = (
             spark.readStream.format("zio")  # a reader: options are added below, then load()
@@ -441,6 +448,7 @@ def _scale(
                     direct=True,
                     producers=n,
                     rate=a.scale_rate,
+                    batch=a.producer_batch,
                 )
             )
             r = res[n][-1]
@@ -542,6 +550,12 @@ def main() -> None:
         "always run: it is the anchor)",
     )
     ap.add_argument("--window", type=int, default=0, help="producer max_unacked (0: default)")
+    ap.add_argument(
+        "--producer-batch",
+        type=int,
+        default=0,
+        help="producer records per DAT (Producer(batch=...); 0: its default, 4096)",
+    )
     ap.add_argument("--bind-clients", type=int, default=8, help="plain clients (0: skip)")
     ap.add_argument("--synthetic-batch", type=int, default=2_000_000)
     ap.add_argument("--rate-batch", type=int, default=2_000_000)
@@ -571,7 +585,7 @@ def main() -> None:
     ap.add_argument("--origin", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.producer_child:
-        _producer_child(a.producer_child, a.window, a.producer_id, a.rate)
+        _producer_child(a.producer_child, a.window, a.producer_id, a.rate, a.producer_batch)
         return
     if a.plain_child:
         _plain_client_child(a.plain_child, a.origin)
@@ -614,6 +628,7 @@ def main() -> None:
         if counts:
             _scale(spark, work, a, counts, runs, seconds)
             return
+        pb = a.producer_batch
         for i in range(runs):
             syn = (
                 spark.readStream.format("zio_bench_steady")
@@ -629,9 +644,13 @@ def main() -> None:
                 )
                 res["rate"].append(_measure(spark, rate, work, seconds, []))
             if "zio" in cases:
-                res["zio"].append(_zio(spark, work, seconds, a.window, a.max_backlog, options))
+                res["zio"].append(
+                    _zio(spark, work, seconds, a.window, a.max_backlog, options, batch=pb)
+                )
             if "direct" in cases:
-                res["direct"].append(_zio(spark, work, seconds, a.window, 0, options, direct=True))
+                res["direct"].append(
+                    _zio(spark, work, seconds, a.window, 0, options, direct=True, batch=pb)
+                )
             if "bind8" in cases:
                 res["bind8"].append(_bind(spark, work, seconds, a.bind_clients))
             print(
@@ -729,6 +748,7 @@ def _report(
             "seconds": seconds,
             "runs": runs,
             "window": a.window or "default",
+            "producer_batch": a.producer_batch or "default",
             "zio_options": options,
             "figures": figures,
             "ratios": ratios,
