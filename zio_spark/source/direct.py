@@ -27,12 +27,16 @@ both offsets; a producer whose incarnation changed reads nothing in that batch.
 
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
 opened at the first need, reopened after a failure) for ``held`` queries and commit acks.
+With CURVE it also holds the run's key pair: drawn when the run's controls are made,
+registered on every control flow it opens (``admit``: a producer with an allow-list
+admits it while that flow lives) and handed to the tasks instead of the source's own
+keys (:meth:`Controls.task_curve`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,6 +269,12 @@ class Controls:
     trigger (logged). An endpoint whose giver does not state the range capability is
     put in :attr:`plain` (never asked again): the stream reader reads it through the
     spool.
+
+    With ``curve`` (the source's CURVE client keys: the driver's, on the producers'
+    allow-lists), a fresh key pair is drawn here, once per query run
+    (:attr:`run_curve`); each control flow registers its public key as soon as it is
+    open, and the tasks read with it (:meth:`task_curve`), so the source's secret key
+    never leaves the driver, and a run's key stops working where its control flow ends.
     """
 
     def __init__(
@@ -291,6 +301,11 @@ class Controls:
         self.plain: set[str] = set()
         self._acked: dict[str, Position] = {}  # producer id -> the last commit acked
         self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
+        self.run_curve: Curve | None = None
+        if curve is not None:
+            public, secret = zmq.curve_keypair()
+            self.run_curve = Curve(curve.server_key, public, secret)
+        self.gated: set[str] = set()  # endpoints that keep an allow-list (run key admitted)
 
     def _open(self, endpoint: str) -> ControlConnection:
         conn = self._conns.get(endpoint)
@@ -313,8 +328,45 @@ class Controls:
             )
             self.plain.add(endpoint)
             raise
+        if self.run_curve is not None:
+            try:
+                gated = conn.admit(self.run_curve.public_key)
+            except BaseException:
+                conn.close()
+                raise
+            if gated:
+                self.gated.add(endpoint)
+            log.info(
+                "zio source (readMode=direct): run key %s %s at %s",
+                self.run_curve.public_key.decode("ascii"),
+                "admitted while the control flow lives" if gated else "not needed (no allow-list)",
+                endpoint,
+            )
         self._conns[endpoint] = conn
         return conn
+
+    def task_curve(self, endpoints: Iterable[str]) -> Curve | None:
+        """The CURVE keys of the tasks that read from ``endpoints``: the run's key pair
+        (never the source's own secret key), None without CURVE. Opens the control flow
+        of any of them that has none now (one ended since the last trigger), which
+        registers the run key there first; an endpoint that does not answer is logged
+        (its tasks fail, naming it, and Spark retries them).
+        """
+        if self.run_curve is None:
+            return None
+        for endpoint in sorted(set(endpoints)):
+            if endpoint in self._conns or endpoint in self.plain:
+                continue
+            try:
+                self._open(endpoint)
+            except TransportError as e:
+                log.warning(
+                    "zio source (readMode=direct): cannot register the run key at %s "
+                    "(%s); its tasks will be refused until a control flow is open again",
+                    endpoint,
+                    e,
+                )
+        return self.run_curve
 
     def _drop(self, endpoint: str) -> None:
         conn = self._conns.pop(endpoint, None)

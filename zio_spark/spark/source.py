@@ -170,6 +170,8 @@ class DirectPartition(InputPartition):  # type: ignore[misc]
     timestamp_us: int
     timeout: float
     mode: str | None
+    # The query run's CURVE key pair (Controls.run_curve), admitted by the producers
+    # while the run's control flows live; never the source's own secret key.
     curve: Curve | None
     stream: str
 
@@ -454,6 +456,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             )
         o = self.opts
         planned = time.time_ns() // 1000
+        # The run's key pair, never the source's secret (docs/direct-read.md, Security).
+        curve = controls.task_curve(controls.where[p] for p in ranges)
         return spooled + [
             DirectPartition(
                 tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
@@ -462,7 +466,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 planned,
                 o.connect_timeout,
                 None if o.socket == "auto" else o.socket,
-                o.curve,
+                curve,
                 o.stream,
             )
             for group in direct.pack(ranges, o.max_records_per_partition)
