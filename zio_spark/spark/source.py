@@ -229,8 +229,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._rt_plain: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
+        # Pickled for the tasks only (the runner makes its reader afresh): they read
+        # with what their partitions carry, so the source's CURVE keys (its secret key)
+        # stay on the driver.
         return {
-            "opts": self.opts,
+            "opts": replace(self.opts, curve=None),
             "columns": self.columns,
             "_rt": None,
             "_target": None,

@@ -15,6 +15,7 @@ public key is accepted.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Hashable, Iterable
@@ -281,6 +282,8 @@ class CurveAuthenticator:
         self._leases: dict[Hashable, bytes] = {}
         self._leased: frozenset[bytes] = frozenset()
         self.refused = 0  # handshakes refused (ZAP thread; read for stats)
+        # Handshakes admitted, per client key (Z85): who connected with which key.
+        self.handshakes: collections.Counter[bytes] = collections.Counter()
 
     @property
     def allowed(self) -> frozenset[bytes]:
@@ -328,7 +331,9 @@ class CurveAuthenticator:
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
         ok = key in self._allowed or key in self._leased
-        if not ok:
+        if ok:
+            self.handshakes[key] += 1
+        else:
             self.refused += 1
             log.warning(
                 "CURVE client key %s refused (ZAP domain %r): not in the allow-list",
