@@ -104,6 +104,14 @@ with the giver's incarnation and window (nothing freed), or ``"unknown_producer"
 :class:`RemoteProtocolError` naming both numbers. A control flow is bound to its BOT's
 incarnation as range flows are (a renumbering giver ends it).
 
+**Run keys** (CURVE per query run, docs/direct-read.md "Security"): on a control flow
+only, a PAY ``"admit": {"id": k, "key": K}`` (``K`` a CURVE public key in Z85 text)
+asks the giver to admit clients with ``K`` for as long as this control flow lives (the
+key the query's tasks read with). The answer is one DAT ``"admit": {"id": k, "status":
+"admitted"}`` (the giver keeps an allow-list and put ``K`` on it, before answering) or
+``"status": "open"`` (no allow-list: nothing stored). ``admit`` on a range flow is a
+:class:`RemoteProtocolError`.
+
 Everything here is pure: attribute mappings in, attribute dicts and events out.
 """
 

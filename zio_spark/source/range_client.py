@@ -14,7 +14,11 @@ one flow. :class:`ControlConnection` is the driver's control flow to one produce
 (``read: "control"``): :meth:`~ControlConnection.held` for ``latestOffset`` and
 :meth:`~ControlConnection.ack` for Spark's commit (``ack`` with ``commit: {id, producer,
 incarnation}``; the producer frees up to the number only if the incarnation is its own,
-else :class:`AckRefused` and nothing is freed).
+else :class:`AckRefused` and nothing is freed), and :meth:`~ControlConnection.admit` to
+register a query run's CURVE key (admitted while the control flow lives, by a producer
+with an allow-list). With CURVE, every connection first waits for the handshake's
+outcome on a socket monitor: a key the producer's ZAP handler refuses fails at once with
+the endpoint and the fix, not after a silent BOT wait.
 
 Engine: a :class:`~zio_spark.transport.port.ClientPort` under a
 :class:`~zio_spark.transport.flow_endpoint.FlowEndpoint`, the blocking flow endpoint the
