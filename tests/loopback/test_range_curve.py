@@ -167,21 +167,23 @@ def test_producers_sharing_a_context_keep_their_own_lists(ctx, closing, keys):
 
 
 @pytest.mark.parametrize(
-    ("kw", "option"),
+    ("allowed", "with_secret", "option"),
     [
-        ({"curve_allowed_client_keys": ["not a key"]}, "curve_allowed_client_keys[0]"),
-        ({"curve_allowed_client_keys": []}, "curve_allowed_client_keys"),
-        ({"curve_allowed_client_keys": [b"\x00" * 31]}, "curve_allowed_client_keys[0]"),
-        ({"curve_allowed_client_keys": [b"k" * 40], "curve_secret_key": None}, None),
+        (["not a key"], True, "curve_allowed_client_keys[0]"),
+        ([], True, "curve_allowed_client_keys"),
+        ([b"\x00" * 31], True, "curve_allowed_client_keys[0]"),
+        ([b"k" * 40], False, "curve_allowed_client_keys"),  # a list needs CURVE
     ],
 )
-def test_bad_allow_lists_are_config_errors(ctx, keys, kw, option):
-    kw = {"curve_secret_key": keys.server_secret, **kw}
-    if kw["curve_secret_key"] is None:
-        del kw["curve_secret_key"]
-        option = "curve_allowed_client_keys"
+def test_bad_allow_lists_are_config_errors(ctx, keys, allowed, with_secret, option):
+    secret = keys.server_secret if with_secret else None
     with pytest.raises(ConfigError) as e:
-        Producer("tcp://127.0.0.1:*", ctx=ctx, **kw)
+        Producer(
+            "tcp://127.0.0.1:*",
+            ctx=ctx,
+            curve_secret_key=secret,
+            curve_allowed_client_keys=allowed,
+        )
     assert e.value.option == option
 
 
