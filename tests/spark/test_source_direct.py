@@ -266,6 +266,7 @@ def test_the_partitions_carry_the_run_key_pair_never_the_sources_secret(ctx, tmp
     import pickle
     from concurrent.futures import ThreadPoolExecutor
 
+    from pyspark.sql.datasource import CaseInsensitiveDict
     from pyspark.sql.streaming.datasource import ReadAllAvailable
 
     from zio_spark.spark.datasource import ZioDataSource
@@ -276,11 +277,17 @@ def test_the_partitions_carry_the_run_key_pair_never_the_sources_secret(ctx, tmp
     reader: Any = None
     try:
         p.send_many(_values(1500))
-        source = ZioDataSource(
-            {"endpoints": p.endpoint, "readMode": "direct", "maxRecordsPerPartition": "600"}
-            | keys.options()
+        source = ZioDataSource(  # options as Spark passes them: case-insensitive
+            CaseInsensitiveDict(
+                {"endpoints": p.endpoint, "readMode": "direct", "maxRecordsPerPartition": "600"}
+                | keys.options()
+            )
         )
+        assert keys.driver_secret in pickle.dumps(source)  # as Spark hands it over
         reader = source.streamReader(None)
+        # PySpark pickles the DataSource into the tasks' read function: no secret there.
+        assert keys.driver_secret not in pickle.dumps(source)
+        assert "curvePublicKey" in source.options
         # Off the main thread, as in Spark's runner thread: no SIGTERM handler here.
         with ThreadPoolExecutor(1) as pool:
             start = pool.submit(reader.initialOffset).result(T)
