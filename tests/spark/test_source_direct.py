@@ -343,3 +343,25 @@ def test_direct_over_curve_reads_once_with_the_run_keys(spark, ctx, tmp_path):
         assert run_handshakes >= p.stats["range_flows"]
     finally:
         p.close(flush=False, timeout=5)
+
+
+def test_the_spool_path_over_curve_reads_with_the_secret_dropped(spark, ctx, tmp_path):
+    """readMode=spool over CURVE (the runner's receiver is the producer's taker with the
+    source's keys): dropping curveSecretKey from the DataSource once the reader is made
+    loses it nowhere it is needed; the producer's allow-list admits the driver's key."""
+    keys = _CurveKeys()
+    p = _curve_producer(ctx, keys, "sc")
+    try:
+        p.send_many(_values(500))
+        df = zio_stream(spark, p.endpoint, tmp_path, **keys.options())
+        q = to_parquet(df, tmp_path, availableNow=True)
+        assert q.awaitTermination(T)
+        assert q.exception() is None
+        out = spark.read.parquet(str(tmp_path / "out")).select("seq", "value").collect()
+        assert sorted((r.seq, bytes(r.value)) for r in out) == [
+            (i + 1, v) for i, v in enumerate(_values(500))
+        ]
+        gate = p._gate
+        assert gate is not None and gate.handshakes[keys.driver_public] >= 1
+    finally:
+        p.close(flush=False, timeout=5)
