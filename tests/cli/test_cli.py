@@ -363,3 +363,36 @@ def test_produce_curve_options_are_checked():
     assert r.returncode == 2 and "option '--curve-allow': got 'nope'" in r.stderr
     r = run_cli("produce", "--connect", "tcp://127.0.0.1:1", "--curve-secret", good)
     assert r.returncode == 2 and "--bind" in r.stderr
+
+
+def test_curve_allow_takes_keys_files_and_zauth_certificate_folders(tmp_path):
+    """--curve-allow KEY, @FILE (one a line) and a folder of public certificates (zauth's
+    CURVE location, as zmq.auth.create_certificates / czmq's zcert write them)."""
+    import zmq
+    import zmq.auth
+
+    from zio_spark.cli.produce import curve_options
+    from zio_spark.errors import ConfigError
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    cert_public, _ = zmq.auth.load_certificate(zmq.auth.create_certificates(certs, "driver")[0])
+    listed, _ = zmq.curve_keypair()
+    (tmp_path / "keys").write_bytes(b"# takers\n\n" + listed + b"\n")
+    bare, _ = zmq.curve_keypair()
+    _, secret = zmq.curve_keypair()
+
+    def options(*allow: str) -> dict:
+        args = argparse.Namespace(connect=None, curve_secret=secret.decode(), curve_allow=allow)
+        return curve_options(args)
+
+    got = options(bare.decode(), f"@{tmp_path / 'keys'}", str(certs))
+    assert got["curve_secret_key"] == secret
+    assert got["curve_allowed_client_keys"] == [bare, listed, cert_public]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad, why in ((str(empty), "public certificates"), ("@/nonexistent/keys", "readable")):
+        with pytest.raises(ConfigError) as e:
+            options(bad)
+        assert e.value.option == "--curve-allow" and why in e.value.expected
+    assert options() == {"curve_secret_key": secret}

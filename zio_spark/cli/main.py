@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         action="append",
         help="with --curve-secret: admit only CURVE clients with this public key (Z85), "
-        "through a ZAP handler; repeat it, or @FILE with one key a line. List the takers' "
+        "through a ZAP handler; repeat it, @FILE with one key a line, or a folder of "
+        "public certificates (zauth's CURVE location: *.key files). List the takers' "
         "and the Spark drivers' curvePublicKey: a driver in readMode=direct registers a "
         "fresh key for its query's tasks, admitted while its control flow lives. "
         "Default: any client that knows the server key",

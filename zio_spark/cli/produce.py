@@ -29,9 +29,22 @@ DEFAULT_BIND = "tcp://127.0.0.1:5555"
 """Where ``produce`` serves its flow without ``--bind`` or ``--connect``."""
 
 
-def _key_text(value: str, option: str) -> list[str]:
+def _key_text(value: str, option: str, folder: bool = False) -> list[str]:
     """``value`` of a key option: the key itself, or ``@FILE`` with one key a line
-    (blank lines and ``#`` comments skipped), so secrets stay out of ``ps``."""
+    (blank lines and ``#`` comments skipped), so secrets stay out of ``ps``; with
+    ``folder``, an existing directory of public certificates too (zauth's CURVE
+    "location": every ``*.key`` file in the ZPL format of czmq's zcert and pyzmq's
+    ``zmq.auth.create_certificates``)."""
+    if folder and not value.startswith("@") and Path(value).is_dir():
+        import zmq.auth
+
+        try:
+            found = zmq.auth.load_certificates(value)
+        except (OSError, ValueError) as e:
+            raise ConfigError(option, value, f"a folder of readable certificates ({e})") from e
+        if not found:
+            raise ConfigError(option, value, "a folder holding public certificates (*.key)")
+        return sorted(k.decode("ascii") for k in found)
     if not value.startswith("@"):
         return [value]
     path = Path(value[1:])
@@ -74,7 +87,9 @@ def curve_options(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"curve_secret_key": curve_key(secrets[0], "--curve-secret")}
     if allow:
         out["curve_allowed_client_keys"] = [
-            curve_key(k, "--curve-allow") for v in allow for k in _key_text(v, "--curve-allow")
+            curve_key(k, "--curve-allow")
+            for v in allow
+            for k in _key_text(v, "--curve-allow", folder=True)
         ]
     return out
 
