@@ -57,6 +57,7 @@ __all__ = [
     "check_disjoint",
     "initial",
     "latest",
+    "owed",
     "pack",
     "split_offsets",
     "to_json",
@@ -236,6 +237,23 @@ def latest(
     return dict(sorted(out.items())), losses
 
 
+def owed(
+    start: Mapping[str, Position],
+    target: Mapping[str, Position],
+    held: Mapping[str, HeldWindow],
+) -> list[str]:
+    """An availableNow run: the producers that still owe it records (their offset is
+    below the run's target in the same incarnation) but did not answer this trigger.
+    Their offsets stay, so without this the run would end short of them, silently."""
+    out = []
+    for p, t in sorted(target.items()):
+        s = start.get(p)
+        if p in held or s is None or s.incarnation != t.incarnation or s.end >= t.end:
+            continue
+        out.append(p)
+    return out
+
+
 def batch_ranges(
     start: Mapping[str, Position], end: Mapping[str, Position]
 ) -> dict[str, tuple[str, int, int]]:
@@ -290,6 +308,8 @@ class Controls:
         # spool (never asked again).
         self.plain: set[str] = set()
         self._acked: dict[str, Position] = {}  # producer id -> the last commit acked
+        # Endpoints (not plain) that gave no held window at the last held() call.
+        self.unanswered: dict[str, str] = {}  # endpoint -> the last error
         self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
 
     def _open(self, endpoint: str) -> ControlConnection:
@@ -328,6 +348,7 @@ class Controls:
         """Each producer's held window now (one round trip per endpoint); endpoints that
         do not answer are left out (and logged)."""
         out: dict[str, HeldWindow] = {}
+        self.unanswered = {}
         for endpoint in self.endpoints:
             if endpoint in self.plain:
                 continue
@@ -340,6 +361,7 @@ class Controls:
                 except TransportError as e:
                     self._drop(endpoint)
                     if attempt == 2:
+                        self.unanswered[endpoint] = str(e)
                         log.warning(
                             "zio source (readMode=direct): no held window from %s this "
                             "trigger (%s); its offset stays",
