@@ -197,3 +197,35 @@ def test_an_allow_list_is_for_a_bound_producer(ctx, keys):
             curve_allowed_client_keys=[keys.run[0]],
         )
     assert e.value.option == "curve_allowed_client_keys" and "bind" in e.value.expected
+
+
+def test_the_drivers_controls_register_the_run_key_and_reregister_after_a_drop(ctx, closing, keys):
+    """``Controls`` (the driver's control flows) draw a run key pair, register it when a
+    control flow opens, hand it to the tasks (``task_curve``: never the source's pair),
+    and reopen a control flow that ended before handing it out again."""
+    from functools import partial
+
+    from zio_spark.source.direct import Controls
+
+    p = _producer(ctx, closing, keys, curve_allowed_client_keys=[keys.driver[0]])
+    p.send_many([b"a", b"b"])
+    controls = Controls((p.endpoint,), ctx=ctx, curve=keys.curve(keys.driver), timeout=T)
+    closing.append(controls)
+    run = controls.run_curve
+    assert run is not None and run.server_key == keys.server_public
+    assert run.public_key != keys.driver[0] and run.secret_key != keys.driver[1]
+    assert controls.held()[P].end == 3
+    assert p.run_keys == frozenset({run.public_key})
+    assert controls.task_curve([p.endpoint]) == run
+    assert _read(p, ctx, run, 1, 3) == [b"a", b"b"]
+    # The control flow ends (a producer's restart would end it too): the key is revoked.
+    lane = controls._lane(p.endpoint)
+    lane.submit(partial(controls._drop, p.endpoint)).result(T)
+    wait_until(lambda: not p.run_keys, T, "the run key revoked")
+    _refused(lambda: _read(p, ctx, run, 1, 3))
+    # Planning the next batch reopens it first: registered again, the tasks read.
+    assert controls.task_curve([p.endpoint]) == run
+    assert p.run_keys == frozenset({run.public_key})
+    assert _read(p, ctx, run, 1, 3) == [b"a", b"b"]
+    # Without CURVE there is no run key to hand out.
+    assert Controls((p.endpoint,), ctx=ctx, timeout=T).task_curve([p.endpoint]) is None

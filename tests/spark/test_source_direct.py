@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import committed_rows, to_parquet, wait_until, zio_stream
+from tests.support import committed_rows, free_endpoint, to_parquet, wait_until, zio_stream
 from zio_spark.codec.schema import SPARK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -151,6 +151,34 @@ def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producer
     assert q.exception() is None
     seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
     assert seqs == list(range(1, 1001)) + list(range(1201, 1501))
+
+
+def test_available_now_never_ends_short_of_an_endpoint_that_does_not_answer(
+    spark, ctx, producers, tmp_path
+):
+    """An availableNow run whose endpoint gives no held window when it starts would end
+    without that producer's records: it fails naming the endpoint; with
+    failOnDataLoss=false it reads the others and says so (no silent short run)."""
+    p = producers("up")
+    p.send_many(_values(400))
+    down = free_endpoint()  # nobody listens there
+    endpoints = f"{p.endpoint},{down}"
+    q = to_parquet(
+        _direct(spark, endpoints, tmp_path, connectTimeout="1s"), tmp_path, availableNow=True
+    )
+    with pytest.raises(Exception) as info:
+        q.awaitTermination(T)
+    text = str(info.value)
+    assert down in text and "gave no held window" in text and "failOnDataLoss" in text, text
+    q = to_parquet(
+        _direct(spark, endpoints, tmp_path, connectTimeout="1s", failOnDataLoss="false"),
+        tmp_path,
+        availableNow=True,
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
+    assert seqs == list(range(1, 401))
 
 
 def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
