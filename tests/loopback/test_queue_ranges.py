@@ -210,6 +210,44 @@ def test_a_range_planned_before_a_queue_sigkill_is_served_byte_for_byte_after_it
         wait_for(lambda: monitor(mon)["messages"] == "150", what="acks up to 300 applied")
 
 
+def test_a_read_cut_by_a_queue_sigkill_fails_bounded_and_its_retry_gets_the_same_bytes(
+    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    tmp_path: Path,
+) -> None:
+    """A task reading when the queue dies: a TransportError within its timeout naming the
+    endpoint (never a hang, never a short range taken as whole); its retry on the
+    restarted queue gets exactly the rows of a read before the kill."""
+    store = tmp_path / "store"
+    ep = free_endpoint()
+    proc, info = queue_process(store, "--flow-producer", ep)
+    pid = f"queue:{info['queue_id']}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(info["receive"])
+    _produce(producer, _messages(b"a", 1000))
+    producer.close(linger=0)
+    planned = held_window(ep, pid, ctx=ctx, timeout=T)
+    whole = _read(ep, pid, planned.incarnation, 1, 1001, ctx)
+    # Little credit and small DATs: the giver is far from the end when the queue dies.
+    batches = read_range(
+        ep, pid, planned.incarnation, 1, 1001, ctx=ctx, timeout=3.0, credit=2, batch=50
+    )
+    try:
+        first = next(batches)
+        assert first.num_rows <= 50 and first.column("seq")[0].as_py() == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(TransportError) as e:
+            for _ in batches:
+                pass
+        assert ep in str(e.value)
+    finally:
+        batches.close()
+    queue_process(store, "--flow-producer", ep)
+    assert _read(ep, pid, planned.incarnation, 1, 1001, ctx) == whole
+
+
 def test_a_lost_side_log_is_another_incarnation_and_old_ranges_are_refused(
     make_broker: Callable[..., QueueBroker],
     raw_socket: Callable[[int], Sock],
