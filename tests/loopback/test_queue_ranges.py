@@ -43,6 +43,8 @@ from zio_spark.source.range_client import (
     held_window,
     read_range,
 )
+from zio_spark.storage import flow_log
+from zio_spark.storage.files import frame
 from zio_spark.storage.flow_log import FlowLog
 
 Sock = zmq.Socket[bytes]
@@ -323,6 +325,18 @@ def test_the_side_log_keeps_its_incarnation(tmp_path: Path) -> None:
     fl.close()
     fl = FlowLog(path, sync=False)
     assert (fl.incarnation, fl.next_seq, fl.acked) == (inc, 4, 1)
+    fl.close()
+    # A log written before incarnations (BASE and ASSIGN only) keeps its numbering and
+    # gets a name at its first open, the same at the next.
+    old = [flow_log._BASE.pack(0, 3, 0), flow_log._ASSIGN.pack(1, 1, 2) + bytes(16)]
+    legacy = tmp_path / "legacy.log"
+    legacy.write_bytes(b"".join(frame(p) + p for p in old))
+    fl = FlowLog(legacy, sync=False)
+    named = fl.incarnation
+    assert named and fl.assigned == {1: 0, 2: 0} and fl.next_seq == 3
+    fl.close()
+    fl = FlowLog(legacy, sync=False)
+    assert fl.incarnation == named and fl.torn == 0
     fl.close()
     # An empty file starts a numbering from 1 again: another incarnation.
     path.write_bytes(b"")
