@@ -53,6 +53,17 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
   one is drawn at once (under the lock, before anything is served with the new numbers),
   and every range flow opened on the old one ends with EOT without another DAT.
+- **Record sources.** What a :class:`RangeService` serves from is a
+  :class:`RangeSource`: a giver's backlog that can also show its held window and records
+  (:class:`HeldView`) to a function run under its lock, and free up to a commit in the
+  same hold. Two implement it: the bound producer's
+  :class:`~zio_spark.source.backlog.ProducerBacklog` (records in memory, optionally
+  retained on disk) and the queue's
+  :class:`~zio_spark.pzq.flow_ports.FlowProducerPort` (records read back from the
+  queue's message store; its numbering and incarnation kept in the store folder's side
+  log). A view's ``take`` may come back short or empty at a seq it cannot produce (a
+  store record lost or unreadable): the range is then refused ``not_held`` with a window
+  that starts after that seq, never served with a hole in it.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from zio_spark.codec.records import DAT_BYTES, ENCODING, encode_records
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
@@ -77,6 +89,7 @@ from zio_spark.protocol.ranges import (
     AdmitRequest,
     Admitted,
     CommitRefused,
+    HeldQuery,
     RangeGiver,
     Records,
     Window,
@@ -87,12 +100,11 @@ from zio_spark.protocol.ranges import (
     server_read_mode,
     state_capability,
 )
-from zio_spark.source.backlog import ProducerBacklog
-from zio_spark.source.held import HeldRecords
 from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.flow_client import ClientFlow
 from zio_spark.transport.flow_server import ServerFlow
 from zio_spark.transport.giver import (
+    Backlog,
     GiverHandler,
     GiverPolicy,
     Taken,
@@ -100,11 +112,65 @@ from zio_spark.transport.giver import (
     taker_terms,
 )
 
-__all__ = ["ProducerFlowHandler", "RangeFlow", "RangeService"]
+__all__ = ["HeldView", "ProducerFlowHandler", "RangeFlow", "RangeService", "RangeSource"]
 
 log = logging.getLogger("zio_spark.transport")
 
 _STALE = object()  # a step's answer: the flow's incarnation is no longer the producer's
+
+T = TypeVar("T")
+
+
+class HeldView(Protocol):
+    """A source's held records as a range flow reads them, under the source's lock."""
+
+    @property
+    def first(self) -> int:
+        """The oldest held record (``next_seq`` if none is held)."""
+        ...
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next record will get: the window's end."""
+        ...
+
+    def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
+        """Up to ``n`` contiguous held records from seq ``first`` (``first`` lies in the
+        window); fewer, or None, where a record cannot be produced (a hole)."""
+        ...
+
+
+class RangeSource(Backlog, Protocol):
+    """What a :class:`RangeService` serves from: a giver's backlog (the taker's flow
+    uses it as such) whose held records range flows can read (module docstring)."""
+
+    on_renumber: Callable[[], None] | None
+    """Set by the service: called under the source's lock when held records get other
+    numbers (a source that never renumbers never calls it)."""
+
+    @property
+    def last_seq(self) -> int:
+        """The last seq numbered (0: none yet)."""
+        ...
+
+    @property
+    def kept_incarnation(self) -> str | None:
+        """The incarnation the source's durable records are numbered in (None: it keeps
+        no numbering across restarts; the service draws one)."""
+        ...
+
+    def prepare_held(self) -> None:
+        """Before a held answer: number what is available, so the window shows it."""
+        ...
+
+    def read_held(self, read: Callable[[HeldView], T]) -> T:
+        """``read(view)`` under the source's lock; ``read`` changes nothing."""
+        ...
+
+    def commit_held(self, step: Callable[[HeldView], tuple[T, int | None]]) -> T:
+        """``step(view)`` under the lock, then free up to the number it returns (None:
+        nothing), in the same hold, as a taker's ack frees (monotonic)."""
+        ...
 
 
 class RangeService:
@@ -123,17 +189,18 @@ class RangeService:
 
     def __init__(
         self,
-        backlog: ProducerBacklog,
+        backlog: RangeSource,
         policy: GiverPolicy,
         *,
         incarnation: str | None = None,
         stats: collections.Counter[str] | None = None,
         gate: CurveAuthenticator | None = None,
     ) -> None:
-        kept = backlog.retention.incarnation if backlog.retention is not None else None
+        kept = backlog.kept_incarnation
         if incarnation is None:
-            # A retention folder keeps its records *and* their numbers across restarts:
-            # its incarnation is the producer's. Else a fresh one: numbering restarts.
+            # A retention folder (a queue's store) keeps its records *and* their numbers
+            # across restarts: its incarnation is the source's. Else a fresh one:
+            # numbering restarts.
             incarnation = kept if kept is not None else new_incarnation(os.urandom(16))
         elif kept is not None and incarnation != kept:
             raise ConfigError(
@@ -174,8 +241,8 @@ class RangeService:
         # flow's next step sees the new incarnation and ends instead of serving.
         # With retention the folder drew the new name (its HEAD, written first): the
         # same one survives this producer's restart.
-        retention = self.backlog.retention
-        fresh = retention.incarnation if retention is not None else new_incarnation(os.urandom(16))
+        kept = self.backlog.kept_incarnation
+        fresh = kept if kept is not None else new_incarnation(os.urandom(16))
         old, self._incarnation = self._incarnation, fresh
         self.stats["incarnations"] += 1
         log.warning(
@@ -194,7 +261,7 @@ class RangeService:
             except TransportError as e:  # that reader is gone: nothing to tell it
                 log.info("producer %s: cannot end a range flow: %s", self.policy.producer_id, e)
 
-    def window(self, records: HeldRecords) -> Window:
+    def window(self, records: HeldView) -> Window:
         return Window(records.first, records.next_seq)
 
 
@@ -257,7 +324,7 @@ class RangeFlow:
             )
             self.conn.send_eot({"reason": reason})
 
-    def _step(self, records: HeldRecords) -> object:
+    def _step(self, records: HeldView) -> object:
         """Under the backlog's lock: what to send next, and the records for it."""
         service = self.service
         if self.giver.incarnation != service.incarnation:
@@ -267,10 +334,15 @@ class RangeFlow:
         got = self.giver.next(window, self.batch)
         if isinstance(got, Records):
             taken = records.take(got.first, got.count, DAT_BYTES)
+            if taken is None or taken.first != got.first or not taken.values:
+                # The source cannot produce the record at got.first (a lost store
+                # record): the range is refused, with the window past that record.
+                assert window is not None
+                return self.giver.next(Window(got.first + 1, window.end), self.batch)
             return got, taken
         return got
 
-    def _commit_step(self, records: HeldRecords) -> tuple[object, int | None]:
+    def _commit_step(self, records: HeldView) -> tuple[object, int | None]:
         """A control flow's step, under the backlog's lock: the answer, and up to where
         to free (an :class:`Acked` commit's ``upto``; the giver checked it against this
         window and the incarnation, so the release happens under the same lock)."""
@@ -293,6 +365,8 @@ class RangeFlow:
             req = self.giver.request
             if req is None:
                 return
+            if isinstance(self.giver.request, HeldQuery):
+                backlog.prepare_held()
             if self.control:
                 try:
                     step = backlog.commit_held(self._commit_step)
