@@ -28,6 +28,10 @@ both offsets; a producer whose incarnation changed reads nothing in that batch.
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
 opened at the first need, reopened after a failure) for ``held`` queries and commit acks,
 each on a thread of its own, so that an endpoint that is down never holds the others up.
+With CURVE it also holds the run's key pair: drawn when the run's controls are made,
+registered on every control flow it opens (``admit``: a producer with an allow-list
+admits it while that flow lives) and handed to the tasks instead of the source's own
+keys (:meth:`Controls.task_curve`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
@@ -344,6 +348,12 @@ class Controls:
     not state the range capability is put in :attr:`plain` (never asked again): the
     stream reader reads it through the spool. Acks are sent on the lanes without
     waiting (cumulative: only the latest position per producer is sent).
+
+    With ``curve`` (the source's CURVE client keys: the driver's, on the producers'
+    allow-lists), a fresh key pair is drawn here, once per query run
+    (:attr:`run_curve`); each control flow registers its public key as soon as it is
+    open, and the tasks read with it (:meth:`task_curve`), so the source's secret key
+    never leaves the driver, and a run's key stops working where its control flow ends.
     """
 
     def __init__(
@@ -377,6 +387,10 @@ class Controls:
         self._want: dict[str, tuple[str, Position]] = {}  # producer -> (endpoint, position)
         self._acking: set[str] = set()  # endpoints with an ack job queued or running
         self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
+        self.run_curve: Curve | None = None
+        if curve is not None:
+            public, secret = zmq.curve_keypair()
+            self.run_curve = Curve(curve.server_key, public, secret)
 
     @property
     def unanswered(self) -> dict[str, str]:
@@ -403,6 +417,20 @@ class Controls:
             timeout=self.timeout,
             stream=self.stream,
         )
+        if self.run_curve is not None:
+            # The run key first: the tasks of a batch planned once this flow is open
+            # read with it (a producer with an allow-list leases it to this flow).
+            try:
+                gated = conn.admit(self.run_curve.public_key)
+            except BaseException:
+                conn.close()
+                raise
+            log.info(
+                "zio source (readMode=direct): run key %s %s at %s",
+                self.run_curve.public_key.decode("ascii"),
+                "admitted while the control flow lives" if gated else "not needed (no allow-list)",
+                endpoint,
+            )
         self._conns[endpoint] = conn
         return conn
 
@@ -557,6 +585,33 @@ class Controls:
                     start.append(endpoint)
         for endpoint in start:
             self._lane(endpoint).submit(partial(self._ack_loop, endpoint))
+
+    def task_curve(self, endpoints: Iterable[str]) -> Curve | None:
+        """The CURVE keys of the tasks that read from ``endpoints``: the run's key pair
+        (never the source's own secret key), None without CURVE. Each endpoint's lane
+        first makes sure its control flow is open (one that ended since the last
+        trigger is reopened, which registers the run key there); an endpoint that is
+        down, or cannot be reached now, is logged: its tasks are refused, naming it.
+        """
+        if self.run_curve is None:
+            return None
+        opening = {
+            endpoint: self._lane(endpoint).submit(partial(self._open, endpoint))
+            for endpoint in sorted(set(endpoints))
+            if endpoint not in self.plain and endpoint not in self.down
+        }
+        _, busy = wait_all(opening.values(), timeout=2 * self.timeout)
+        for endpoint, fut in opening.items():
+            error = "no answer in time" if fut in busy else fut.exception()
+            if error is not None:
+                log.warning(
+                    "zio source (readMode=direct): the run key is not registered at %s "
+                    "(%s): its tasks will be refused until a control flow to it is open "
+                    "again",
+                    endpoint,
+                    error,
+                )
+        return self.run_curve
 
     def acked(self) -> dict[str, Position]:
         """The last position acked per producer (answered by the producer)."""

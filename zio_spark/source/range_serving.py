@@ -40,6 +40,14 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   record: EOT with the reason naming both numbers, the flow dropped, nothing freed. A
   control flow is no taker either; next to a spool-mode taker of the same producer, acks
   from both free up to the larger (freeing is monotonic).
+- **Run keys** (``admit`` on a control flow, docs/direct-read.md "Security"). A producer
+  with an allow-list of CURVE client keys runs a ZAP handler
+  (:class:`~zio_spark.transport.curve.CurveAuthenticator`, ``gate``): a driver whose key
+  is on the list opens its control flow and registers its query run's public key; the
+  key is leased to that control flow (admitted at the next handshakes) until the flow
+  closes, when the lease ends and new connections with it are refused. The lease is
+  taken before the answer goes out, so a driver that has the answer can hand the key
+  to its tasks. Without an allow-list the answer is ``open`` and nothing is stored.
 - **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
   ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
@@ -78,6 +86,8 @@ from zio_spark.protocol.flow import (
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
     Acked,
+    AdmitRequest,
+    Admitted,
     CommitRefused,
     HeldQuery,
     RangeGiver,
@@ -90,6 +100,7 @@ from zio_spark.protocol.ranges import (
     server_read_mode,
     state_capability,
 )
+from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.flow_client import ClientFlow
 from zio_spark.transport.flow_server import ServerFlow
 from zio_spark.transport.giver import (
@@ -166,7 +177,9 @@ class RangeService:
     """A producer's range serving: its incarnation, its range flows, the port's handlers.
 
     ``incarnation``: the one to state (checked by the protocol's rules; None: a fresh
-    random one). Hooks itself into ``backlog`` (``on_renumber``).
+    random one). ``gate``: the port's ZAP handler when the producer has an allow-list
+    of CURVE client keys (control flows lease their run keys on it). Hooks itself into
+    ``backlog`` (``on_renumber``).
 
     Raises
     ------
@@ -181,6 +194,7 @@ class RangeService:
         *,
         incarnation: str | None = None,
         stats: collections.Counter[str] | None = None,
+        gate: CurveAuthenticator | None = None,
     ) -> None:
         kept = backlog.kept_incarnation
         if incarnation is None:
@@ -207,6 +221,7 @@ class RangeService:
                 ) from e
         self.backlog = backlog
         self.policy = policy
+        self.gate = gate
         self.stats = stats if stats is not None else collections.Counter()
         self._incarnation = incarnation
         self.flows: set[RangeFlow] = set()  # open range flows (loop thread)
@@ -263,7 +278,8 @@ class RangeFlow:
         self.arrow = arrow
         self.batch = batch if arrow else 1
         self.control = control
-        self.giver = RangeGiver(service.incarnation, control=control)
+        gated = service.gate is not None
+        self.giver = RangeGiver(service.incarnation, control=control, gated=gated)
         self.ending = False
 
     def _refuse(self, e: RemoteProtocolError) -> RemoteProtocolError:
@@ -346,7 +362,8 @@ class RangeFlow:
         backlog = self.service.backlog
         stats = self.service.stats
         while not self.ending and flow.state is FlowState.READY and flow.credit > 0:
-            if self.giver.request is None:
+            req = self.giver.request
+            if req is None:
                 return
             if isinstance(self.giver.request, HeldQuery):
                 backlog.prepare_held()
@@ -359,6 +376,18 @@ class RangeFlow:
                     stats["control_acks"] += 1
                 elif isinstance(step, CommitRefused):
                     stats["control_acks_refused"] += 1
+                elif isinstance(step, Admitted) and step.gated:
+                    # Leased before the answer goes out: a driver holding the answer may
+                    # hand the key to its tasks at once.
+                    assert isinstance(req, AdmitRequest) and self.service.gate is not None
+                    self.service.gate.lease(self, req.key)
+                    stats["run_keys_admitted"] += 1
+                    log.info(
+                        "producer %s: run key %s admitted while the control flow of %s lives",
+                        self.service.policy.producer_id,
+                        req.key,
+                        conn.name,
+                    )
             else:
                 step = backlog.read_held(self._step)
             if step is _STALE:
@@ -467,6 +496,16 @@ class ProducerFlowHandler(GiverHandler):
         flow, self.range = self.range, None
         if flow is not None:
             flow.ending = True
-            self.service.flows.discard(flow)
+            service = self.service
+            service.flows.discard(flow)
+            gate = service.gate
+            if gate is not None and gate.release(flow) is not None:
+                service.stats["run_keys_revoked"] += 1
+                log.info(
+                    "producer %s: the control flow of %s ended (%s): its run key is revoked",
+                    service.policy.producer_id,
+                    conn.name,
+                    reason,
+                )
             return
         super().on_close(conn, reason)

@@ -170,6 +170,8 @@ class DirectPartition(InputPartition):  # type: ignore[misc]
     timestamp_us: int
     timeout: float
     mode: str | None
+    # The query run's CURVE key pair (Controls.run_curve), admitted by the producers
+    # while the run's control flows live; never the source's own secret key.
     curve: Curve | None
     stream: str
 
@@ -227,8 +229,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._rt_plain: frozenset[str] = frozenset()
 
     def __getstate__(self) -> dict[str, Any]:
+        # Pickled for the tasks only (the runner makes its reader afresh): they read
+        # with what their partitions carry, so the source's CURVE keys (its secret key)
+        # stay on the driver.
         return {
-            "opts": self.opts,
+            "opts": replace(self.opts, curve=None),
             "columns": self.columns,
             "_rt": None,
             "_target": None,
@@ -492,6 +497,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             )
         o = self.opts
         planned = time.time_ns() // 1000
+        # The run's key pair, never the source's secret (docs/direct-read.md, Security).
+        curve = controls.task_curve(controls.where[p] for p in ranges)
         return spooled + [
             DirectPartition(
                 tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
@@ -500,7 +507,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 planned,
                 o.connect_timeout,
                 None if o.socket == "auto" else o.socket,
-                o.curve,
+                curve,
                 o.stream,
             )
             for group in direct.pack(ranges, o.max_records_per_partition)
