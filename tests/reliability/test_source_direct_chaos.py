@@ -15,7 +15,9 @@ offsets log holds without a commit from the same offsets, which the producer sti
 (acks follow commits only).
 
 Kill moments are drawn as in test_source_chaos.py (progress target, then a random
-delay; the seed printed, ``ZIO_CHAOS_SEED`` replays them).
+delay; the seed printed, ``ZIO_CHAOS_SEED`` replays them); a producer kill then waits up
+to :data:`READ_WAIT_S` for a task to be reading a range (a second connection to the
+producer's port next to the driver's control flow), so that kills cut reads.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ SIZES = {
 }
 
 
+READ_WAIT_S = 5.0  # a producer kill waits at most this long for a task's range read
+
+
+def _readers(port: int) -> int:
+    """Established TCP connections to 127.0.0.1:``port`` from this machine's clients:
+    the driver's control flow, plus one per task reading a range."""
+    n = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        n += f[3] == "01" and f[2] == f"0100007F:{port:04X}"
+    return n
+
+
 @pytest.mark.parametrize(
     "size",
     [
@@ -66,6 +81,7 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
     logs = tmp_path / "logs"
     logs.mkdir()
     children: list[Child] = []
+    flow_open: list[bool] = []  # per producer kill: a task's range flow was open
 
     def start_producer(where: str) -> Child:
         args = [where, PRODUCER_ID, n, rate, "direct", retention]
@@ -91,7 +107,15 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
             current["driver"].kill()
             current["driver"] = start_driver()
 
+        port = int(endpoint.rsplit(":", 1)[1])
+
         def kill_producer() -> None:
+            # Preferably while a task reads a range (it then fails and is retried against
+            # the restarted producer): wait a little for one, bounded.
+            deadline = time.monotonic() + READ_WAIT_S
+            while _readers(port) < 2 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            flow_open.append(_readers(port) >= 2)
             current["producer"].kill()
             current["producer"] = start_producer(endpoint)  # same endpoint, same folder
 
@@ -119,6 +143,7 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
         last_incarnation = current["producer"].line("INCARNATION")
         drivers = [c for c in children if c.log.name.startswith("driver")]
         refused = [c.log.name for c in drivers if "COMMIT ACK REFUSED" in c.log.read_text()]
+        retries = sum(c.log.read_text().count("Lost task") for c in drivers)
         for c in current.values():
             assert c.proc.poll() is None, c.output()
         current["driver"].stop()
@@ -132,8 +157,9 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
     values = table.column("value").to_pylist()
     print(
         f"source-direct/{size}: {n} records, driver kills {driver_plan.done}, producer kills "
-        f"{producer_plan.done}, producer resumes {resumes}, {orphans} uncommitted parquet "
-        f"files ignored, {took:.1f} s to all committed, {time.monotonic() - t0:.1f} s total"
+        f"{producer_plan.done} (a range flow open at the kill: {flow_open}, task retries "
+        f"{retries}), producer resumes {resumes}, {orphans} uncommitted parquet files "
+        f"ignored, {took:.1f} s to all committed, {time.monotonic() - t0:.1f} s total"
     )
     assert sorted(seqs) == list(range(1, n + 1)), seq_report(seqs, n)
     bad = [(s, v) for s, v in zip(seqs, values, strict=True) if v != b"r%d" % s]
