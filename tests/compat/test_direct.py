@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support import committed_rows, to_parquet, wait_until, zio_stream
+from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import ControlConnection, held_window
 from zio_spark.spark import compat
@@ -171,3 +172,54 @@ def test_direct_records_freed_before_they_were_read_are_named(spark: Any, tmp_pa
         assert read == 300
         seqs = [seq for _, seq, _ in _out(spark, tmp_path)]
         assert seqs == list(range(1, 1001)) + list(range(1201, 1501))
+
+
+def test_direct_stream_follows_a_producer_restarted_without_its_records(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The producer restarts on its endpoint without retention: a new incarnation,
+    numbering from 1. The query reads the new records once each in the new numbering,
+    never mixes the two, and acks in the new one."""
+    old = Producer(producer_id="cd-inc", linger_ms=0)
+    made = [old]
+    got: list[tuple[int, bytes]] = []
+    try:
+        old.send_many(_values("old", 500))
+        q = (
+            _direct(spark, old.endpoint, tmp_path, connectTimeout="3s")
+            .writeStream.foreachBatch(
+                lambda b, i: got.extend(
+                    (r.seq, bytes(r.value)) for r in b.select("seq", "value").collect()
+                )
+            )
+            .option("checkpointLocation", str(tmp_path / "ckpt"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            wait_until(lambda: len(got) >= 500, T, "the old records")
+            endpoint = old.endpoint
+            old.close(flush=False, timeout=5)
+
+            def rebind() -> bool:  # libzmq may still be tearing the old listener down
+                try:
+                    made.append(Producer(producer_id="cd-inc", linger_ms=0, bind=endpoint))
+                except TransportError:
+                    return False
+                return True
+
+            wait_until(rebind, 30, "the producer back on its endpoint")
+            new = made[-1]
+            assert new.incarnation != old.incarnation
+            new.send_many(_values("new", 300))
+            wait_until(lambda: len(got) >= 800, T, "the new records")
+            wait_until(lambda: new.acked == 300, T, "the new records acknowledged")
+            assert q.exception() is None, q.exception()
+        finally:
+            q.stop()
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)
+    assert got == [(i + 1, v) for i, v in enumerate(_values("old", 500))] + [
+        (i + 1, v) for i, v in enumerate(_values("new", 300))
+    ]
