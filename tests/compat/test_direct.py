@@ -223,3 +223,30 @@ def test_direct_stream_follows_a_producer_restarted_without_its_records(
     assert got == [(i + 1, v) for i, v in enumerate(_values("old", 500))] + [
         (i + 1, v) for i, v in enumerate(_values("new", 300))
     ]
+
+
+def test_direct_reads_a_plain_giver_through_the_spool_in_the_same_query(
+    spark: Any, ctx: Any, tmp_path: Path
+) -> None:
+    """A plain (reference) giver next to a capable producer, one availableNow run on a
+    new checkpoint: the giver through the receiver and the spool, the producer directly
+    (range and control flows only, never a taker), every record once."""
+    from tests.peers.zio_reference import ReferenceServer
+
+    plain = [b"plain-%d" % i for i in range(300)]
+    with (
+        _producer("cd-mix") as prod,
+        ReferenceServer(ctx, role="giver", flavor="cpp", values=plain, credit=10) as ref,
+    ):
+        prod.send_many(_values("m", 800))
+        endpoints = f"{prod.endpoint},{ref.endpoint}"
+        assert _available_now(spark, endpoints, tmp_path, connectTimeout="20s") == 1100
+        rows = _out(spark, tmp_path)
+        assert prod.stats["range_flows"] >= 1 and prod.stats["control_flows"] >= 1
+        assert prod.stats.get("takers", 0) == 0
+    assert [(s, v) for p, s, v in rows if p == "cd-mix"] == [
+        (i + 1, v) for i, v in enumerate(_values("m", 800))
+    ]
+    assert sorted(v for p, _, v in rows if p != "cd-mix") == sorted(plain)
+    assert len({p for p, _, _ in rows}) == 2
+    assert (tmp_path / "spool").is_dir()  # the plain giver went through the spool
