@@ -10,7 +10,10 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from tests.cli_support import free_endpoint
+from tests.support import wait_until
 from zio_spark.cli.main import build_parser, main
 from zio_spark.codec.records import decode_batch
 from zio_spark.protocol.flow import Direction, Role
@@ -291,3 +294,105 @@ def test_consume_with_flows_but_nothing_published_exits_1(ctx, tmp_path, capsys)
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["records"] == 0 and summary["flows"] >= 1
     assert out.read_text() == ""
+
+
+def test_produce_over_curve_admits_only_the_allowed_driver_and_its_run_key(ctx, tmp_path, capsys):
+    """`produce --curve-secret @FILE --curve-allow @FILE`: the listed driver registers a
+    run key on its control flow, reads a range with it and acks everything there."""
+    import zmq
+
+    from zio_spark.errors import TransportError
+    from zio_spark.source.range_client import ControlConnection, read_range
+    from zio_spark.transport.curve import client_curve
+
+    server_public, server_secret = zmq.curve_keypair()
+    driver_public, driver_secret = zmq.curve_keypair()
+    run_public, run_secret = zmq.curve_keypair()
+    (tmp_path / "secret").write_bytes(server_secret + b"\n")
+    (tmp_path / "allowed").write_bytes(b"# the drivers\n" + driver_public + b"\n")
+    endpoint = free_endpoint()
+    result = {}
+    argv = ["produce", "--bind", endpoint, "--count", "10", "--size", "4", "--producer-id"]
+    argv += ["cli", "--curve-secret", f"@{tmp_path / 'secret'}"]
+    argv += ["--curve-allow", f"@{tmp_path / 'allowed'}", "--timeout", "60", "--json"]
+    t = threading.Thread(target=lambda: result.update(rc=main(argv)))
+    t.start()
+    try:
+        stranger = zmq.curve_keypair()
+        with pytest.raises(TransportError) as e:
+            ControlConnection(
+                endpoint,
+                ctx=ctx,
+                curve=client_curve(server_public, stranger[1], stranger[0]),
+                timeout=30,
+            )
+        assert "allow-list" in str(e.value)
+        control = ControlConnection(
+            endpoint,
+            ctx=ctx,
+            curve=client_curve(server_public, driver_secret, driver_public),
+            timeout=30,
+        )
+        try:
+            w = wait_until(lambda: (lambda h: h if h.end == 11 else None)(control.held()), 30)
+            assert control.admit(run_public) is True
+            run = client_curve(server_public, run_secret, run_public)
+            got = read_range(endpoint, "cli", w.incarnation, 1, 11, ctx=ctx, curve=run, timeout=30)
+            assert sum(b.num_rows for b in got) == 10
+            control.ack(10, w.incarnation)
+            t.join(60)
+        finally:
+            control.close()
+    finally:
+        t.join(60)
+    assert not t.is_alive()
+    assert result["rc"] == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["acked"] == 10
+    assert f"curve server key: {server_public.decode()} (1 allowed client keys)" in captured.err
+
+
+def test_produce_curve_options_are_checked():
+    assert main(["produce", "--curve-allow", "k" * 40]) == 2  # no --curve-secret
+    r = run_cli("produce", "--curve-secret", "short", "--count", "1")
+    assert r.returncode == 2 and "option '--curve-secret'" in r.stderr
+    assert "short" not in r.stderr.replace("'--curve-secret'", "")  # a secret is not echoed
+    good = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+    r = run_cli("produce", "--curve-secret", good, "--curve-allow", "nope", "--count", "1")
+    assert r.returncode == 2 and "option '--curve-allow': got 'nope'" in r.stderr
+    r = run_cli("produce", "--connect", "tcp://127.0.0.1:1", "--curve-secret", good)
+    assert r.returncode == 2 and "--bind" in r.stderr
+
+
+def test_curve_allow_takes_keys_files_and_zauth_certificate_folders(tmp_path):
+    """--curve-allow KEY, @FILE (one a line) and a folder of public certificates (zauth's
+    CURVE location, as zmq.auth.create_certificates / czmq's zcert write them)."""
+    import zmq
+    import zmq.auth
+
+    from zio_spark.cli.produce import curve_options
+    from zio_spark.errors import ConfigError
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    cert_public, _ = zmq.auth.load_certificate(zmq.auth.create_certificates(certs, "driver")[0])
+    listed, _ = zmq.curve_keypair()
+    (tmp_path / "keys").write_bytes(b"# takers\n\n" + listed + b"\n")
+    bare, _ = zmq.curve_keypair()
+    _, secret = zmq.curve_keypair()
+
+    def options(*allow: str) -> dict:
+        args = argparse.Namespace(connect=None, curve_secret=secret.decode(), curve_allow=allow)
+        return curve_options(args)
+
+    got = options(bare.decode(), f"@{tmp_path / 'keys'}", str(certs))
+    assert got["curve_secret_key"] == secret
+    assert got["curve_allowed_client_keys"] == [bare, listed, cert_public]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad, why in ((str(empty), "public certificates"), ("@/nonexistent/keys", "readable")):
+        with pytest.raises(ConfigError) as e:
+            options(bad)
+        assert e.value.option == "--curve-allow" and why in e.value.expected
+    assert options() == {"curve_secret_key": secret}

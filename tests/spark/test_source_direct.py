@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.peers.zio_reference import ReferenceServer
-from tests.support import committed_rows, to_parquet, wait_until, zio_stream
+from tests.support import committed_rows, free_endpoint, to_parquet, wait_until, zio_stream
 from zio_spark.codec.schema import SPARK_SCHEMA
 from zio_spark.errors import TransportError
 from zio_spark.source.producer import Producer
@@ -153,6 +153,34 @@ def test_records_freed_before_spark_read_them_are_data_loss(spark, ctx, producer
     assert seqs == list(range(1, 1001)) + list(range(1201, 1501))
 
 
+def test_available_now_never_ends_short_of_an_endpoint_that_does_not_answer(
+    spark, ctx, producers, tmp_path
+):
+    """An availableNow run whose endpoint gives no held window when it starts would end
+    without that producer's records: it fails naming the endpoint; with
+    failOnDataLoss=false it reads the others and says so (no silent short run)."""
+    p = producers("up")
+    p.send_many(_values(400))
+    down = free_endpoint()  # nobody listens there
+    endpoints = f"{p.endpoint},{down}"
+    q = to_parquet(
+        _direct(spark, endpoints, tmp_path, connectTimeout="1s"), tmp_path, availableNow=True
+    )
+    with pytest.raises(Exception) as info:
+        q.awaitTermination(T)
+    text = str(info.value)
+    assert down in text and "gave no held window" in text and "failOnDataLoss" in text, text
+    q = to_parquet(
+        _direct(spark, endpoints, tmp_path, connectTimeout="1s", failOnDataLoss="false"),
+        tmp_path,
+        availableNow=True,
+    )
+    assert q.awaitTermination(T)
+    assert q.exception() is None
+    seqs = sorted(r.seq for r in spark.read.parquet(str(tmp_path / "out")).select("seq").collect())
+    assert seqs == list(range(1, 401))
+
+
 def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
     spark, ctx, tmp_path
 ):
@@ -226,3 +254,142 @@ def test_max_records_per_trigger_cuts_direct_batches(spark, ctx, producers, tmp_
     assert q.exception() is None
     assert sorted(seqs) == list(range(1, 2501))
     assert [s for s in sizes if s] == [1000, 1000, 500]
+
+
+class _CurveKeys:
+    """A producer's server key pair and the driver's (the source's curve* options)."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.server_public, self.server_secret = zmq.curve_keypair()
+        self.driver_public, self.driver_secret = zmq.curve_keypair()
+
+    def options(self) -> dict[str, str]:
+        return {
+            "curveServerKey": self.server_public.decode(),
+            "curvePublicKey": self.driver_public.decode(),
+            "curveSecretKey": self.driver_secret.decode(),
+        }
+
+
+def _curve_producer(ctx: Any, keys: _CurveKeys, producer_id: str) -> Producer:
+    """A bound producer over CURVE that admits only the driver's key (and the run keys
+    the driver's control flows register)."""
+    return Producer(
+        "tcp://127.0.0.1:*",
+        ctx=ctx,
+        producer_id=producer_id,
+        linger_ms=0,
+        curve_secret_key=keys.server_secret,
+        curve_allowed_client_keys=[keys.driver_public],
+    )
+
+
+def test_the_partitions_carry_the_run_key_pair_never_the_sources_secret(ctx, tmp_path):
+    """Planned on the driver side (no Spark job): each DirectPartition holds the run's
+    key pair, registered on the control flow; neither the partitions nor the pickled
+    reader hold the source's secret key; once the run stops (its control flow ends) a
+    task of it is refused at once, naming the endpoint."""
+    import pickle
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pyspark.sql.datasource import CaseInsensitiveDict
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from zio_spark.spark.datasource import ZioDataSource
+    from zio_spark.spark.source import DirectPartition, _read_any
+
+    keys = _CurveKeys()
+    p = _curve_producer(ctx, keys, "dk")
+    reader: Any = None
+    try:
+        p.send_many(_values(1500))
+        source = ZioDataSource(  # options as Spark passes them: case-insensitive
+            CaseInsensitiveDict(
+                {"endpoints": p.endpoint, "readMode": "direct", "maxRecordsPerPartition": "600"}
+                | keys.options()
+            )
+        )
+        assert keys.driver_secret in pickle.dumps(source)  # as Spark hands it over
+        reader = source.streamReader(None)
+        # PySpark pickles the DataSource into the tasks' read function: no secret there.
+        assert keys.driver_secret not in pickle.dumps(source)
+        assert "curvePublicKey" in source.options
+        # Off the main thread, as in Spark's runner thread: no SIGTERM handler here.
+        with ThreadPoolExecutor(1) as pool:
+            start = pool.submit(reader.initialOffset).result(T)
+            end = pool.submit(reader.latestOffset, start, ReadAllAvailable()).result(T)
+            parts = pool.submit(reader.partitions, start, end).result(T)
+        assert len(parts) == 3 and all(isinstance(x, DirectPartition) for x in parts)
+        run = parts[0].curve
+        assert run is not None and all(x.curve == run for x in parts)
+        assert run.server_key == keys.server_public
+        assert run.public_key != keys.driver_public and run.secret_key != keys.driver_secret
+        assert p.run_keys == frozenset({run.public_key})  # registered on the control flow
+        for blob in [pickle.dumps(x) for x in parts] + [pickle.dumps(reader)]:
+            assert keys.driver_secret not in blob
+        rows = [r for x in parts for b in _read_any(x) for r in b.to_pylist()]
+        assert [r["seq"] for r in rows] == list(range(1, 1501))
+        reader.stop()  # the run ends: its control flow ends, the key is revoked
+        reader = None
+        wait_until(lambda: not p.run_keys, what="the run key revoked", timeout=T)
+        with pytest.raises(TransportError) as e:
+            list(_read_any(parts[0]))
+        assert e.value.endpoint == p.endpoint and "restart the query" in str(e.value)
+    finally:
+        if reader is not None:
+            reader.stop()
+        p.close(flush=False, timeout=5)
+
+
+def test_direct_over_curve_reads_once_with_the_run_keys(spark, ctx, tmp_path):
+    """A direct availableNow run over CURVE against a producer that admits only the
+    driver's key: every record once; the driver's key made the control flows' handshakes
+    and nothing else (the tasks' range flows came with the run key), and the run key is
+    revoked once the query ended."""
+    keys = _CurveKeys()
+    p = _curve_producer(ctx, keys, "dc")
+    try:
+        p.send_many(_values(2000))
+        df = _direct(spark, p.endpoint, tmp_path, maxRecordsPerPartition="700", **keys.options())
+        q = to_parquet(df, tmp_path, availableNow=True)
+        assert q.awaitTermination(T)
+        assert q.exception() is None
+        out = spark.read.parquet(str(tmp_path / "out")).select("seq", "value").collect()
+        assert sorted((r.seq, bytes(r.value)) for r in out) == [
+            (i + 1, v) for i, v in enumerate(_values(2000))
+        ]
+        assert len(out) == 2000  # once each
+        gate = p._gate
+        assert gate is not None
+        wait_until(lambda: not p.run_keys, what="the run key revoked at the end", timeout=T)
+        assert p.stats["run_keys_admitted"] >= 1 and p.stats["run_keys_revoked"] >= 1
+        assert p.stats["range_flows"] >= 3  # 2000 records, 700 a partition
+        assert gate.handshakes[keys.driver_public] == p.stats["control_flows"]
+        run_handshakes = sum(n for k, n in gate.handshakes.items() if k != keys.driver_public)
+        assert run_handshakes >= p.stats["range_flows"]
+    finally:
+        p.close(flush=False, timeout=5)
+
+
+def test_the_spool_path_over_curve_reads_with_the_secret_dropped(spark, ctx, tmp_path):
+    """readMode=spool over CURVE (the runner's receiver is the producer's taker with the
+    source's keys): dropping curveSecretKey from the DataSource once the reader is made
+    loses it nowhere it is needed; the producer's allow-list admits the driver's key."""
+    keys = _CurveKeys()
+    p = _curve_producer(ctx, keys, "sc")
+    try:
+        p.send_many(_values(500))
+        df = zio_stream(spark, p.endpoint, tmp_path, **keys.options())
+        q = to_parquet(df, tmp_path, availableNow=True)
+        assert q.awaitTermination(T)
+        assert q.exception() is None
+        out = spark.read.parquet(str(tmp_path / "out")).select("seq", "value").collect()
+        assert sorted((r.seq, bytes(r.value)) for r in out) == [
+            (i + 1, v) for i, v in enumerate(_values(500))
+        ]
+        gate = p._gate
+        assert gate is not None and gate.handshakes[keys.driver_public] >= 1
+    finally:
+        p.close(flush=False, timeout=5)

@@ -16,6 +16,7 @@ from zio_spark.source.direct import (
     check_disjoint,
     initial,
     latest,
+    owed,
     pack,
     split_offsets,
     to_json,
@@ -109,6 +110,15 @@ def test_available_now_stops_at_the_target() -> None:
     end, _ = latest(start, held, target={"p": Position(A, 30)})
     assert end["p"] == Position(A, 30)
     assert end["q"] == Position(B, 1)  # another incarnation: the switch, nothing read
+
+
+def test_an_available_now_run_is_owed_by_silent_producers_short_of_the_target() -> None:
+    target = {"p": Position(A, 30), "q": Position(A, 20), "r": Position(A, 9), "s": Position(B, 9)}
+    start = {"p": Position(A, 10), "q": Position(A, 20), "r": Position(A, 5), "s": Position(A, 3)}
+    # p answered: not owed here (its offset moves on); q reached its target; r is short
+    # and silent: owed; s restarted as another incarnation since: nothing to read of B.
+    assert owed(start, target, {"p": HeldWindow(A, 1, 30)}) == ["r"]
+    assert owed(start, target, {"p": HeldWindow(A, 1, 30), "r": HeldWindow(A, 1, 9)}) == []
 
 
 def test_batch_ranges_and_pack_cut_like_the_spool_path() -> None:

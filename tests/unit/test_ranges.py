@@ -30,6 +30,8 @@ from zio_spark.protocol.ranges import (
     SEQ_MAX,
     VERSION,
     Acked,
+    AdmitRequest,
+    Admitted,
     CommitRefused,
     CommitRequest,
     Done,
@@ -45,6 +47,7 @@ from zio_spark.protocol.ranges import (
     Records,
     UnknownProducer,
     Window,
+    check_curve_key,
     check_incarnation,
     client_range_terms,
     decode_reply,
@@ -1298,3 +1301,140 @@ def test_commits_in_any_order_free_exactly_up_to_the_max(
         assert isinstance(c.commit(INC, upto), Acked)
     top = max(uptos, default=-1)
     assert c.window == Window(max(first, top + 1), end)
+
+
+# ------------------------------------------------------ admit: the run key (control flow)
+
+KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+"""A CURVE public key in Z85 text (the ZMQ RFC 26 example client key)."""
+KEY2 = "Yne@$w-vo<fVvi]a<NY6T1ed:M$fCG*[IaLV{hID"
+
+
+def test_an_admit_request_carries_the_run_key_on_the_wire() -> None:
+    c = Control(Window(1, 9))
+    msg = c.reader.send_admit(c.pair.client, KEY, credit=0)  # a PAY of 0 is legal for it
+    event = c.pair.to_server(msg)
+    assert isinstance(event, Credit) and event.amount == 0
+    assert dict(event.attrs) == {"admit": {"id": 0, "key": KEY}}
+    assert c.giver.on_pay(event.attrs) == AdmitRequest(0, KEY)
+    assert decode_request(encode_request(AdmitRequest(SEQ_MAX, KEY2))) == AdmitRequest(
+        SEQ_MAX, KEY2
+    )
+
+
+def test_admit_answers_round_trip() -> None:
+    for reply in (Admitted(0, gated=True), Admitted(7, gated=False)):
+        assert decode_reply(encode_reply(reply)) == reply
+    assert encode_reply(Admitted(3, gated=True)) == {"admit": {"id": 3, "status": "admitted"}}
+    assert encode_reply(Admitted(3, gated=False)) == {"admit": {"id": 3, "status": "open"}}
+
+
+@pytest.mark.parametrize(
+    ("attrs", "field"),
+    [
+        ({"admit": KEY}, "admit"),
+        ({"admit": {"key": KEY}}, "admit.id"),
+        ({"admit": {"id": -1, "key": KEY}}, "admit.id"),
+        ({"admit": {"id": 0}}, "admit.key"),
+        ({"admit": {"id": 0, "key": KEY[:-1]}}, "admit.key"),  # 39 characters
+        ({"admit": {"id": 0, "key": KEY + "0"}}, "admit.key"),
+        ({"admit": {"id": 0, "key": "~" + KEY[1:]}}, "admit.key"),  # not Z85
+        ({"admit": {"id": 0, "key": "%" * 40}}, "admit.key"),  # groups beyond 32 bits
+        ({"admit": {"id": 0, "key": KEY.encode()}}, "admit.key"),
+        ({"admit": {"id": 0, "key": KEY}, "held": {"id": 1, "producer": "p"}}, "held"),
+    ],
+)
+def test_malformed_admit_requests_name_the_field(attrs: dict[str, Any], field: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_request(attrs)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("attrs", "field"),
+    [
+        ({"admit": {"id": 0, "status": "acked"}}, "admit.status"),
+        ({"admit": {"id": 0}}, "admit.status"),
+        ({"admit": {"status": "open"}}, "admit.id"),
+        ({"admit": ["open"]}, "admit"),
+    ],
+)
+def test_malformed_admit_answers_name_the_field(attrs: dict[str, Any], field: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        decode_reply(attrs)
+    assert e.value.field == field
+
+
+def test_a_bad_run_key_is_a_local_error_and_nothing_is_sent() -> None:
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(LocalProtocolError) as e:
+        reader.admit("not a key")
+    assert e.value.field == "admit.key"
+    assert reader.state is ReaderState.IDLE
+    assert check_curve_key(KEY) == KEY
+    with pytest.raises(LocalProtocolError):
+        check_curve_key(None)
+
+
+def test_a_gated_giver_admits_and_an_open_one_says_so_whatever_the_window() -> None:
+    for gated in (True, False):
+        giver = RangeGiver(INC, control=True, gated=gated)
+        giver.on_pay(encode_request(AdmitRequest(0, KEY)))
+        assert giver.producer is None  # no window needed
+        assert giver.next(None, 1) == Admitted(0, gated=gated)
+        assert giver.request is None
+        giver.on_pay(encode_request(AdmitRequest(1, KEY2)))
+        assert giver.next(Window(1, 5), 1) == Admitted(1, gated=gated)
+
+
+def test_a_range_flow_and_a_takers_flow_take_no_admit() -> None:
+    giver = RangeGiver(INC, gated=True)
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(AdmitRequest(0, KEY)))
+    assert e.value.field == "admit"
+    assert giver.request is None
+    with pytest.raises(RemoteProtocolError) as e:
+        forbid_requests(encode_request(AdmitRequest(0, KEY)))
+    assert e.value.field == "admit"
+
+
+def test_admit_keeps_the_one_request_at_a_time_and_increasing_id_rules() -> None:
+    giver = RangeGiver(INC, control=True, gated=True)
+    giver.on_pay(encode_request(AdmitRequest(4, KEY)))
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(HeldQuery(5, "p")))
+    assert e.value.field == "held.id"
+    assert giver.next(None, 1) == Admitted(4, gated=True)
+    with pytest.raises(RemoteProtocolError) as e:
+        giver.on_pay(encode_request(AdmitRequest(4, KEY)))
+    assert e.value.field == "admit.id"
+
+
+def test_the_reader_takes_an_admit_answer_only_for_its_admit_request() -> None:
+    c = Control(Window(1, 9))
+    event = c.pair.to_server(c.reader.send_admit(c.pair.client, KEY))
+    assert isinstance(event, Credit)
+    c.giver.on_pay(event.attrs)
+    got = c.giver.next(c.window, 1)
+    assert got == Admitted(0, gated=False)
+    dat = c.pair.to_client(c.pair.server.send_dat((), encode_reply(got)))
+    assert isinstance(dat, Data)
+    assert c.reader.on_dat(dat.attrs) == Admitted(0, gated=False)
+    assert c.reader.state is ReaderState.IDLE
+    # then a held query goes on the same flow
+    c.pair.to_server(c.pair.client.pay(1))
+    assert c.reader.send_query(c.pair.client, "p") is not None
+    reader = RangeReader(CAPABLE)
+    reader.query("p1")
+    with pytest.raises(RemoteProtocolError) as e:  # an admit answer to a held query
+        reader.on_dat(encode_reply(Admitted(0, gated=True)))
+    assert e.value.field == "admit"
+    reader = RangeReader(CAPABLE)
+    reader.admit(KEY)
+    with pytest.raises(RemoteProtocolError) as e:  # another request's answer
+        reader.on_dat(encode_reply(Admitted(1, gated=True)))
+    assert e.value.field == "admit.id"
+    reader = RangeReader(CAPABLE)
+    with pytest.raises(RemoteProtocolError) as e:  # none asked
+        reader.on_dat(encode_reply(Admitted(0, gated=True)))
+    assert e.value.field == "admit.id"

@@ -34,6 +34,8 @@ from zio_spark.errors import RemoteProtocolError
 from zio_spark.protocol.message import FLOW_FORM, Message, decode_single, encode_single
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
+    AdmitRequest,
+    Admitted,
     CommitRefused,
     OtherIncarnation,
     RangeGiver,
@@ -51,6 +53,7 @@ from zio_spark.protocol.ranges import (
 
 SENT_BOT = {"direction": "inject", "credit": 8, **offer_attrs({"stream": "s"})}
 INC = "i1"  # the giver's incarnation in the seeds
+RUN_KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a CURVE public key, Z85
 
 REQUEST_SEEDS: list[dict[str, Any]] = [
     {
@@ -77,6 +80,8 @@ REQUEST_SEEDS: list[dict[str, Any]] = [
         "ack": 0,
         "commit": {"id": 0, "producer": "p", "incarnation": "i2"},
     },
+    {"flow": "PAY", "credit": 0, "admit": {"id": 1, "key": RUN_KEY}},
+    {"flow": "PAY", "credit": 2, "admit": {"id": 0, "key": "0" * 40}},
 ]
 REPLY_SEEDS: list[dict[str, Any]] = [
     {"flow": "DAT", "range": {"id": 0, "status": "done", "start": 1, "end": 9}},
@@ -114,6 +119,8 @@ REPLY_SEEDS: list[dict[str, Any]] = [
         },
     },
     {"flow": "DAT", "commit": {"id": 0, "status": "unknown_producer"}},
+    {"flow": "DAT", "admit": {"id": 0, "status": "admitted"}},
+    {"flow": "DAT", "admit": {"id": 0, "status": "open"}},
 ]
 BOT_SEEDS: list[dict[str, Any]] = [
     {
@@ -165,6 +172,12 @@ INTERESTING: list[Any] = [
     "control",
     "acked",
     "commit",
+    "admit",
+    "admitted",
+    "open",
+    RUN_KEY,
+    RUN_KEY[:-1],
+    "%" * 40,
     "i1",
     "i2",
     "x" * 64,
@@ -187,6 +200,8 @@ KEYS = [
     "range",
     "held",
     "commit",
+    "admit",
+    "key",
     "ack",
     "upto",
     "ranges",
@@ -268,7 +283,9 @@ def _try_request(data: bytes) -> str:
     # commit, a control flow no range and no bare ack).
     for control in (False, True):
         with contextlib.suppress(RemoteProtocolError):
-            RangeGiver(INC, control=control).on_pay(obj)
+            giver = RangeGiver(INC, control=control, gated=True)
+            if isinstance(giver.on_pay(obj), AdmitRequest):
+                assert control and giver.next(None, 1) == Admitted(req.id, gated=True)
     if req is None:
         return "none"
     assert decode_request(encode_request(req)) == req
@@ -292,6 +309,8 @@ def _try_reply(data: bytes) -> str:
         reader.query("p1")
     elif "commit" in obj:
         reader.commit("p1", "i0" if isinstance(reply, CommitRefused) else INC, 4)
+    elif "admit" in obj:
+        reader.admit(RUN_KEY)
     elif isinstance(reply, OtherIncarnation):
         reader.request("p1", "i0", 1, 9)
     else:
@@ -388,6 +407,7 @@ def test_fuzz_request_decoder_seeded() -> None:
     want = {"none", "label", "range", "held", "range.id", "range.producer", "range.start"}
     want |= {"range.end", "held.id", "held.producer", "range.incarnation"}
     want |= {"commit", "commit.id", "commit.incarnation", "PAY.ack"}
+    want |= {"admit", "admit.id", "admit.key"}
     print("request outcomes:", dict(outcomes.most_common()))
     assert set(outcomes) >= want, outcomes
 
@@ -401,6 +421,7 @@ def test_fuzz_reply_decoder_seeded() -> None:
     want |= {"range.first", "held.producer", "reader range.id"}
     want |= {"range.incarnation", "held.incarnation", "reader range.incarnation"}
     want |= {"commit.status", "commit.upto", "commit.incarnation", "reader commit.incarnation"}
+    want |= {"admit", "admit.status", "reader admit.id"}
     print("reply outcomes:", dict(outcomes.most_common()))
     assert set(outcomes) >= want, outcomes
 

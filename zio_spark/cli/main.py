@@ -149,6 +149,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--stream", default="zio", help="stream name")
     sp.add_argument("--producer-id", help="stable producer id (default: host|endpoint)")
+    sp.add_argument(
+        "--curve-secret",
+        metavar="KEY",
+        help="--bind: serve over CURVE with this secret key (Z85; `zio-spark keys` makes "
+        "one), or @FILE to read it from a file (keeps it out of ps); its public key is "
+        "printed: the readers' curveServerKey",
+    )
+    sp.add_argument(
+        "--curve-allow",
+        metavar="KEY",
+        action="append",
+        help="with --curve-secret: admit only CURVE clients with this public key (Z85), "
+        "through a ZAP handler; repeat it, @FILE with one key a line, or a folder of "
+        "public certificates (zauth's CURVE location: *.key files). List the takers' "
+        "and the Spark drivers' curvePublicKey: a driver in readMode=direct registers a "
+        "fresh key for its query's tasks, admitted while its control flow lives. "
+        "Default: any client that knows the server key",
+    )
     sp.add_argument("--group", help="ZRE group to advertise in (see `peers`; --bind only)")
     sp.add_argument("--beacon-port", type=positive_int, default=5670, help="ZRE UDP port")
     sp.add_argument("--broadcast", help="ZRE beacon address (default: $ZIO_ZRE_BROADCAST)")

@@ -4,6 +4,11 @@ It serves the flow (``--bind``, optionally advertised in a ZRE ``--group``) or o
 a client of a taker's server (``--connect``), shows a live progress bar on a terminal, and
 waits until every record is acknowledged (a plain ZIO taker confirms by echoing the
 final EOT). A shortfall exits 1 with the numbers and, when no taker came, the likely fix.
+
+CURVE (``--bind`` only): ``--curve-secret`` makes the port a CURVE server (its public key
+is printed: the readers' ``curveServerKey``); ``--curve-allow`` (repeatable) admits only
+the listed client public keys, through a ZAP handler, plus the run keys that Spark
+drivers on the list register for their queries' tasks (docs/direct-read.md, Security).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from zio_spark.cli.common import EXIT_CHECK_FAILED, EXIT_OK, Stop, emit, socket_mode
@@ -21,6 +27,71 @@ __all__ = ["DEFAULT_BIND", "run_produce"]
 
 DEFAULT_BIND = "tcp://127.0.0.1:5555"
 """Where ``produce`` serves its flow without ``--bind`` or ``--connect``."""
+
+
+def _key_text(value: str, option: str, folder: bool = False) -> list[str]:
+    """``value`` of a key option: the key itself, or ``@FILE`` with one key a line
+    (blank lines and ``#`` comments skipped), so secrets stay out of ``ps``; with
+    ``folder``, an existing directory of public certificates too (zauth's CURVE
+    "location": every ``*.key`` file in the ZPL format of czmq's zcert and pyzmq's
+    ``zmq.auth.create_certificates``)."""
+    if folder and not value.startswith("@") and Path(value).is_dir():
+        import zmq.auth
+
+        try:
+            found = zmq.auth.load_certificates(value)
+        except (OSError, ValueError) as e:
+            raise ConfigError(option, value, f"a folder of readable certificates ({e})") from e
+        if not found:
+            raise ConfigError(option, value, "a folder holding public certificates (*.key)")
+        return sorted(k.decode("ascii") for k in found)
+    if not value.startswith("@"):
+        return [value]
+    path = Path(value[1:])
+    try:
+        text = path.read_text("ascii")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(option, value, f"a key, or @FILE of a readable key file ({e})") from e
+    keys = [ln.strip() for ln in text.splitlines()]
+    keys = [k for k in keys if k and not k.startswith("#")]
+    if not keys:
+        raise ConfigError(option, value, "a file holding at least one key (Z85, one a line)")
+    return keys
+
+
+def curve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Producer's CURVE keywords from ``--curve-secret`` / ``--curve-allow``.
+
+    Raises
+    ------
+    ConfigError
+        Naming the option: with ``--connect``, ``--curve-allow`` without
+        ``--curve-secret``, a malformed key or an unreadable ``@FILE``.
+    """
+    from zio_spark.transport.curve import curve_key
+
+    secret: str | None = getattr(args, "curve_secret", None)
+    allow: list[str] = list(getattr(args, "curve_allow", None) or [])
+    if secret is None and not allow:
+        return {}
+    if args.connect:
+        option = "--curve-secret" if secret is not None else "--curve-allow"
+        raise ConfigError(option, "...", "--bind: the producer is the CURVE server there")
+    if secret is None:
+        raise ConfigError(
+            "--curve-secret", None, "the producer's secret key with --curve-allow (CURVE)"
+        )
+    secrets = _key_text(secret, "--curve-secret")
+    if len(secrets) != 1:
+        raise ConfigError("--curve-secret", "<redacted>", "one secret key")
+    out: dict[str, Any] = {"curve_secret_key": curve_key(secrets[0], "--curve-secret")}
+    if allow:
+        out["curve_allowed_client_keys"] = [
+            curve_key(k, "--curve-allow")
+            for v in allow
+            for k in _key_text(v, "--curve-allow", folder=True)
+        ]
+    return out
 
 
 def run_produce(args: argparse.Namespace) -> int:
@@ -40,6 +111,7 @@ def run_produce(args: argparse.Namespace) -> int:
             "--group", args.group, "--bind: a producer in client mode has no port to advertise"
         )
     mode = socket_mode(args.socket)
+    curve = curve_options(args)
     stop = Stop()
     payload = os.urandom(args.size) if args.random else b"x" * args.size
     prod = Producer(
@@ -55,6 +127,7 @@ def run_produce(args: argparse.Namespace) -> int:
         ),
         # The command's own deadline reports a server that never answers.
         connect_timeout=args.timeout + 5.0,
+        **curve,
     )
     topology = "connect" if args.connect else "bind"
     kind = PortKind.CLIENT if args.connect else PortKind.SERVER
@@ -71,6 +144,15 @@ def run_produce(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if prod.curve_public_key is not None and not args.connect:
+        allowed = prod.curve_allowed_client_keys
+        print(
+            f"curve server key: {prod.curve_public_key.decode('ascii')} ("
+            + ("any client with it" if allowed is None else f"{len(allowed)} allowed client keys")
+            + ")",
+            file=sys.stderr,
+            flush=True,
+        )
     started = time.monotonic()
     queued = 0
     shortfall: str | None = None

@@ -92,8 +92,8 @@ __all__ = [
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 _RESERVED = frozenset({"flow", "direction", "credit"})
-# PAY attributes that make a PAY of 0 legal: an ack, a range request (ranges.py).
-_ZERO_PAY_KEYS = frozenset({"ack", "range", "held"})
+# PAY attributes that make a PAY of 0 legal: an ack, a request of ranges.py (range, held, admit).
+_ZERO_PAY_KEYS = frozenset({"ack", "range", "held", "admit"})
 
 
 class FlowKind(str, Enum):

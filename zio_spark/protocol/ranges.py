@@ -104,6 +104,14 @@ with the giver's incarnation and window (nothing freed), or ``"unknown_producer"
 :class:`RemoteProtocolError` naming both numbers. A control flow is bound to its BOT's
 incarnation as range flows are (a renumbering giver ends it).
 
+**Run keys** (CURVE per query run, docs/direct-read.md "Security"): on a control flow
+only, a PAY ``"admit": {"id": k, "key": K}`` (``K`` a CURVE public key in Z85 text)
+asks the giver to admit clients with ``K`` for as long as this control flow lives (the
+key the query's tasks read with). The answer is one DAT ``"admit": {"id": k, "status":
+"admitted"}`` (the giver keeps an allow-list and put ``K`` on it, before answering) or
+``"status": "open"`` (no allow-list: nothing stored). ``admit`` on a range flow is a
+:class:`RemoteProtocolError`.
+
 Everything here is pure: attribute mappings in, attribute dicts and events out.
 """
 
@@ -135,6 +143,8 @@ __all__ = [
     "SEQ_MAX",
     "VERSION",
     "Acked",
+    "AdmitRequest",
+    "Admitted",
     "CommitRefused",
     "CommitRequest",
     "Done",
@@ -152,6 +162,7 @@ __all__ = [
     "Request",
     "UnknownProducer",
     "Window",
+    "check_curve_key",
     "check_incarnation",
     "client_range_terms",
     "decode_reply",
@@ -194,7 +205,12 @@ INCARNATION_MAX = 64
 
 _INCARNATION_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{INCARNATION_MAX}}}")
 
-_REQUEST_KEYS = ("range", "held", "commit")
+_REQUEST_KEYS = ("range", "held", "commit", "admit")
+
+CURVE_KEY_CHARS = 40
+"""A CURVE public key's length in Z85 text (32 bytes)."""
+_Z85 = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+_Z85_VALUE = {c: i for i, c in enumerate(_Z85)}
 
 
 # ------------------------------------------------------------------------- incarnation
@@ -241,6 +257,47 @@ def new_incarnation(entropy: bytes) -> str:
             value=entropy,
         )
     return bytes(entropy).hex()
+
+
+def _curve_key(value: object, field: str, local: bool) -> str:
+    """``value`` if it is a CURVE public key in Z85 text: 40 characters of the Z85
+    alphabet, each group of 5 a 32-bit number (so it decodes to 32 bytes)."""
+    ok = isinstance(value, str) and len(value) == CURVE_KEY_CHARS
+    if ok:
+        assert isinstance(value, str)
+        for i in range(0, CURVE_KEY_CHARS, 5):
+            n = 0
+            for c in value[i : i + 5]:
+                digit = _Z85_VALUE.get(c)
+                if digit is None:
+                    ok = False
+                    break
+                n = n * 85 + digit
+            if not ok or n >= 1 << 32:
+                ok = False
+                break
+    if not ok:
+        raise _fail(
+            local,
+            f"{field} must be a CURVE public key in Z85 text ({CURVE_KEY_CHARS} characters "
+            f"of the Z85 alphabet), got {value!r:.80}",
+            field,
+            value,
+        )
+    assert isinstance(value, str)
+    return value
+
+
+def check_curve_key(value: object) -> str:
+    """``value`` if it is a CURVE public key in Z85 text (what an ``admit`` request
+    carries).
+
+    Raises
+    ------
+    LocalProtocolError
+        ``field="admit.key"`` if it is not.
+    """
+    return _curve_key(value, "admit.key", local=True)
 
 
 # ------------------------------------------------------------------------- negotiation
@@ -433,7 +490,17 @@ class CommitRequest:
     upto: int
 
 
-Request = RangeRequest | HeldQuery | CommitRequest
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """The driver's run key on a control flow (request number ``id``): admit CURVE
+    clients with the public key ``key`` (Z85 text) to this giver's port for as long as
+    this control flow lives. On the wire: PAY ``admit: {id, key}``."""
+
+    id: int
+    key: str
+
+
+Request = RangeRequest | HeldQuery | CommitRequest | AdmitRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +579,28 @@ class HeldReport:
     end: int
 
 
-Reply = Done | NotHeld | OtherIncarnation | UnknownProducer | HeldReport | Acked | CommitRefused
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The answer to an :class:`AdmitRequest`. ``gated`` True (``status: "admitted"``):
+    the giver admits CURVE clients from an allow-list, and the key is on it until this
+    control flow ends. False (``status: "open"``): the giver has no allow-list (any
+    client that knows its server key, or any client at all without CURVE, gets in), so
+    nothing was stored."""
+
+    id: int
+    gated: bool
+
+
+Reply = (
+    Done
+    | NotHeld
+    | OtherIncarnation
+    | UnknownProducer
+    | HeldReport
+    | Acked
+    | CommitRefused
+    | Admitted
+)
 
 
 def _fail(local: bool, text: str, field: str, value: object) -> ProtocolError:
@@ -572,6 +660,8 @@ def _window(obj: Mapping[str, Any], where: str, local: bool) -> tuple[int, int]:
 
 def _check_request(req: Mapping[str, Any], key: str, local: bool, ack: object = None) -> Request:
     rid = _int(req, key, "id", local)
+    if key == "admit":
+        return AdmitRequest(rid, _curve_key(req.get("key"), "admit.key", local))
     producer = _producer(req, key, local)
     if key == "held":
         return HeldQuery(rid, producer)
@@ -612,6 +702,9 @@ def encode_request(req: Request) -> dict[str, Any]:
         obj = {"id": req.id, "producer": req.producer, "incarnation": req.incarnation}
         _check_request(obj, "commit", local=True, ack=req.upto)
         return {"ack": req.upto, "commit": obj}
+    elif isinstance(req, AdmitRequest):
+        key = "admit"
+        obj = {"id": req.id, "key": req.key}
     else:
         key = "held"
         obj = {"id": req.id, "producer": req.producer}
@@ -693,6 +786,8 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
         key, obj = "commit", {"id": reply.id, "status": "other_incarnation"}
         obj[INCARNATION] = reply.incarnation
         obj["first"], obj["end"] = reply.first, reply.end
+    elif isinstance(reply, Admitted):
+        key, obj = "admit", {"id": reply.id, "status": "admitted" if reply.gated else "open"}
     else:
         key = "held"
         obj = {"id": reply.id, "producer": reply.producer, "status": "held"}
@@ -705,11 +800,19 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
 _RANGE_STATUSES = ("done", "not_held", "other_incarnation", "unknown_producer")
 _HELD_STATUSES = ("held", "unknown_producer")
 _COMMIT_STATUSES = ("acked", "other_incarnation", "unknown_producer")
-_STATUSES = {"range": _RANGE_STATUSES, "held": _HELD_STATUSES, "commit": _COMMIT_STATUSES}
+_ADMIT_STATUSES = ("admitted", "open")
+_STATUSES = {
+    "range": _RANGE_STATUSES,
+    "held": _HELD_STATUSES,
+    "commit": _COMMIT_STATUSES,
+    "admit": _ADMIT_STATUSES,
+}
 
 
 def _reply_key(reply: Reply) -> str:
-    """The DAT key an answer rides under: ``range``, ``held`` or ``commit``."""
+    """The DAT key an answer rides under: ``range``, ``held``, ``commit`` or ``admit``."""
+    if isinstance(reply, Admitted):
+        return "admit"
     if isinstance(reply, Acked | CommitRefused):
         return "commit"
     if isinstance(reply, HeldReport):
@@ -732,6 +835,8 @@ def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
         )
     if status == "unknown_producer":
         return UnknownProducer(rid, query=key == "held", commit=key == "commit")
+    if key == "admit":
+        return Admitted(rid, gated=status == "admitted")
     if status == "done":
         start = _int(obj, key, "start", local)
         end = _int(obj, key, "end", local)
@@ -838,13 +943,18 @@ class RangeGiver:
     record up to* ``upto`` now (the caller does it, with the same window, under the same
     lock; freeing is monotonic, so an ``upto`` below the window frees nothing),
     :class:`CommitRefused` (another incarnation) or :class:`UnknownProducer` free nothing.
+    An :class:`AdmitRequest` (control flows only) is answered :class:`Admitted` whatever
+    the window: ``gated`` (the giver admits CURVE clients from an allow-list) means the
+    caller puts the request's key on it, for as long as this flow lives, *before* it
+    sends the answer; not gated, nothing is stored.
     """
 
-    __slots__ = ("_cursor", "_request", "_served", "control", "incarnation")
+    __slots__ = ("_cursor", "_request", "_served", "control", "gated", "incarnation")
 
-    def __init__(self, incarnation: str, *, control: bool = False) -> None:
+    def __init__(self, incarnation: str, *, control: bool = False, gated: bool = False) -> None:
         self.incarnation = _incarnation(incarnation, INCARNATION, local=True)
         self.control = control
+        self.gated = gated
         self._request: Request | None = None
         self._cursor = 0  # next seq of the current range request
         self._served = -1  # id of the last request taken, for the increasing-id rule
@@ -857,7 +967,8 @@ class RangeGiver:
     @property
     def producer(self) -> str | None:
         """The producer id whose window :meth:`next` needs, if a request is open."""
-        return None if self._request is None else self._request.producer
+        req = self._request
+        return None if req is None or isinstance(req, AdmitRequest) else req.producer
 
     def on_pay(self, attrs: Mapping[str, Any]) -> Request | None:
         """Take the request a PAY carries, if any.
@@ -891,6 +1002,13 @@ class RangeGiver:
                 f"a commit (ack {req.upto}) on a range flow: acks belong to the driver's "
                 f"control flow ({READ}: {READ_CONTROL!r}), range reads free nothing",
                 field="commit",
+                value=req.id,
+            )
+        elif isinstance(req, AdmitRequest):
+            raise RemoteProtocolError(
+                f"an admit request (key {req.key!r}) on a range flow: run keys are "
+                f"registered on the driver's control flow ({READ}: {READ_CONTROL!r}) only",
+                field="admit",
                 value=req.id,
             )
         if req is None:
@@ -932,6 +1050,10 @@ class RangeGiver:
         req = self._request
         if req is None:
             return None
+        if isinstance(req, AdmitRequest):
+            # The caller stores the key (gated) before it sends this answer.
+            self._request = None
+            return Admitted(req.id, gated=self.gated)
         if window is None:
             self._request = None
             return UnknownProducer(
@@ -1000,6 +1122,8 @@ class RangeGiver:
 
 
 def _key(req: Request) -> str:
+    if isinstance(req, AdmitRequest):
+        return "admit"
     if isinstance(req, CommitRequest):
         return "commit"
     return "range" if isinstance(req, RangeRequest) else "held"
@@ -1124,6 +1248,27 @@ class RangeReader:
         """:meth:`commit` on a PAY of ``flow`` (see :meth:`send_request`)."""
         self._ready()
         req = CommitRequest(self._next_id, producer, incarnation, upto)
+        attrs = encode_request(req)
+        msg = flow.pay(flow.credit if credit is None else credit, attrs)
+        self._out(req)
+        return msg
+
+    def admit(self, key: str) -> dict[str, Any]:
+        """The PAY extras of an admit request on a control flow: let CURVE clients with
+        the public key ``key`` (Z85 text) in while this flow lives.
+
+        Raises
+        ------
+        LocalProtocolError
+            As :meth:`request` (``field="admit.key"`` for a malformed key).
+        """
+        self._ready()
+        return self._out(AdmitRequest(self._next_id, key))
+
+    def send_admit(self, flow: Flow, key: str, credit: int | None = None) -> Message:
+        """:meth:`admit` on a PAY of ``flow`` (see :meth:`send_request`)."""
+        self._ready()
+        req = AdmitRequest(self._next_id, key)
         attrs = encode_request(req)
         msg = flow.pay(flow.credit if credit is None else credit, attrs)
         self._out(req)
@@ -1324,6 +1469,8 @@ class RangeReader:
                     reply.incarnation,
                 )
             self.state = ReaderState.REFUSED
+        elif isinstance(reply, Admitted):
+            self.state = ReaderState.IDLE
         elif isinstance(reply, OtherIncarnation) and isinstance(req, RangeRequest):
             if reply.incarnation == req.incarnation or reply.incarnation != self.terms.incarnation:
                 raise self._remote(

@@ -41,6 +41,21 @@ the store instead of memory:
   credit: with no Spark source connected, PZQ consumers get everything.
 - One taker at a time: a new BOT replaces the previous flow (a restarted Spark runner).
   Takers without ``ack: true`` are rejected: this port is exactly-once only.
+- **Direct reads** (``readMode=direct``, docs/direct-read.md "The queue's flow
+  producer"): the port is a :class:`~zio_spark.source.range_serving.RangeSource`, so its
+  handlers are :class:`~zio_spark.source.range_serving.ProducerFlowHandler`'s: every BOT
+  it writes states ``ranges: 1`` and the side log's incarnation (drawn when the log is
+  made, kept by every replay: it names exactly this seq -> store key numbering), a
+  ``read: "range"`` flow is served ranges and a ``read: "control"`` flow held queries
+  and commits. A held query first assigns what the store has ready (up to ``window``
+  unacked, durable in the side log before the answer names it), since no taker pulls
+  them; the window is ``[lowest assigned unacked seq, next seq)``. A range's records are
+  read back from the store by their pinned keys (:meth:`MessageStore.read_taken`), not
+  from memory: assignments made for a held query keep no body. A seq whose message is
+  gone from the store (a hole) is never skipped in a range: the range is refused
+  ``not_held``. A commit acks through :meth:`FlowProducerPort.ack`, exactly as a taker's
+  PAY ``ack`` does. The port never renumbers, so its incarnation changes only with a new
+  side log.
 - **Policy when the taker goes away**: its unacknowledged messages *stay assigned* (in
   the store and the side log) until a taker resumes and acks them, across queue
   restarts too. They are never released to PZQ consumers automatically: a resuming
@@ -72,6 +87,7 @@ from the sink consumer into the store, duplicates excluded).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import logging
@@ -80,7 +96,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import zmq
 
@@ -89,10 +105,11 @@ from zio_spark.options import Curve
 from zio_spark.protocol.flow import FlowState
 from zio_spark.protocol.message import join_single, split_single
 from zio_spark.sink.consumer import BatchId, Consumer
+from zio_spark.source.range_serving import HeldView, RangeService
 from zio_spark.storage.flow_log import FlowLog
 from zio_spark.storage.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
 from zio_spark.transport.flow_server import FlowServer
-from zio_spark.transport.giver import GiverHandler, GiverPolicy, Giving, Taken
+from zio_spark.transport.giver import GiverPolicy, Giving, Taken
 from zio_spark.transport.port import ServerPort
 
 __all__ = [
@@ -118,6 +135,8 @@ _MAX_DAT_RECORDS: Final = 1000
 _CONSUMER_FOLDER: Final = "flow-consumer"
 _LOG_NAME: Final = "flow-producer.log"
 _GONE: Final = 0  # store keys are never 0 (segment numbers start at 1)
+
+T = TypeVar("T")
 
 # ------------------------------------------------------------------- body <-> record
 
@@ -167,7 +186,46 @@ class _Given:
     seq: int
     key: int
     message_id: bytes
-    body: tuple[bytes, ...]
+    body: tuple[bytes, ...] | None  # None: read it back from the store (read_taken)
+
+
+class _StoreView:
+    """The port's held window and records as range flows read them (a
+    :class:`~zio_spark.source.range_serving.HeldView`; bodies come from the store)."""
+
+    __slots__ = ("_port",)
+
+    def __init__(self, port: FlowProducerPort) -> None:
+        self._port = port
+
+    @property
+    def first(self) -> int:
+        return self._port.held_first
+
+    @property
+    def next_seq(self) -> int:
+        return self._port.next_seq
+
+    def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
+        got = self._port._records(first, n, max_bytes)
+        return _taken(got) if got else None
+
+
+def _taken(got: list[tuple[_Given, tuple[bytes, ...]]]) -> Taken:
+    """Contiguous assigned messages as the records of one DAT."""
+    values: list[bytes] = []
+    headers: list[Mapping[str, str] | None] = []
+    for _, body in got:
+        value, hdrs = record_from_body(body)
+        values.append(value)
+        headers.append(hdrs)
+    return Taken(
+        got[0][0].seq,
+        values,
+        [g.message_id for g, _ in got],
+        None,
+        headers if any(h is not None for h in headers) else None,
+    )
 
 
 class FlowProducerPort:
@@ -228,7 +286,11 @@ class FlowProducerPort:
             ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
         )
         self._table: dict[int, _Given] = {}
+        self._low = 1  # no assigned unacked seq below this (see first)
         self._taker: Giving | None = None
+        self.on_renumber: Callable[[], None] | None = None  # never called: no renumbering
+        self.range_stats: collections.Counter[str] = collections.Counter()
+        self._view = _StoreView(self)
         self._log = FlowLog(store.path / _LOG_NAME, sync=sync)
         try:
             self._next_seq = self._log.next_seq
@@ -259,10 +321,11 @@ class FlowProducerPort:
             plain_refusal="the queue's flow port gives only to ack-capable takers "
             "(BOT ack: true): messages leave the queue when the taker acks them",
         )
+        # Range and control flows (direct reads) next to the taker's; the incarnation
+        # is the side log's (kept_incarnation).
+        self.ranges = RangeService(self, policy, stats=self.range_stats)
         # Driven inline by the broker's loop: process() and tick(), no thread of its own.
-        self._server = FlowServer(
-            port, lambda: GiverHandler(self, policy), ctx=ctx, name="queue flow producer"
-        )
+        self._server = FlowServer(port, self.ranges.handler, ctx=ctx, name="queue flow producer")
 
     def _reclaim(self, assigned: dict[int, int]) -> None:
         store = self.store
@@ -315,6 +378,84 @@ class FlowProducerPort:
     @property
     def acked(self) -> int:
         return self._acked
+
+    @property
+    def incarnation(self) -> str:
+        """The name of the port's numbering (the side log's; docs/direct-read.md)."""
+        return self._log.incarnation
+
+    # -- direct reads: the RangeSource side (broker thread) ----------------------------
+
+    @property
+    def kept_incarnation(self) -> str:
+        return self._log.incarnation
+
+    @property
+    def last_seq(self) -> int:
+        return self._next_seq - 1
+
+    @property
+    def held_first(self) -> int:
+        """The lowest assigned unacked seq still in the store (``next_seq`` if none):
+        the held window's front."""
+        low = max(self._low, self._acked + 1)
+        table = self._table
+        if low not in table:
+            # Past acked, lost or jumped-over seqs; table keys only grow above _acked.
+            low = min(table) if table else self._next_seq
+        self._low = low
+        return low
+
+    def prepare_held(self) -> None:
+        """Assign what the store has ready (up to ``window`` unacked), so a held answer
+        shows it: in direct mode no taker's credit pulls messages in. Durable in the
+        side log on return; no body is kept (ranges read the store)."""
+        while self._assign(self.window, keep_body=False):
+            pass
+
+    def read_held(self, read: Callable[[HeldView], T]) -> T:
+        return read(self._view)  # one thread: the broker's (no lock to take)
+
+    def commit_held(self, step: Callable[[HeldView], tuple[T, int | None]]) -> T:
+        out, upto = step(self._view)
+        if upto is not None:
+            self.ack(upto)
+        return out
+
+    def _body(self, given: _Given) -> tuple[bytes, ...] | None:
+        """The body of an assigned message: held, or read back from the store. None if
+        the store cannot give it back (the seq becomes a hole, counted as lost)."""
+        if given.body is not None:
+            return given.body
+        try:
+            return self.store.read_taken(given.key).body
+        except StoreError as e:
+            self._table.pop(given.seq, None)
+            self.counters["lost"] += 1
+            log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, e)
+            return None
+
+    def _records(
+        self, seq: int, n: int, max_bytes: int | None
+    ) -> list[tuple[_Given, tuple[bytes, ...]]]:
+        """Up to ``n`` contiguous assigned messages from ``seq`` with their bodies,
+        stopping at a hole or once ``max_bytes`` of values were taken (at least one)."""
+        out: list[tuple[_Given, tuple[bytes, ...]]] = []
+        table = self._table
+        size = 0
+        while len(out) < n:
+            given = table.get(seq)
+            if given is None:
+                break
+            body = self._body(given)
+            if body is None:
+                break
+            out.append((given, body))
+            size += sum(map(len, body))
+            seq += 1
+            if max_bytes is not None and size >= max_bytes:
+                break
+        return out
 
     def process(self) -> None:
         """The port's socket is readable: dispatch what arrived (broker thread)."""
@@ -412,8 +553,10 @@ class FlowProducerPort:
         self._log.ack(upto)
         self._log.commit()
 
-    def _assign(self, wanted: int) -> int:
-        """Take up to ``wanted`` messages from the store for the flow; durable on return."""
+    def _assign(self, wanted: int, *, keep_body: bool = True) -> int:
+        """Take up to ``wanted`` messages from the store for the flow; durable on return.
+        ``keep_body``: hold the bodies in memory (a taker is about to be sent them);
+        else only the keys (range reads read the store)."""
         room = self.window - len(self._table)
         n = min(wanted, room, self.max_take)
         if n <= 0 or self.store.failed:
@@ -430,7 +573,8 @@ class FlowProducerPort:
             if message is None:
                 break
             seq = first + len(keys)
-            self._table[seq] = _Given(seq, message.key, message.message_id, message.body)
+            body = message.body if keep_body else None
+            self._table[seq] = _Given(seq, message.key, message.message_id, body)
             keys.append(message.key)
         if not keys:
             return 0
@@ -458,24 +602,10 @@ class FlowProducerPort:
             while seq < self._next_seq and seq not in table:
                 seq += 1
             if seq < self._next_seq:
-                break
-        batch: list[_Given] = []
-        while len(batch) < n and seq in table:
-            batch.append(table[seq])
-            seq += 1
-        values: list[bytes] = []
-        headers: list[Mapping[str, str] | None] = []
-        for given in batch:
-            value, hdrs = record_from_body(given.body)
-            values.append(value)
-            headers.append(hdrs)
-        return Taken(
-            batch[0].seq,
-            values,
-            [g.message_id for g in batch],
-            None,
-            headers if any(h is not None for h in headers) else None,
-        )
+                got = self._records(seq, n, None)
+                if got:
+                    return _taken(got)
+                # seq's message could not be read back (now a hole): skip it
 
     def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:
         if first <= self._sent_max:

@@ -357,6 +357,16 @@ class ProducerBacklog:
         with self._cond:
             return len(self._records)
 
+    @property
+    def kept_incarnation(self) -> str | None:
+        """The retention folder's incarnation (its records keep their numbers across a
+        restart), or None without a folder."""
+        return None if self.retention is None else self.retention.incarnation
+
+    def prepare_held(self) -> None:
+        """Nothing to do: :meth:`append` numbers records as they come, so the window is
+        always current (the queue's port numbers store messages lazily instead)."""
+
     def read_held(self, read: Callable[[HeldRecords], T]) -> T:
         """``read(records)`` under the lock, for readers that never change them (range
         reads: nothing is sent, released or counted; keep ``read`` short)."""

@@ -29,15 +29,25 @@ A Spark that calls ``latestOffset()`` without the batch start (before 4.2) gets 
 planning: the runner knows the start from Spark's other calls (:class:`ImpliedStart`).
 
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
-opened at the first need, reopened after a failure) for ``held`` queries and commit acks.
+opened at the first need, reopened after a failure) for ``held`` queries and commit acks,
+each on a thread of its own, so that an endpoint that is down never holds the others up.
+With CURVE it also holds the run's key pair: drawn when the run's controls are made,
+registered on every control flow it opens (``admit``: a producer with an allow-list
+admits it while that flow lives) and handed to the tasks instead of the source's own
+keys (:meth:`Controls.task_curve`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import zmq
 
@@ -61,6 +71,7 @@ __all__ = [
     "check_disjoint",
     "initial",
     "latest",
+    "owed",
     "pack",
     "split_offsets",
     "to_json",
@@ -240,6 +251,23 @@ def latest(
     return dict(sorted(out.items())), losses
 
 
+def owed(
+    start: Mapping[str, Position],
+    target: Mapping[str, Position],
+    held: Mapping[str, HeldWindow],
+) -> list[str]:
+    """An availableNow run: the producers that still owe it records (their offset is
+    below the run's target in the same incarnation) but did not answer this trigger.
+    Their offsets stay, so without this the run would end short of them, silently."""
+    out = []
+    for p, t in sorted(target.items()):
+        s = start.get(p)
+        if p in held or s is None or s.incarnation != t.incarnation or s.end >= t.end:
+            continue
+        out.append(p)
+    return out
+
+
 def batch_ranges(
     start: Mapping[str, Position], end: Mapping[str, Position]
 ) -> dict[str, tuple[str, int, int]]:
@@ -312,14 +340,75 @@ class ImpliedStart:
         self.initial = None
 
 
+T = TypeVar("T")
+
+
+class _Lane:
+    """One endpoint's control flow and the one thread that uses its socket (a zmq socket
+    is used by one thread at a time): held queries, acks and the final EOT run there, in
+    the order they were asked. A daemon thread, started at the first job: one stuck on an
+    endpoint that is down never keeps the runner from exiting."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def submit(self, job: Callable[[], T]) -> Future[T]:
+        fut: Future[T] = Future()
+        self._jobs.put((job, fut))
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            if not fut.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
+                continue
+            try:
+                fut.set_result(job())
+            except BaseException as e:  # handed to whoever waits for the answer
+                fut.set_exception(e)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What one endpoint's held query came to: a window (``producer``, ``window``), a
+    plain giver (``plain``), or no answer (``error``)."""
+
+    producer: str | None = None
+    window: HeldWindow | None = None
+    plain: bool = False
+    error: str | None = None
+
+
 class Controls:
     """The driver's control flows, one per endpoint: held queries and commit acks.
 
     Opened at the first :meth:`held` (never in a constructor Spark pickles), each
-    reopened once after a failure; an endpoint that does not answer is skipped for that
-    trigger (logged). An endpoint whose giver does not state the range capability is
-    put in :attr:`plain` (never asked again): the stream reader reads it through the
-    spool.
+    reopened once after a failure. Every endpoint has its own thread (:class:`_Lane`),
+    so a trigger waits for all endpoints at once, not one after the other. An endpoint
+    that gave no answer (twice ``timeout``) is *down*: it is asked again in the
+    background at each trigger and the triggers do not wait for it (its offset stays;
+    its answer is used at the first trigger after it came), so a producer that is down
+    costs the query one slow trigger, not every trigger. An endpoint whose giver does
+    not state the range capability is put in :attr:`plain` (never asked again): the
+    stream reader reads it through the spool. Acks are sent on the lanes without
+    waiting (cumulative: only the latest position per producer is sent).
+
+    With ``curve`` (the source's CURVE client keys: the driver's, on the producers'
+    allow-lists), a fresh key pair is drawn here, once per query run
+    (:attr:`run_curve`); each control flow registers its public key as soon as it is
+    open, and the tasks read with it (:meth:`task_curve`), so the source's secret key
+    never leaves the driver, and a run's key stops working where its control flow ends.
     """
 
     def __init__(
@@ -338,36 +427,65 @@ class Controls:
         self.curve = curve
         self.timeout = timeout
         self.stream = stream
-        self._conns: dict[str, ControlConnection] = {}
+        self._conns: dict[str, ControlConnection] = {}  # each used on its lane only
+        self._lanes: dict[str, _Lane] = {}
+        self._asking: dict[str, Future[_Answer]] = {}  # endpoint -> its held query
         self.where: dict[str, str] = {}  # producer id -> endpoint
         self.seen: dict[str, HeldWindow] = {}  # producer id -> its last held answer
         # Endpoints whose giver does not state the range capability: read through the
         # spool (never asked again).
         self.plain: set[str] = set()
+        # Endpoints (not plain) whose last held query got no answer -> the error.
+        self.down: dict[str, str] = {}
+        self._lock = threading.Lock()  # the ack bookkeeping below, shared with the lanes
         self._acked: dict[str, Position] = {}  # producer id -> the last commit acked
+        self._want: dict[str, tuple[str, Position]] = {}  # producer -> (endpoint, position)
+        self._acking: set[str] = set()  # endpoints with an ack job queued or running
         self.terminating = False  # SIGTERM seen, or stop() begun (see the stream reader)
+        self.run_curve: Curve | None = None
+        if curve is not None:
+            public, secret = zmq.curve_keypair()
+            self.run_curve = Curve(curve.server_key, public, secret)
+
+    @property
+    def unanswered(self) -> dict[str, str]:
+        """Endpoints (not plain) that gave no held window at their last query -> why."""
+        return dict(self.down)
+
+    def _lane(self, endpoint: str) -> _Lane:
+        lane = self._lanes.get(endpoint)
+        if lane is None:
+            lane = self._lanes[endpoint] = _Lane(f"zio-control {endpoint}")
+        return lane
+
+    # -- on the lanes ------------------------------------------------------------------
 
     def _open(self, endpoint: str) -> ControlConnection:
         conn = self._conns.get(endpoint)
         if conn is not None:
             return conn
-        try:
-            conn = ControlConnection(
-                endpoint,
-                ctx=self.ctx,
-                mode=self.mode,
-                curve=self.curve,
-                timeout=self.timeout,
-                stream=self.stream,
-            )
-        except RangesNotServed:
+        conn = ControlConnection(
+            endpoint,
+            ctx=self.ctx,
+            mode=self.mode,
+            curve=self.curve,
+            timeout=self.timeout,
+            stream=self.stream,
+        )
+        if self.run_curve is not None:
+            # The run key first: the tasks of a batch planned once this flow is open
+            # read with it (a producer with an allow-list leases it to this flow).
+            try:
+                gated = conn.admit(self.run_curve.public_key)
+            except BaseException:
+                conn.close()
+                raise
             log.info(
-                "zio source (readMode=direct): %s does not serve range reads; it is read "
-                "through the spool",
+                "zio source (readMode=direct): run key %s %s at %s",
+                self.run_curve.public_key.decode("ascii"),
+                "admitted while the control flow lives" if gated else "not needed (no allow-list)",
                 endpoint,
             )
-            self.plain.add(endpoint)
-            raise
         self._conns[endpoint] = conn
         return conn
 
@@ -379,85 +497,198 @@ class Controls:
             except (TransportError, OSError) as e:  # pragma: no cover - best effort
                 log.info("zio source: closing the control flow to %s: %s", endpoint, e)
 
-    def held(self) -> dict[str, HeldWindow]:
-        """Each producer's held window now (one round trip per endpoint); endpoints that
-        do not answer are left out (and logged)."""
-        out: dict[str, HeldWindow] = {}
-        for endpoint in self.endpoints:
-            if endpoint in self.plain:
+    def _ask(self, endpoint: str) -> _Answer:
+        error = ""
+        for _ in (1, 2):
+            try:
+                conn = self._open(endpoint)
+                w = conn.held()
+            except RangesNotServed:
+                return _Answer(plain=True)
+            except TransportError as e:
+                self._drop(endpoint)
+                error = str(e)
                 continue
-            for attempt in (1, 2):
-                try:
-                    conn = self._open(endpoint)
-                    w = conn.held()
-                except RangesNotServed:
-                    break
-                except TransportError as e:
-                    self._drop(endpoint)
-                    if attempt == 2:
-                        log.warning(
-                            "zio source (readMode=direct): no held window from %s this "
-                            "trigger (%s); its offset stays",
-                            endpoint,
-                            e,
-                        )
-                    continue
-                producer = conn.producer
-                assert producer is not None  # a capable giver states it
-                other = self.where.get(producer)
-                if other is not None and other != endpoint:
-                    raise ConfigError(
-                        "endpoints",
-                        ",".join(self.endpoints),
-                        f"each producer at one endpoint; producer {producer!r} answers at "
-                        f"{other} and {endpoint}",
-                    )
-                self.where[producer] = endpoint
-                self.seen[producer] = w
-                out[producer] = w
-                break
-        return out
+            return _Answer(producer=conn.producer, window=w)
+        return _Answer(error=error)
 
-    def ack(self, end: Mapping[str, Position]) -> None:
-        """Spark committed ``end``: ack ``end - 1`` of each producer, in the incarnation
-        of that end, on its control flow (once per position). A refusal (another
-        incarnation: the producer restarted without those records) frees nothing and
-        is logged as an error; a producer not reachable now is acked at the next
-        commit (acks are cumulative)."""
-        for p, pos in sorted(end.items()):
-            if pos.end <= 1 or self._acked.get(p) == pos:
-                continue
-            endpoint = self.where.get(p)
-            if endpoint is None:
-                continue  # not seen yet by this runner: the next commit acks it
-            for attempt in (1, 2):
-                try:
-                    self._open(endpoint).ack(pos.end - 1, pos.incarnation, p)
-                except AckRefused as e:
-                    log.error(
-                        "zio source (readMode=direct): COMMIT ACK REFUSED by producer %r at %s: %s",
+    def _ack_loop(self, endpoint: str) -> None:
+        """Send the latest wanted ack of each producer at ``endpoint`` until none is left
+        (a position wanted while this runs is sent too)."""
+        while True:
+            with self._lock:
+                todo = [
+                    (p, pos)
+                    for p, (where, pos) in sorted(self._want.items())
+                    if where == endpoint and self._acked.get(p) != pos
+                ]
+                if not todo:
+                    self._acking.discard(endpoint)
+                    return
+            for p, pos in todo:
+                if not self._ack_one(endpoint, p, pos):
+                    with self._lock:
+                        self._acking.discard(endpoint)
+                    return  # not reachable now: the next commit acks it (cumulative)
+
+    def _ack_one(self, endpoint: str, p: str, pos: Position) -> bool:
+        for attempt in (1, 2):
+            try:
+                self._open(endpoint).ack(pos.end - 1, pos.incarnation, p)
+            except AckRefused as e:
+                log.error(
+                    "zio source (readMode=direct): COMMIT ACK REFUSED by producer %r at %s: %s",
+                    p,
+                    endpoint,
+                    e,
+                )
+                break  # never retried: it can never be applied
+            except TransportError as e:
+                self._drop(endpoint)
+                if attempt == 2:
+                    log.warning(
+                        "zio source (readMode=direct): the ack of %d of producer %r at %s "
+                        "did not go through (%s); the next commit acks it",
+                        pos.end - 1,
                         p,
                         endpoint,
                         e,
                     )
-                    self._acked[p] = pos  # never retried: it can never be applied
-                    break
-                except TransportError as e:
-                    self._drop(endpoint)
-                    if attempt == 2:
-                        log.warning(
-                            "zio source (readMode=direct): the ack of %d of producer %r "
-                            "at %s did not go through (%s); the next commit acks it",
-                            pos.end - 1,
-                            p,
-                            endpoint,
-                            e,
-                        )
-                    continue
-                self._acked[p] = pos
-                break
+                    return False
+                continue
+            break
+        with self._lock:
+            self._acked[p] = pos
+        return True
 
-    def close(self) -> None:
-        """End every control flow (EOT) and close its socket."""
-        for endpoint in list(self._conns):
-            self._drop(endpoint)
+    # -- on the caller's thread ---------------------------------------------------------
+
+    def held(self) -> dict[str, HeldWindow]:
+        """Each producer's held window now (one round trip per endpoint, all at once);
+        endpoints that do not answer are left out (and logged). Endpoints that were down
+        are asked in the background: their answer counts once it came."""
+        waited: list[Future[_Answer]] = []
+        for endpoint in self.endpoints:
+            if endpoint in self.plain:
+                continue
+            fut = self._asking.get(endpoint)
+            if fut is None:
+                fut = self._asking[endpoint] = self._lane(endpoint).submit(
+                    partial(self._ask, endpoint)
+                )
+            if endpoint not in self.down:
+                waited.append(fut)
+        wait_all(waited)  # each bounded by its connection's timeouts (two attempts)
+        out: dict[str, HeldWindow] = {}
+        for endpoint, fut in list(self._asking.items()):
+            if not fut.done():
+                continue
+            del self._asking[endpoint]
+            answer = fut.result()  # a protocol error of the peer is raised here
+            if answer.plain:
+                log.info(
+                    "zio source (readMode=direct): %s does not serve range reads; it is "
+                    "read through the spool",
+                    endpoint,
+                )
+                self.plain.add(endpoint)
+                self.down.pop(endpoint, None)
+                continue
+            if answer.error is not None:
+                if endpoint not in self.down:
+                    log.warning(
+                        "zio source (readMode=direct): no held window from %s (%s); its "
+                        "offset stays, and it is asked again in the background at each "
+                        "trigger",
+                        endpoint,
+                        answer.error,
+                    )
+                self.down[endpoint] = answer.error
+                continue
+            if self.down.pop(endpoint, None) is not None:
+                log.warning("zio source (readMode=direct): %s answers again", endpoint)
+            producer, w = answer.producer, answer.window
+            assert producer is not None and w is not None  # a capable giver states it
+            other = self.where.get(producer)
+            if other is not None and other != endpoint:
+                raise ConfigError(
+                    "endpoints",
+                    ",".join(self.endpoints),
+                    f"each producer at one endpoint; producer {producer!r} answers at "
+                    f"{other} and {endpoint}",
+                )
+            self.where[producer] = endpoint
+            self.seen[producer] = w
+            out[producer] = w
+        return out
+
+    def ack(self, end: Mapping[str, Position]) -> None:
+        """Spark committed ``end``: ack ``end - 1`` of each producer, in the incarnation
+        of that end, on its control flow (once per position), without waiting for the
+        answer. A refusal (another incarnation: the producer restarted without those
+        records) frees nothing and is logged as an error; a producer not reachable now
+        is acked at the next commit (acks are cumulative)."""
+        start: list[str] = []
+        with self._lock:
+            for p, pos in sorted(end.items()):
+                endpoint = self.where.get(p)
+                if pos.end <= 1 or self._acked.get(p) == pos or endpoint is None:
+                    continue  # endpoint None: not seen yet by this runner; a later commit
+                self._want[p] = (endpoint, pos)
+                if endpoint not in self._acking:
+                    self._acking.add(endpoint)
+                    start.append(endpoint)
+        for endpoint in start:
+            self._lane(endpoint).submit(partial(self._ack_loop, endpoint))
+
+    def task_curve(self, endpoints: Iterable[str]) -> Curve | None:
+        """The CURVE keys of the tasks that read from ``endpoints``: the run's key pair
+        (never the source's own secret key), None without CURVE. Each endpoint's lane
+        first makes sure its control flow is open (one that ended since the last
+        trigger is reopened, which registers the run key there); an endpoint that is
+        down, or cannot be reached now, is logged: its tasks are refused, naming it.
+        """
+        if self.run_curve is None:
+            return None
+        opening = {
+            endpoint: self._lane(endpoint).submit(partial(self._open, endpoint))
+            for endpoint in sorted(set(endpoints))
+            if endpoint not in self.plain and endpoint not in self.down
+        }
+        _, busy = wait_all(opening.values(), timeout=2 * self.timeout)
+        for endpoint, fut in opening.items():
+            error = "no answer in time" if fut in busy else fut.exception()
+            if error is not None:
+                log.warning(
+                    "zio source (readMode=direct): the run key is not registered at %s "
+                    "(%s): its tasks will be refused until a control flow to it is open "
+                    "again",
+                    endpoint,
+                    error,
+                )
+        return self.run_curve
+
+    def acked(self) -> dict[str, Position]:
+        """The last position acked per producer (answered by the producer)."""
+        with self._lock:
+            return dict(self._acked)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send the acks still queued, end every control flow (EOT) and close its socket,
+        each on its lane; waits at most ``timeout`` (default: the connection timeout)
+        for all of them, then says which lane is still busy (an endpoint that is down)."""
+        closing = {
+            endpoint: lane.submit(partial(self._drop, endpoint))
+            for endpoint, lane in self._lanes.items()
+        }
+        limit = self.timeout if timeout is None else timeout
+        _, busy = wait_all(closing.values(), timeout=limit)
+        for endpoint, fut in closing.items():
+            if fut in busy:
+                log.warning(
+                    "zio source (readMode=direct): the control flow to %s did not end in "
+                    "time (the endpoint is down?); left to its thread",
+                    endpoint,
+                )
+        for lane in self._lanes.values():
+            lane.stop()

@@ -68,7 +68,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -84,7 +84,13 @@ from zio_spark.source.backlog import (
     open_retention,
 )
 from zio_spark.source.range_serving import RangeService
-from zio_spark.transport.curve import optional_client_curve, optional_server_curve
+from zio_spark.transport.curve import (
+    CurveAuthenticator,
+    curve_key,
+    optional_client_curve,
+    optional_server_curve,
+    start_authenticator,
+)
 from zio_spark.transport.flow_client import FlowClient
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.giver import GiverHandler, GiverPolicy, Giving
@@ -100,6 +106,7 @@ log = logging.getLogger("zio_spark.transport")
 
 _CLIENT_QUEUE_SLACK = 16  # client mode's send queue: the credit offered plus this
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
+_ZAP_DOMAIN = "zio-producer"  # the port's ZAP domain when it has an allow-list
 # The retention window's defaults (see Producer's docstring for the arithmetic).
 DEFAULT_WINDOW = 2_000_000
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -144,6 +151,18 @@ class Producer:
     curve_server_key, curve_public_key
         Client mode: CURVE with the server's public key and this client's key pair
         (``curve_secret_key`` is then the client's secret key).
+    curve_allowed_client_keys
+        Server mode, with ``curve_secret_key``: admit only CURVE clients whose public key
+        is in this list (Z85 text or 32 raw bytes; one key or several), through a ZAP
+        handler on the port (as :func:`~zio_spark.transport.curve.start_authenticator`
+        does). Give it the keys of the takers and of the Spark drivers that read this
+        producer (their ``curvePublicKey``). A driver in ``readMode=direct`` registers a
+        fresh key per query run on its control flow; that key is admitted for as long as
+        the control flow lives, so the query's tasks read ranges with it and never hold
+        the driver's secret key (docs/direct-read.md, "Security"). The port then lives
+        in a zmq context of its own (a ZAP handler is one per context and would judge
+        every CURVE socket of a shared one), so ``ctx`` is not used for it. None (the
+        default): any client that knows the server key gets in, as before.
     linger_ms
         ZMQ linger of the port at :meth:`close`.
     idle_timeout
@@ -213,6 +232,7 @@ class Producer:
         reconnect: bool = True,
         retention_dir: str | os.PathLike[str] | None = None,
         incarnation: str | None = None,
+        curve_allowed_client_keys: Iterable[str | bytes] | str | bytes | None = None,
     ) -> None:
         if bind is not None and connect is not None:
             raise ConfigError(
@@ -238,6 +258,9 @@ class Producer:
             isinstance(connect_timeout, (int, float)) and 0 < connect_timeout <= 86400
         ):
             raise ConfigError("connect_timeout", connect_timeout, "seconds, > 0")
+        allowed = _allowed_keys(curve_allowed_client_keys, connect, curve_secret_key)
+        self._gate: CurveAuthenticator | None = None
+        self._own_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self.ctx = ctx or zmq.Context.instance()
         self.stream = stream
         self.batch = batch
@@ -297,20 +320,38 @@ class Producer:
             raise ConfigError(
                 "curve_server_key", "...", "connect: a bound producer is the CURVE server"
             )
+        server_curve = optional_server_curve(curve_secret_key, curve_public_key)
+        port_ctx = self.ctx
+        if allowed is not None:
+            # A context of its own: a ZAP handler is one per context, and it would judge
+            # (and refuse) the CURVE sockets of other domains in a shared one.
+            port_ctx = self._own_ctx = zmq.Context()
+            try:
+                self._gate = start_authenticator(port_ctx, allowed, domain=_ZAP_DOMAIN)
+            except BaseException:
+                self._own_ctx.term()
+                raise
         # The send queue bounds the credit a taker gets (FlowServer lowers larger offers
         # to it); DATs go out only within credit, so this is a bound, not a buffer.
-        port = ServerPort(
-            self.ctx,
-            mode=mode,
-            linger_ms=linger_ms,
-            curve=optional_server_curve(curve_secret_key, curve_public_key),
-            sndhwm=_SEND_QUEUE,
-        )
+        try:
+            port = ServerPort(
+                port_ctx,
+                mode=mode,
+                linger_ms=linger_ms,
+                curve=server_curve,
+                zap_domain=None if allowed is None else _ZAP_DOMAIN,
+                sndhwm=_SEND_QUEUE,
+            )
+        except BaseException:
+            self._stop_gate()
+            raise
         try:
             self.endpoint = port.bind("tcp://127.0.0.1:*" if bind is None else bind)
         except BaseException:
             port.close(0)
+            self._stop_gate()
             raise
+        self._ranges.gate = self._gate
         self.curve_public_key = port.curve_public_key
         self.mode = port.mode
         self.socket_type = port.socket_type
@@ -320,10 +361,31 @@ class Producer:
         self._server = FlowServer(
             port,
             self._ranges.handler,
-            ctx=self.ctx,
+            ctx=port_ctx,
             idle_timeout=idle_timeout,
             name=f"producer {self.producer_id}",
         ).start()
+
+    def _stop_gate(self) -> None:
+        """Stop the ZAP handler and end the port's own context (after the port closed)."""
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.stop()
+        own, self._own_ctx = self._own_ctx, None
+        if own is not None:
+            own.term()
+
+    @property
+    def curve_allowed_client_keys(self) -> frozenset[bytes] | None:
+        """The allow-list of the port (Z85 keys), None without one (any client that
+        knows the server key gets in)."""
+        return None if self._gate is None else self._gate.allowed
+
+    @property
+    def run_keys(self) -> frozenset[bytes]:
+        """The run keys admitted now, each while the control flow that registered it
+        lives (Z85; empty without an allow-list)."""
+        return frozenset() if self._gate is None else self._gate.leased
 
     # -- application side (any thread) --------------------------------------------
 
@@ -557,7 +619,8 @@ class Producer:
             if self._client is not None:
                 self._client.stop()
             if self._server is not None:
-                self._server.stop()
+                self._server.stop()  # raises if its thread hangs: the context stays then
+            self._stop_gate()
             self._backlog.close_retention()
         return self.delivery()
 
@@ -571,3 +634,39 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(flush=exc[0] is None)
+
+
+def _allowed_keys(
+    keys: Iterable[str | bytes] | str | bytes | None,
+    connect: str | None,
+    secret_key: str | bytes | None,
+) -> list[bytes] | None:
+    """The checked allow-list of ``Producer(curve_allowed_client_keys=...)`` (Z85), None
+    without one.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``curve_allowed_client_keys``: in client mode, without
+        ``curve_secret_key``, empty, or with a malformed key (naming it).
+    """
+    name = "curve_allowed_client_keys"
+    if keys is None:
+        return None
+    if connect is not None:
+        raise ConfigError(
+            name, "...", "bind: an allow-list is for the CURVE server (a bound producer)"
+        )
+    if secret_key is None:
+        raise ConfigError(
+            name, "...", "curve_secret_key too: an allow-list admits CURVE clients only"
+        )
+    items = [keys] if isinstance(keys, str | bytes) else list(keys)
+    if not items:
+        raise ConfigError(
+            name,
+            [],
+            "at least one client public key (the takers' and the Spark drivers' "
+            "curvePublicKey); no allow-list at all: None",
+        )
+    return [curve_key(k, f"{name}[{i}]") for i, k in enumerate(items)]

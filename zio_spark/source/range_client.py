@@ -14,7 +14,11 @@ one flow. :class:`ControlConnection` is the driver's control flow to one produce
 (``read: "control"``): :meth:`~ControlConnection.held` for ``latestOffset`` and
 :meth:`~ControlConnection.ack` for Spark's commit (``ack`` with ``commit: {id, producer,
 incarnation}``; the producer frees up to the number only if the incarnation is its own,
-else :class:`AckRefused` and nothing is freed).
+else :class:`AckRefused` and nothing is freed), and :meth:`~ControlConnection.admit` to
+register a query run's CURVE key (admitted while the control flow lives, by a producer
+with an allow-list). With CURVE, every connection first waits for the handshake's
+outcome on a socket monitor: a key the producer's ZAP handler refuses fails at once with
+the endpoint and the fix, not after a silent BOT wait.
 
 Engine: a :class:`~zio_spark.transport.port.ClientPort` under a
 :class:`~zio_spark.transport.flow_endpoint.FlowEndpoint`, the blocking flow endpoint the
@@ -44,11 +48,13 @@ with one context.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import pyarrow as pa
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from zio_spark.codec.records import ENCODING, decode_batch
 from zio_spark.errors import LocalProtocolError, ProtocolError, RemoteProtocolError, TransportError
@@ -57,6 +63,7 @@ from zio_spark.protocol.ranges import (
     READ_CONTROL,
     READ_RANGE,
     Acked,
+    Admitted,
     CommitRefused,
     HeldReport,
     RangeReader,
@@ -67,6 +74,7 @@ from zio_spark.protocol.ranges import (
     offer_attrs,
 )
 from zio_spark.transport.curve import Curve
+from zio_spark.transport.flow_client import HANDSHAKE_FAILED
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
@@ -86,6 +94,9 @@ log = logging.getLogger("zio_spark.transport")
 DEFAULT_CREDIT = 64
 """DATs in flight per range flow (the giver may lower it)."""
 _EOT_WAIT = 2.0  # seconds, at most, for the echo of our EOT when the flow ends
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
+for _event in HANDSHAKE_FAILED:
+    _HANDSHAKE_EVENTS |= _event
 
 
 class HeldWindow(NamedTuple):
@@ -148,6 +159,14 @@ class RangeConnection:
 
     _READ = READ_RANGE  # the BOT's read mode
     _CREDIT = DEFAULT_CREDIT  # credit when none is given
+    # What to do when the producer's ZAP handler refuses our CURVE key.
+    _REFUSED_FIX = (
+        "a task reads with its query run's key, which the producer admits only while "
+        "that run's control flow to it lives: the query stopped or restarted (a task of "
+        "an earlier run), or its driver could not register the key; restart the query. "
+        "A reader with a key of its own: put its public key on the producer's allow-list "
+        "(Producer(curve_allowed_client_keys=...), zio-spark produce --curve-allow)"
+    )
 
     def __init__(
         self,
@@ -172,7 +191,14 @@ class RangeConnection:
             send_timeout_ms=timeout * 1000.0,
         )
         try:
+            # With CURVE, the handshake's outcome first: a key the producer's ZAP handler
+            # refuses fails here at once, naming the fix, instead of a silent BOT wait.
+            monitor = (
+                None if curve is None else self.port.socket.get_monitor_socket(_HANDSHAKE_EVENTS)
+            )
             self.port.connect(endpoint)
+            if monitor is not None:
+                self._await_handshake(monitor, timeout)
             self.ep = FlowEndpoint(self.port, Role.CLIENT)
             sent: dict[str, Any] = {"encoding": [ENCODING]}
             if stream is not None:
@@ -218,6 +244,50 @@ class RangeConnection:
         except BaseException:
             self.port.close(0)
             raise
+
+    def _await_handshake(self, monitor: zmq.Socket[bytes], timeout: float) -> None:
+        """Wait for the CURVE handshake's outcome on ``monitor`` (closed on return).
+
+        Raises
+        ------
+        TransportError
+            If the producer refuses it (its ZAP handler: our key is not admitted; or no
+            CURVE there), or none is over within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not monitor.poll(max(1, int(left * 1000))):
+                    raise TransportError(
+                        f"range reader: no CURVE handshake within {timeout:g} s (is a bound "
+                        "zio-spark producer with CURVE listening there, with the same "
+                        "socket mode?)",
+                        endpoint=self.endpoint,
+                    )
+                got = recv_monitor_message(monitor)
+                event = int(got["event"])
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+                what = HANDSHAKE_FAILED.get(event)
+                if what is None:
+                    continue
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise TransportError(
+                        "range reader: the producer refused our CURVE key (ZAP status "
+                        f"{got['value']}: not on its allow-list, nor a run key it admits "
+                        f"now): {self._REFUSED_FIX}",
+                        endpoint=self.endpoint,
+                    )
+                raise TransportError(
+                    f"range reader: the CURVE handshake failed ({what}, errno "
+                    f"{got['value']}): the producer there has no CURVE, or another server "
+                    "key than this reader's curveServerKey",
+                    endpoint=self.endpoint,
+                )
+        finally:
+            self.port.socket.disable_monitor()
+            monitor.close(0)
 
     @property
     def incarnation(self) -> str:
@@ -404,6 +474,35 @@ class ControlConnection(RangeConnection):
 
     _READ = READ_CONTROL
     _CREDIT = 4  # only answers flow back: one per request
+    _REFUSED_FIX = (
+        "put the source's curvePublicKey (the driver's key) on the producer's allow-list "
+        "(Producer(curve_allowed_client_keys=...), zio-spark produce --curve-allow)"
+    )
+
+    def admit(self, key: str | bytes) -> bool:
+        """Register ``key`` (a CURVE public key, Z85) with the producer: it admits
+        clients with it for as long as this control flow lives (the query run's key for
+        its tasks). Returns True if the producer keeps an allow-list and put the key on
+        it, False if it has none (``open``: any client that knows its server key gets
+        in, nothing stored). Blocks for the answer, at most ``timeout`` seconds.
+
+        Raises
+        ------
+        TransportError
+            If the producer ends the flow or does not answer in time.
+        LocalProtocolError
+            If ``key`` is not a Z85 CURVE public key (nothing sent).
+        RemoteProtocolError
+            If the answer breaks the protocol.
+        """
+        text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
+        self.ep.channel.send(self.reader.send_admit(self.ep.flow, text))
+        attrs, _ = self._next_dat("the answer to the run key's admission")
+        reply = self.reader.on_dat(attrs)
+        self._repay()
+        if not isinstance(reply, Admitted):  # pragma: no cover - on_dat checks it
+            raise RemoteProtocolError(f"not an admit answer: {reply!r}", field="admit")
+        return reply.gated
 
     def held(self, producer: str | None = None) -> HeldWindow:
         """The held window of ``producer`` (default: the one the producer stated)."""

@@ -40,11 +40,30 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   record: EOT with the reason naming both numbers, the flow dropped, nothing freed. A
   control flow is no taker either; next to a spool-mode taker of the same producer, acks
   from both free up to the larger (freeing is monotonic).
+- **Run keys** (``admit`` on a control flow, docs/direct-read.md "Security"). A producer
+  with an allow-list of CURVE client keys runs a ZAP handler
+  (:class:`~zio_spark.transport.curve.CurveAuthenticator`, ``gate``): a driver whose key
+  is on the list opens its control flow and registers its query run's public key; the
+  key is leased to that control flow (admitted at the next handshakes) until the flow
+  closes, when the lease ends and new connections with it are refused. The lease is
+  taken before the answer goes out, so a driver that has the answer can hand the key
+  to its tasks. Without an allow-list the answer is ``open`` and nothing is stored.
 - **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
   ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
   one is drawn at once (under the lock, before anything is served with the new numbers),
   and every range flow opened on the old one ends with EOT without another DAT.
+- **Record sources.** What a :class:`RangeService` serves from is a
+  :class:`RangeSource`: a giver's backlog that can also show its held window and records
+  (:class:`HeldView`) to a function run under its lock, and free up to a commit in the
+  same hold. Two implement it: the bound producer's
+  :class:`~zio_spark.source.backlog.ProducerBacklog` (records in memory, optionally
+  retained on disk) and the queue's
+  :class:`~zio_spark.pzq.flow_ports.FlowProducerPort` (records read back from the
+  queue's message store; its numbering and incarnation kept in the store folder's side
+  log). A view's ``take`` may come back short or empty at a seq it cannot produce (a
+  store record lost or unreadable): the range is then refused ``not_held`` with a window
+  that starts after that seq, never served with a hole in it.
 """
 
 from __future__ import annotations
@@ -52,7 +71,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from zio_spark.codec.records import DAT_BYTES, ENCODING, encode_records
 from zio_spark.errors import ConfigError, LocalProtocolError, RemoteProtocolError, TransportError
@@ -66,7 +86,10 @@ from zio_spark.protocol.flow import (
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
     Acked,
+    AdmitRequest,
+    Admitted,
     CommitRefused,
+    HeldQuery,
     RangeGiver,
     Records,
     Window,
@@ -77,11 +100,11 @@ from zio_spark.protocol.ranges import (
     server_read_mode,
     state_capability,
 )
-from zio_spark.source.backlog import ProducerBacklog
-from zio_spark.source.held import HeldRecords
+from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.flow_client import ClientFlow
 from zio_spark.transport.flow_server import ServerFlow
 from zio_spark.transport.giver import (
+    Backlog,
     GiverHandler,
     GiverPolicy,
     Taken,
@@ -89,18 +112,74 @@ from zio_spark.transport.giver import (
     taker_terms,
 )
 
-__all__ = ["ProducerFlowHandler", "RangeFlow", "RangeService"]
+__all__ = ["HeldView", "ProducerFlowHandler", "RangeFlow", "RangeService", "RangeSource"]
 
 log = logging.getLogger("zio_spark.transport")
 
 _STALE = object()  # a step's answer: the flow's incarnation is no longer the producer's
+
+T = TypeVar("T")
+
+
+class HeldView(Protocol):
+    """A source's held records as a range flow reads them, under the source's lock."""
+
+    @property
+    def first(self) -> int:
+        """The oldest held record (``next_seq`` if none is held)."""
+        ...
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next record will get: the window's end."""
+        ...
+
+    def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
+        """Up to ``n`` contiguous held records from seq ``first`` (``first`` lies in the
+        window); fewer, or None, where a record cannot be produced (a hole)."""
+        ...
+
+
+class RangeSource(Backlog, Protocol):
+    """What a :class:`RangeService` serves from: a giver's backlog (the taker's flow
+    uses it as such) whose held records range flows can read (module docstring)."""
+
+    on_renumber: Callable[[], None] | None
+    """Set by the service: called under the source's lock when held records get other
+    numbers (a source that never renumbers never calls it)."""
+
+    @property
+    def last_seq(self) -> int:
+        """The last seq numbered (0: none yet)."""
+        ...
+
+    @property
+    def kept_incarnation(self) -> str | None:
+        """The incarnation the source's durable records are numbered in (None: it keeps
+        no numbering across restarts; the service draws one)."""
+        ...
+
+    def prepare_held(self) -> None:
+        """Before a held answer: number what is available, so the window shows it."""
+        ...
+
+    def read_held(self, read: Callable[[HeldView], T]) -> T:
+        """``read(view)`` under the source's lock; ``read`` changes nothing."""
+        ...
+
+    def commit_held(self, step: Callable[[HeldView], tuple[T, int | None]]) -> T:
+        """``step(view)`` under the lock, then free up to the number it returns (None:
+        nothing), in the same hold, as a taker's ack frees (monotonic)."""
+        ...
 
 
 class RangeService:
     """A producer's range serving: its incarnation, its range flows, the port's handlers.
 
     ``incarnation``: the one to state (checked by the protocol's rules; None: a fresh
-    random one). Hooks itself into ``backlog`` (``on_renumber``).
+    random one). ``gate``: the port's ZAP handler when the producer has an allow-list
+    of CURVE client keys (control flows lease their run keys on it). Hooks itself into
+    ``backlog`` (``on_renumber``).
 
     Raises
     ------
@@ -110,16 +189,18 @@ class RangeService:
 
     def __init__(
         self,
-        backlog: ProducerBacklog,
+        backlog: RangeSource,
         policy: GiverPolicy,
         *,
         incarnation: str | None = None,
         stats: collections.Counter[str] | None = None,
+        gate: CurveAuthenticator | None = None,
     ) -> None:
-        kept = backlog.retention.incarnation if backlog.retention is not None else None
+        kept = backlog.kept_incarnation
         if incarnation is None:
-            # A retention folder keeps its records *and* their numbers across restarts:
-            # its incarnation is the producer's. Else a fresh one: numbering restarts.
+            # A retention folder (a queue's store) keeps its records *and* their numbers
+            # across restarts: its incarnation is the source's. Else a fresh one:
+            # numbering restarts.
             incarnation = kept if kept is not None else new_incarnation(os.urandom(16))
         elif kept is not None and incarnation != kept:
             raise ConfigError(
@@ -140,6 +221,7 @@ class RangeService:
                 ) from e
         self.backlog = backlog
         self.policy = policy
+        self.gate = gate
         self.stats = stats if stats is not None else collections.Counter()
         self._incarnation = incarnation
         self.flows: set[RangeFlow] = set()  # open range flows (loop thread)
@@ -159,8 +241,8 @@ class RangeService:
         # flow's next step sees the new incarnation and ends instead of serving.
         # With retention the folder drew the new name (its HEAD, written first): the
         # same one survives this producer's restart.
-        retention = self.backlog.retention
-        fresh = retention.incarnation if retention is not None else new_incarnation(os.urandom(16))
+        kept = self.backlog.kept_incarnation
+        fresh = kept if kept is not None else new_incarnation(os.urandom(16))
         old, self._incarnation = self._incarnation, fresh
         self.stats["incarnations"] += 1
         log.warning(
@@ -179,7 +261,7 @@ class RangeService:
             except TransportError as e:  # that reader is gone: nothing to tell it
                 log.info("producer %s: cannot end a range flow: %s", self.policy.producer_id, e)
 
-    def window(self, records: HeldRecords) -> Window:
+    def window(self, records: HeldView) -> Window:
         return Window(records.first, records.next_seq)
 
 
@@ -196,7 +278,8 @@ class RangeFlow:
         self.arrow = arrow
         self.batch = batch if arrow else 1
         self.control = control
-        self.giver = RangeGiver(service.incarnation, control=control)
+        gated = service.gate is not None
+        self.giver = RangeGiver(service.incarnation, control=control, gated=gated)
         self.ending = False
 
     def _refuse(self, e: RemoteProtocolError) -> RemoteProtocolError:
@@ -241,7 +324,7 @@ class RangeFlow:
             )
             self.conn.send_eot({"reason": reason})
 
-    def _step(self, records: HeldRecords) -> object:
+    def _step(self, records: HeldView) -> object:
         """Under the backlog's lock: what to send next, and the records for it."""
         service = self.service
         if self.giver.incarnation != service.incarnation:
@@ -251,10 +334,15 @@ class RangeFlow:
         got = self.giver.next(window, self.batch)
         if isinstance(got, Records):
             taken = records.take(got.first, got.count, DAT_BYTES)
+            if taken is None or taken.first != got.first or not taken.values:
+                # The source cannot produce the record at got.first (a lost store
+                # record): the range is refused, with the window past that record.
+                assert window is not None
+                return self.giver.next(Window(got.first + 1, window.end), self.batch)
             return got, taken
         return got
 
-    def _commit_step(self, records: HeldRecords) -> tuple[object, int | None]:
+    def _commit_step(self, records: HeldView) -> tuple[object, int | None]:
         """A control flow's step, under the backlog's lock: the answer, and up to where
         to free (an :class:`Acked` commit's ``upto``; the giver checked it against this
         window and the incarnation, so the release happens under the same lock)."""
@@ -274,8 +362,11 @@ class RangeFlow:
         backlog = self.service.backlog
         stats = self.service.stats
         while not self.ending and flow.state is FlowState.READY and flow.credit > 0:
-            if self.giver.request is None:
+            req = self.giver.request
+            if req is None:
                 return
+            if isinstance(self.giver.request, HeldQuery):
+                backlog.prepare_held()
             if self.control:
                 try:
                     step = backlog.commit_held(self._commit_step)
@@ -285,6 +376,18 @@ class RangeFlow:
                     stats["control_acks"] += 1
                 elif isinstance(step, CommitRefused):
                     stats["control_acks_refused"] += 1
+                elif isinstance(step, Admitted) and step.gated:
+                    # Leased before the answer goes out: a driver holding the answer may
+                    # hand the key to its tasks at once.
+                    assert isinstance(req, AdmitRequest) and self.service.gate is not None
+                    self.service.gate.lease(self, req.key)
+                    stats["run_keys_admitted"] += 1
+                    log.info(
+                        "producer %s: run key %s admitted while the control flow of %s lives",
+                        self.service.policy.producer_id,
+                        req.key,
+                        conn.name,
+                    )
             else:
                 step = backlog.read_held(self._step)
             if step is _STALE:
@@ -393,6 +496,16 @@ class ProducerFlowHandler(GiverHandler):
         flow, self.range = self.range, None
         if flow is not None:
             flow.ending = True
-            self.service.flows.discard(flow)
+            service = self.service
+            service.flows.discard(flow)
+            gate = service.gate
+            if gate is not None and gate.release(flow) is not None:
+                service.stats["run_keys_revoked"] += 1
+                log.info(
+                    "producer %s: the control flow of %s ended (%s): its run key is revoked",
+                    service.policy.producer_id,
+                    conn.name,
+                    reason,
+                )
             return
         super().on_close(conn, reason)

@@ -91,7 +91,24 @@ class ZioDataSource(DataSource):  # type: ignore[misc]
             from zio_spark.spark.legacy import ZioStreamReaderOldApi
 
             cls = ZioStreamReaderOldApi
-        return cls(self._source_options(), _columns(schema))
+        reader = cls(self._source_options(), _columns(schema))
+        self._drop_curve_secret()
+        return reader
+
+    def _drop_curve_secret(self) -> None:
+        """Forget ``curveSecretKey`` once a stream reader holds the parsed options.
+
+        PySpark's read function for a Python source captures this object and is pickled
+        into every task; the tasks read with what their partitions carry (a key pair per
+        query run in ``readMode=direct``), so the source's secret key must not ride
+        along. Spark makes this object afresh from its own pickle for each runner or
+        planning worker, so dropping the key here loses it nowhere it is needed.
+        """
+        options = self.options
+        if any(str(k).lower() == "curvesecretkey" for k in options):
+            self.options = type(options)(
+                (k, v) for k, v in options.items() if str(k).lower() != "curvesecretkey"
+            )
 
     def reader(self, schema: StructType) -> DataSourceReader:
         compat.require("DataSourceReader", "spark.read.format('zio')")

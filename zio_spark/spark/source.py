@@ -39,7 +39,7 @@ from zio_spark.codec.schema import DEFAULT_SCHEMA, SPARK_SCHEMA, SPARK_TYPES
 from zio_spark.errors import ConfigError, DataLossError, TransportError
 from zio_spark.options import Curve, SourceOptions
 from zio_spark.source import direct, plan
-from zio_spark.source.range_client import RangeConnection
+from zio_spark.source.range_client import HeldWindow, RangeConnection
 from zio_spark.source.runtime import (
     RunState,
     Runtime,
@@ -170,6 +170,8 @@ class DirectPartition(InputPartition):  # type: ignore[misc]
     timestamp_us: int
     timeout: float
     mode: str | None
+    # The query run's CURVE key pair (Controls.run_curve), admitted by the producers
+    # while the run's control flows live; never the source's own secret key.
     curve: Curve | None
     stream: str
 
@@ -229,8 +231,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._implied = direct.ImpliedStart()
 
     def __getstate__(self) -> dict[str, Any]:
+        # Pickled for the tasks only (the runner makes its reader afresh): they read
+        # with what their partitions carry, so the source's CURVE keys (its secret key)
+        # stay on the driver.
         return {
-            "opts": self.opts,
+            "opts": replace(self.opts, curve=None),
             "columns": self.columns,
             "_rt": None,
             "_target": None,
@@ -288,6 +293,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             # last batch). After held(): a restarted runner knows each producer's
             # endpoint only then.
             controls.ack(begin)
+        if self._available_now:
+            self._direct_complete(controls, begin, held)
         if self._available_now and self._direct_target is None:
             # The run's target: what each producer held when it started.
             self._direct_target = {
@@ -306,6 +313,42 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         else:
             out.update(spool_start)  # not answering yet (a restarted runner): kept
         return dict(sorted(out.items()))
+
+    def _direct_complete(
+        self,
+        controls: direct.Controls,
+        begin: dict[str, direct.Position],
+        held: dict[str, HeldWindow],
+    ) -> None:
+        """availableNow, direct mode: a run never ends short of a producer silently. An
+        endpoint that gave no held window when the run started, or a producer that owes
+        the run records and no longer answers (each asked twice, up to connectTimeout
+        each), is a problem: the run fails (``failOnDataLoss``), else a WARN."""
+        fail = self.opts.fail_on_data_loss
+        if self._direct_target is None:
+            for endpoint, why in sorted(controls.unanswered.items()):
+                self._run_state.problem(
+                    endpoint,
+                    f"zio source (readMode=direct): {endpoint} gave no held window when "
+                    f"the availableNow run started ({why}); the run would end without "
+                    "its records. Start the producer first, or set failOnDataLoss=false "
+                    "to run without it",
+                    fail,
+                )
+            return
+        for p in direct.owed(begin, self._direct_target, held):
+            t = self._direct_target[p]
+            self._run_state.problem(
+                p,
+                f"zio source (readMode=direct): producer {p!r} "
+                f"({controls.where.get(p, 'no endpoint')}) held records up to "
+                f"{t.end - 1} when the availableNow run started; the run has read up to "
+                f"{begin[p].end - 1} and the producer no longer answers "
+                f"({controls.unanswered.get(controls.where.get(p, ''), 'no answer')}). "
+                "Restart the producer, or set failOnDataLoss=false to end the run "
+                "without them",
+                fail,
+            )
 
     def _runtime(self) -> Runtime:
         if self._rt is None:
@@ -468,6 +511,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             )
         o = self.opts
         planned = time.time_ns() // 1000
+        # The run's key pair, never the source's secret (docs/direct-read.md, Security).
+        curve = controls.task_curve(controls.where[p] for p in ranges)
         return spooled + [
             DirectPartition(
                 tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
@@ -476,7 +521,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 planned,
                 o.connect_timeout,
                 None if o.socket == "auto" else o.socket,
-                o.curve,
+                curve,
                 o.stream,
             )
             for group in direct.pack(ranges, o.max_records_per_partition)

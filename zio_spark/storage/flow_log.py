@@ -6,7 +6,15 @@ the store for a zio-spark taker and numbers them 1, 2, 3, ...; :class:`FlowLog` 
 carrying them is sent, and the highest seq the taker acknowledged, so a restarted queue
 gives a resuming taker exactly what it lacks. Records: ``BASE`` (next seq, acked; first
 and only first), ``ASSIGN`` (first seq, count, the keys), ``ACKED``, ``NEXT`` (a jump:
-the taker was ahead), each CRC-framed (:mod:`zio_spark.storage.files`). No zmq.
+the taker was ahead), ``INCARNATION``, each CRC-framed (:mod:`zio_spark.storage.files`).
+No zmq.
+
+The *incarnation* (docs/direct-read.md) names this log's numbering: under it, a seq
+names one store message, forever. It is drawn when the log is made (a new or an empty
+file: numbering starts at 1 again) and written right after ``BASE``, in the same commit;
+every replay and :meth:`FlowLog.rewrite` keeps it, so it lives exactly as long as the
+numbering does. A log from before incarnations were written (``BASE`` without one) gets
+one at its first open: its numbering is kept from there on.
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ import struct
 from pathlib import Path
 from typing import Final
 
-from zio_spark.errors import CorruptRecordError
+from zio_spark.errors import CorruptRecordError, LocalProtocolError
+from zio_spark.protocol.ranges import check_incarnation, new_incarnation
 from zio_spark.storage.files import atomic_write, frame, read_record, write_all
 
 __all__ = ["FlowLog"]
@@ -30,7 +39,12 @@ _BASE: Final = struct.Struct("<BQQ")  # type 0, next seq, acked
 _ASSIGN: Final = struct.Struct("<BQI")  # type 1, first seq, count; then count u64 keys
 _ACKED: Final = struct.Struct("<BQ")  # type 2, acked
 _NEXT: Final = struct.Struct("<BQ")  # type 3, next seq (a jump: the taker was ahead)
-_T_BASE, _T_ASSIGN, _T_ACKED, _T_NEXT = 0, 1, 2, 3
+# type 4, then the incarnation (ASCII, 1..64 of A-Z a-z 0-9 . _ -)
+_T_BASE, _T_ASSIGN, _T_ACKED, _T_NEXT, _T_INCARNATION = 0, 1, 2, 3, 4
+
+
+def _incarnation_payload(name: str) -> bytes:
+    return bytes((_T_INCARNATION,)) + name.encode("ascii")
 
 
 class FlowLog:
@@ -55,6 +69,9 @@ class FlowLog:
     assigned
         From the replay: ``{seq: store key}`` of every assignment still in the file
         (acknowledged ones included, until a rewrite drops them).
+    incarnation
+        The name of this log's numbering (module docstring): the replayed one, or a
+        fresh one (durable on return) for a new, empty or pre-incarnation log.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sync: bool = True) -> None:
@@ -63,6 +80,7 @@ class FlowLog:
         self.next_seq = 1
         self.acked = 0
         self.assigned: dict[int, int] = {}
+        self.incarnation = ""
         self.torn = 0
         self._buf: list[bytes] = []
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
@@ -70,7 +88,10 @@ class FlowLog:
             self.size = self._replay()
             if self.size == 0:
                 self._append(_BASE.pack(_T_BASE, 1, 0))
-                self.commit()
+            if not self.incarnation:
+                self.incarnation = new_incarnation(os.urandom(16))
+                self._append(_incarnation_payload(self.incarnation))
+            self.commit()
         except BaseException:
             os.close(self._fd)
             raise
@@ -124,6 +145,12 @@ class FlowLog:
             self.acked = max(self.acked, _ACKED.unpack(payload)[1])
         elif kind == _T_NEXT:
             self.next_seq = max(self.next_seq, _NEXT.unpack(payload)[1])
+        elif kind == _T_INCARNATION:
+            name = payload[1:].decode("ascii", "replace")
+            try:
+                self.incarnation = check_incarnation(name)
+            except LocalProtocolError as e:
+                raise CorruptRecordError(f"INCARNATION {name!r}: {e}", path=self.path) from e
         else:
             raise CorruptRecordError(f"unknown record type {kind}", path=self.path)
 
@@ -171,7 +198,7 @@ class FlowLog:
         ``live`` must be sorted by seq; gaps are written as runs of their own. Written to
         a temporary name, synced and renamed, so a crash leaves the old or the new file.
         """
-        parts = [_BASE.pack(_T_BASE, next_seq, acked)]
+        parts = [_BASE.pack(_T_BASE, next_seq, acked), _incarnation_payload(self.incarnation)]
         run: list[int] = []
         run_first = 0
         for seq, key in live:

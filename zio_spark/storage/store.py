@@ -395,6 +395,21 @@ class MessageStore:
         """
         return self._index.claim(key)
 
+    def read_taken(self, key: int) -> StoredMessage:
+        """Read an in-flight message back from disk, leaving its state alone.
+
+        For a caller that took it with ``take(pin=True)`` (or :meth:`claim`) and keeps
+        only its key, not its body: the queue's flow producer port serves range reads
+        from here (the body on disk is the durable one; nothing is held in memory).
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, ``key`` is not in flight, or its record cannot be
+            read back (CRC, short read); the message itself stays as it was.
+        """
+        return self._index.read_taken(key)
+
     def ack(self, key: int) -> bool:
         """Delete an in-flight message: a tombstone goes into the next commit.
 

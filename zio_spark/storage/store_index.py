@@ -203,6 +203,23 @@ class StoreIndex:
         self._pin(key)
         return message
 
+    def read_taken(self, key: int) -> StoredMessage:
+        """As :meth:`~zio_spark.storage.store.MessageStore.read_taken`."""
+        if self.closed:
+            raise StoreClosedError("the store is closed", path=self.root)
+        current = self._current(key) if self.forward else key
+        seg = self.segments.get(current >> 32)
+        slot = current & 0xFFFFFFFF
+        if seg is None or slot >= len(seg.state) or seg.state[slot] != STATE_IN_FLIGHT:
+            raise StoreError(
+                f"message {key:#x} is not in flight: it cannot be read back", path=self.root
+            )
+        try:
+            _, _, message_id, body = self.read(seg, slot)
+        except (OSError, StorageError, struct.error) as e:
+            raise StoreError(f"message {key:#x} cannot be read back: {e}", path=self.root) from e
+        return StoredMessage(key, message_id, body, True)
+
     def _pin(self, key: int) -> None:
         self.pinned.add(key)
         no = key >> 32

@@ -15,8 +15,10 @@ public key is accepted.
 
 from __future__ import annotations
 
+import collections
 import logging
-from collections.abc import Iterable
+import threading
+from collections.abc import Hashable, Iterable
 from types import TracebackType
 
 import zmq
@@ -254,6 +256,13 @@ class CurveAuthenticator:
     Built on pyzmq's :class:`zmq.auth.thread.ThreadAuthenticator`. One per context (ZAP
     handlers bind ``inproc://zeromq.zap.01``). It applies to every CURVE socket of the
     context whose ZAP domain matches ``domain`` (``"*"``: all). Use :func:`start_authenticator`.
+
+    Besides the allow-list, keys may be *leased*: :meth:`lease` admits a key on behalf of
+    an owner (a producer's control flow admitting its query's run key) until
+    :meth:`release` of that owner. A key is admitted while it is on the allow-list or
+    leased by any owner. The ZAP thread reads one immutable set per handshake; changes
+    are made under a lock and take effect at the next handshake (connections already
+    made stay up).
     """
 
     def __init__(
@@ -269,6 +278,12 @@ class CurveAuthenticator:
         self.domain = domain
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("zio_spark.transport.zap"))
         self._started = False
+        self._lock = threading.Lock()
+        self._leases: dict[Hashable, bytes] = {}
+        self._leased: frozenset[bytes] = frozenset()
+        self.refused = 0  # handshakes refused (ZAP thread; read for stats)
+        # Handshakes admitted, per client key (Z85): who connected with which key.
+        self.handshakes: collections.Counter[bytes] = collections.Counter()
 
     @property
     def allowed(self) -> frozenset[bytes]:
@@ -285,10 +300,41 @@ class CurveAuthenticator:
         gone = {curve_key(k, "allowed_client_public_keys") for k in keys}
         self._allowed = self._allowed - gone
 
+    @property
+    def leased(self) -> frozenset[bytes]:
+        """The keys admitted by a lease now, Z85."""
+        return self._leased
+
+    def lease(self, owner: Hashable, key: str | bytes) -> None:
+        """Admit ``key`` on behalf of ``owner`` until :meth:`release` (an owner holds
+        one key: a new lease replaces its old one).
+
+        Raises
+        ------
+        ConfigError
+            If ``key`` is malformed.
+        """
+        z85_key = curve_key(key, "leased_client_public_key")
+        with self._lock:
+            self._leases[owner] = z85_key
+            self._leased = frozenset(self._leases.values())
+
+    def release(self, owner: Hashable) -> bytes | None:
+        """End ``owner``'s lease (no-op without one); returns the key it held. The key
+        stays admitted if another owner leases it or it is on the allow-list."""
+        with self._lock:
+            key = self._leases.pop(owner, None)
+            if key is not None:
+                self._leased = frozenset(self._leases.values())
+        return key
+
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
-        ok = key in self._allowed
-        if not ok:
+        ok = key in self._allowed or key in self._leased
+        if ok:
+            self.handshakes[key] += 1
+        else:
+            self.refused += 1
             log.warning(
                 "CURVE client key %s refused (ZAP domain %r): not in the allow-list",
                 key.decode("ascii", "replace"),

@@ -1,0 +1,345 @@
+"""The queue's flow producer port serves direct reads from its store (issue #26, req. 4).
+
+PZQ producers put messages into the queue; the port numbers them into its side log
+(``seq -> store key``, under the side log's incarnation) when the driver's control flow
+asks for the held window, and range flows read them back from the store by key
+(:mod:`zio_spark.pzq.flow_ports`, docs/direct-read.md "The queue's flow producer").
+Covered: ranges and held answers from the store (no body kept in memory), commit acks
+deleting exactly up to the ack (monotonic, another incarnation frees nothing, beyond the
+end refused), a range planned before a queue SIGKILL served byte for byte after the
+restart, a lost side log making a new incarnation (the old ranges refused, never other
+data), a lost store record refused, and the side log's incarnation record. Every socket
+is on 127.0.0.1 with a random port; every wait polls with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from test_broker import (  # the queue_process fixture is shared by importing it
+    monitor,
+    nothing_within,
+    queue_process,  # noqa: F401
+    wait_for,
+)
+from test_flow_ports import _produce
+
+from tests.support import free_endpoint
+from zio_spark.errors import DataLossError, TransportError
+from zio_spark.protocol.message import join_single
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.pzq.flow_ports import FlowProducerPort
+from zio_spark.source.range_client import (
+    AckRefused,
+    ControlConnection,
+    HeldWindow,
+    held_window,
+    read_range,
+)
+from zio_spark.storage import flow_log
+from zio_spark.storage.files import frame
+from zio_spark.storage.flow_log import FlowLog
+
+Sock = zmq.Socket[bytes]
+T = 10.0  # seconds any one wait may last (returns as soon as it can)
+
+
+def _messages(prefix: bytes, n: int) -> list[tuple[bytes, list[bytes]]]:
+    return [(b"%s-%04d" % (prefix, i), [b"%s-body-%04d" % (prefix, i) * 3]) for i in range(n)]
+
+
+def _read(endpoint: str, producer: str, inc: str, start: int, end: int, ctx: Any) -> list:
+    batches = read_range(endpoint, producer, inc, start, end, ctx=ctx, timeout=T)
+    return [(r["seq"], r["key"], r["value"], r["headers"]) for b in batches for r in b.to_pylist()]
+
+
+def _port(b: QueueBroker) -> FlowProducerPort:
+    flows = b._flows
+    assert flows is not None and flows.producer is not None
+    return flows.producer
+
+
+def _stat(b: QueueBroker, key: str) -> int:
+    return int(b.stats()[key])
+
+
+def test_the_queue_serves_held_windows_and_ranges_from_its_store(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    closing: list[Any],
+) -> None:
+    b = make_broker(flow_producer="tcp://127.0.0.1:*")
+    ep = b.endpoints["flow_producer"]
+    pid = f"queue:{b.queue_id.decode()}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    messages = _messages(b"a", 299)
+    messages.append((b"multi", [b"part0", b"", b"x" * 300]))  # a multi-part body
+    _produce(producer, messages)
+    port = _port(b)
+
+    control = ControlConnection(ep, ctx=ctx, timeout=T)
+    closing.append(control)
+    inc = control.incarnation
+    assert control.producer == pid and inc == port.incarnation
+    # Nothing was numbered before the held query: it numbers what the store has ready.
+    assert control.held() == HeldWindow(inc, 1, 301)
+    # Ranges in the port's numbering, read back from the store in store order.
+    got = _read(ep, pid, inc, 1, 151, ctx) + _read(ep, pid, inc, 151, 301, ctx)
+    assert [g[0] for g in got] == list(range(1, 301))
+    assert [(k, v) for _, k, v, _ in got[:-1]] == [(mid, body[0]) for mid, body in messages[:-1]]
+    assert got[-1][1:3] == (b"multi", join_single([b"part0", b"", b"x" * 300]))
+    assert dict(got[-1][3]) == {"zio.frames": "3"}
+    # A retried task gets the same bytes; a read frees nothing and keeps no body in memory.
+    assert _read(ep, pid, inc, 40, 260, ctx) == got[39:259]
+    assert all(g.body is None for g in port._table.values())
+    wait_for(lambda: _stat(b, "flow_given") == 300, what="flow_given")
+    assert _stat(b, "messages") == 300 and _stat(b, "flow_acked") == 0
+    # Later messages: the next held query numbers them on.
+    _produce(producer, _messages(b"b", 20))
+    assert control.held() == HeldWindow(inc, 1, 321)
+    late = _read(ep, pid, inc, 301, 321, ctx)
+    assert [(s, k) for s, k, _, _ in late] == [(301 + i, b"b-%04d" % i) for i in range(20)]
+    # Beyond the end and another incarnation: data loss, never a wait or other data.
+    with pytest.raises(DataLossError, match="321"):
+        _read(ep, pid, inc, 300, 322, ctx)
+    with pytest.raises(DataLossError, match="incarnation"):
+        _read(ep, pid, "another-one", 1, 10, ctx)
+    assert port.range_stats["range_flows"] >= 6 and port.range_stats["control_flows"] == 1
+    # Assigned to the flow: a PZQ consumer does not get them (it would get messages not
+    # numbered yet: the flow takes from the store only when a held query asks).
+    consumer = raw_socket(zmq.ROUTER)
+    consumer.setsockopt(zmq.PROBE_ROUTER, 1)
+    consumer.connect(b.endpoints["send"])
+    assert nothing_within(consumer, 0.3)
+
+
+def test_commit_acks_delete_exactly_up_to_the_ack(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    closing: list[Any],
+) -> None:
+    b = make_broker(flow_producer="tcp://127.0.0.1:*")
+    ep = b.endpoints["flow_producer"]
+    pid = f"queue:{b.queue_id.decode()}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, _messages(b"a", 200))
+    control = ControlConnection(ep, ctx=ctx, timeout=T)
+    closing.append(control)
+    inc = control.incarnation
+    assert control.held() == HeldWindow(inc, 1, 201)
+    rows = _read(ep, pid, inc, 1, 201, ctx)
+
+    assert control.ack(120, inc) == HeldWindow(inc, 121, 201)
+    wait_for(lambda: _stat(b, "messages") == 80, what="120 messages deleted")
+    assert _stat(b, "flow_acked") == 120 and _port(b).acked == 120
+    # The store holds exactly the unacked ones: 121..200.
+    left = {mid for mid, _ in _port(b).store.iter_messages()}
+    assert left == {r[1] for r in rows[120:]}
+    with pytest.raises(DataLossError, match=r"\[100, 130\)"):
+        _read(ep, pid, inc, 100, 130, ctx)
+    assert _read(ep, pid, inc, 121, 201, ctx) == rows[120:]
+    # Monotonic: older or repeated commits are no-ops.
+    assert control.ack(120, inc) == HeldWindow(inc, 121, 201)
+    assert control.ack(7, inc) == HeldWindow(inc, 121, 201)
+    # Another incarnation frees nothing; the flow goes on.
+    with pytest.raises(AckRefused):
+        control.ack(150, "not-this-numbering")
+    assert control.held() == HeldWindow(inc, 121, 201)
+    assert _stat(b, "flow_acked") == 120
+    # The last record can be acked; one beyond ends the flow, naming both numbers.
+    assert control.ack(200, inc) == HeldWindow(inc, 201, 201)
+    wait_for(lambda: _stat(b, "messages") == 0, what="every message deleted")
+    with pytest.raises(TransportError) as e:
+        control.ack(201, inc)
+    assert "ack 201" in str(e.value) and "last record is 200" in str(e.value)
+    assert _stat(b, "flow_acked") == 200
+
+
+def test_a_range_planned_before_a_queue_sigkill_is_served_byte_for_byte_after_it(
+    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    ep = free_endpoint()
+    proc, info = queue_process(store, "--flow-producer", ep)
+    pid = f"queue:{info['queue_id']}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(info["receive"])
+    _produce(producer, _messages(b"a", 400))
+    # The driver plans on the held window; one task reads, one commit is applied.
+    planned = held_window(ep, pid, ctx=ctx, timeout=T)
+    assert (planned.first, planned.end) == (1, 401)
+    before = _read(ep, pid, planned.incarnation, 1, 401, ctx)
+    with ControlConnection(ep, ctx=ctx, timeout=T) as control:
+        assert control.ack(100, planned.incarnation).first == 101
+    producer.close(linger=0)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    proc, info = queue_process(store, "--flow-producer", ep)
+    assert f"queue:{info['queue_id']}" == pid
+    inc = planned.incarnation
+    # Same numbering, same name: the ranges planned before are served byte for byte.
+    assert held_window(ep, pid, ctx=ctx, timeout=T) == HeldWindow(inc, 101, 401)
+    assert _read(ep, pid, inc, 101, 401, ctx) == before[100:]
+    assert _read(ep, pid, inc, 250, 260, ctx) == before[249:259]
+    with pytest.raises(DataLossError):  # acked before the kill: gone for good
+        _read(ep, pid, inc, 50, 150, ctx)
+    # New messages are numbered on; acks go on deleting exactly up to them.
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(info["receive"])
+    _produce(producer, _messages(b"b", 50))
+    with ControlConnection(ep, ctx=ctx, timeout=T) as control:
+        assert control.held() == HeldWindow(inc, 101, 451)
+        after = _read(ep, pid, inc, 401, 451, ctx)
+        assert [r[1] for r in after] == [b"b-%04d" % i for i in range(50)]
+        assert control.ack(300, inc) == HeldWindow(inc, 301, 451)
+        mon = raw_socket(zmq.REQ)
+        mon.connect(info["monitor"])
+        wait_for(lambda: monitor(mon)["messages"] == "150", what="acks up to 300 applied")
+
+
+def test_a_read_cut_by_a_queue_sigkill_fails_bounded_and_its_retry_gets_the_same_bytes(
+    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    tmp_path: Path,
+) -> None:
+    """A task reading when the queue dies: a TransportError within its timeout naming the
+    endpoint (never a hang, never a short range taken as whole); its retry on the
+    restarted queue gets exactly the rows of a read before the kill."""
+    store = tmp_path / "store"
+    ep = free_endpoint()
+    proc, info = queue_process(store, "--flow-producer", ep)
+    pid = f"queue:{info['queue_id']}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(info["receive"])
+    _produce(producer, _messages(b"a", 1000))
+    producer.close(linger=0)
+    planned = held_window(ep, pid, ctx=ctx, timeout=T)
+    whole = _read(ep, pid, planned.incarnation, 1, 1001, ctx)
+    # Little credit and small DATs: the giver is far from the end when the queue dies.
+    batches = read_range(
+        ep, pid, planned.incarnation, 1, 1001, ctx=ctx, timeout=3.0, credit=2, batch=50
+    )
+    try:
+        first = next(batches)
+        assert first.num_rows <= 50 and first.column("seq")[0].as_py() == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(TransportError) as e:
+            for _ in batches:
+                pass
+        assert ep in str(e.value)
+    finally:
+        batches.close()
+    queue_process(store, "--flow-producer", ep)
+    assert _read(ep, pid, planned.incarnation, 1, 1001, ctx) == whole
+
+
+def test_a_lost_side_log_is_another_incarnation_and_old_ranges_are_refused(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    b = make_broker(store, flow_producer="tcp://127.0.0.1:*")
+    ep = b.endpoints["flow_producer"]
+    pid = f"queue:{b.queue_id.decode()}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, _messages(b"a", 30))
+    planned = held_window(ep, pid, ctx=ctx, timeout=T)
+    b.stop()
+    (store / "flow-producer.log").unlink()  # the numbering is gone with it
+
+    b = make_broker(store, flow_producer="tcp://127.0.0.1:*")
+    ep = b.endpoints["flow_producer"]
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, _messages(b"b", 10))
+    now = held_window(ep, pid, ctx=ctx, timeout=T)
+    assert now.incarnation != planned.incarnation
+    assert (now.first, now.end) == (1, 41)  # renumbered from 1: the same seqs, other data
+    with pytest.raises(DataLossError) as e:
+        _read(ep, pid, planned.incarnation, 1, 31, ctx)
+    assert planned.incarnation in str(e.value) and now.incarnation in str(e.value)
+    assert len(_read(ep, pid, now.incarnation, 1, 41, ctx)) == 40
+
+
+def test_a_store_record_lost_under_a_range_refuses_the_range(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+) -> None:
+    b = make_broker(flow_producer="tcp://127.0.0.1:*")
+    ep = b.endpoints["flow_producer"]
+    pid = f"queue:{b.queue_id.decode()}"
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, _messages(b"a", 20))
+    inc = held_window(ep, pid, ctx=ctx, timeout=T).incarnation
+    good = _read(ep, pid, inc, 1, 21, ctx)
+    # Damage seq 12's record on disk (its CRC fails): the store cannot give it back.
+    port = _port(b)
+    key = port._table[12].key
+    seg = port.store._index.segments[key >> 32]
+    offset = seg.offsets[key & 0xFFFFFFFF] + 12
+    fd = os.open(seg.path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)
+    with pytest.raises(DataLossError, match=r"\[1, 21\)"):
+        _read(ep, pid, inc, 1, 21, ctx)
+    # What lies on either side of the hole is still served as before.
+    assert _read(ep, pid, inc, 1, 12, ctx) == good[:11]
+    assert _read(ep, pid, inc, 13, 21, ctx) == good[12:]
+    assert port.counters["lost"] == 1
+
+
+def test_the_side_log_keeps_its_incarnation(tmp_path: Path) -> None:
+    path = tmp_path / "flow.log"
+    fl = FlowLog(path, sync=False)
+    inc = fl.incarnation
+    fl.assign(1, [11, 12, 13])
+    fl.close()
+    fl = FlowLog(path, sync=False)
+    assert fl.incarnation == inc and fl.assigned == {1: 11, 2: 12, 3: 13}
+    fl.rewrite(4, 1, [(2, 12), (3, 13)])
+    fl.close()
+    fl = FlowLog(path, sync=False)
+    assert (fl.incarnation, fl.next_seq, fl.acked) == (inc, 4, 1)
+    fl.close()
+    # A log written before incarnations (BASE and ASSIGN only) keeps its numbering and
+    # gets a name at its first open, the same at the next.
+    old = [flow_log._BASE.pack(0, 3, 0), flow_log._ASSIGN.pack(1, 1, 2) + bytes(16)]
+    legacy = tmp_path / "legacy.log"
+    legacy.write_bytes(b"".join(frame(p) + p for p in old))
+    fl = FlowLog(legacy, sync=False)
+    named = fl.incarnation
+    assert named and fl.assigned == {1: 0, 2: 0} and fl.next_seq == 3
+    fl.close()
+    fl = FlowLog(legacy, sync=False)
+    assert fl.incarnation == named and fl.torn == 0
+    fl.close()
+    # An empty file starts a numbering from 1 again: another incarnation.
+    path.write_bytes(b"")
+    fl = FlowLog(path, sync=False)
+    assert fl.incarnation != inc and fl.next_seq == 1
+    fl.close()
