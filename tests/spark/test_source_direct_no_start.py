@@ -10,8 +10,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from tests.support import wait_until
 from zio_spark.options import parse_source_options
 from zio_spark.spark.legacy import ZioStreamReaderOldApi
+
+T = 60.0  # seconds: every wait of a test is bounded by this
 
 
 def _reader(endpoint: str, tmp_path: Any) -> ZioStreamReaderOldApi:
@@ -46,8 +49,9 @@ def test_a_new_checkpoint_then_a_restart_in_old_sparks_call_order(producers, tmp
         assert _seqs(r, start0, end0) == list(range(1, 101))
         assert p.acked == 0
         p.send_many([b"v%d" % i for i in range(100, 150)])
-        end1 = r.latestOffset()  # batch 0 is committed: acked now
-        assert end1 == _at(p, 151) and p.acked == 100
+        end1 = r.latestOffset()  # batch 0 is committed: acked now (on the control lane)
+        assert end1 == _at(p, 151)
+        wait_until(lambda: p.acked == 100, T, "batch 0 acked")
         assert _seqs(r, end0, end1) == list(range(101, 151))
         r.commit(end0)  # commit() lags a batch: already acked, nothing more
         assert p.acked == 100
@@ -60,7 +64,8 @@ def test_a_new_checkpoint_then_a_restart_in_old_sparks_call_order(producers, tmp
         assert r.partitions(end1, end1) == []  # a restart's first call: not a batch
         assert _seqs(r, end0, end1) == list(range(101, 151))  # re-run: the same rows
         end2 = r.latestOffset()  # once it is committed: acked, and the rest planned
-        assert end2 == _at(p, 171) and p.acked == 150
+        assert end2 == _at(p, 171)
+        wait_until(lambda: p.acked == 150, T, "the re-run batch acked")
         assert _seqs(r, end1, end2) == list(range(151, 171))
     finally:
         r.stop()
@@ -69,7 +74,8 @@ def test_a_new_checkpoint_then_a_restart_in_old_sparks_call_order(producers, tmp
     r = _reader(p.endpoint, tmp_path)
     try:
         r.partitions(end2, end2)
-        assert r.latestOffset() == end2 and p.acked == 170
+        assert r.latestOffset() == end2
+        wait_until(lambda: p.acked == 170, T, "the last run's batch acked")
     finally:
         r.stop()
 
