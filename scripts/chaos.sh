@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The reliability (chaos) suite of tests/reliability at full size: 1M records through the
-# source, the sink and the queue while drivers, producers and the queue are SIGKILLed and
-# restarted (the CI-sized versions run in the normal suite). ~10-15 min on 2 cores.
+# source (spool and readMode=direct), the sink and the queue while drivers, producers and
+# the queue are SIGKILLed and restarted (the CI-sized versions run in the normal suite).
+# ~10-15 min on 2 cores.
 #
 #   bash scripts/chaos.sh                       # a fresh random seed per test (printed)
 #   ZIO_CHAOS_SEED=1234 bash scripts/chaos.sh   # replay the kill moments of a failed run
 #   bash scripts/chaos.sh -k queue              # extra arguments go to pytest
+#   bash scripts/chaos.sh -k direct             # the source in readMode=direct only
 #
 # Loopback only; every child process is killed and reaped by the tests themselves.
 set -euo pipefail

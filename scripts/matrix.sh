@@ -18,7 +18,8 @@
 # 4. pytest -m compat on a copy of tests/ in a temp folder, so that zio_spark can only
 #    come from the installed wheel (the test checks the driver's and the workers'):
 #    a stream, availableNow with the producer in another process, a batch read, the sink
-#    (stream and batch), a Spark Connect round trip, the maxRecordsPerTrigger rule.
+#    (stream and batch), a Spark Connect round trip, the maxRecordsPerTrigger rule,
+#    readMode=direct (tests/compat/test_direct.py).
 #    Every test must pass: a skip fails the version. The full suite covers 4.3 (.venv),
 #    so 4.3.0 runs the probes and one stream here, against the wheel.
 #

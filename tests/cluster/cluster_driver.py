@@ -6,7 +6,11 @@ workers cannot see, ``spoolAccess=auto``) into ``writeStream.format("zio")`` (a 
 and prints one ``PROGRESS`` JSON line per micro-batch. It stops once ``--records`` rows
 went through and no batch has come for a while, and prints ``DONE``.
 
-Argv: master producer_endpoint consumer_endpoint spool checkpoint records
+Argv: master producer_endpoint consumer_endpoint spool checkpoint records [read_mode]
+
+``read_mode`` ``direct`` (default ``spool``): ``readMode=direct``, no spool: each task
+reads its range straight from the producer, the driver acks commits on its control
+flow; ``PROGRESS`` lines then carry the producer's held window as the driver last saw it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def probe(spool: str) -> dict[str, object]:
 
 def main() -> int:
     master, producer, consumer, spool, ckpt, records = sys.argv[1:7]
+    read_mode = sys.argv[7] if len(sys.argv) > 7 else "spool"
     total = int(records)
     from pyspark.sql import SparkSession
 
@@ -68,15 +73,16 @@ def main() -> int:
     for p in sc.parallelize(range(8), 8).map(lambda _: probe(spool)).collect():
         print("PROBE " + json.dumps(p), flush=True)
 
-    df = (
+    reader = (
         spark.readStream.format("zio")
         .option("endpoints", producer)
-        .option("spoolPath", spool)
-        .option("spoolAccess", "auto")
         .option("maxRecordsPerTrigger", "3000")
-        .load()
-        .selectExpr("value", "cast(cast(seq as string) as binary) as key")
     )
+    if read_mode == "direct":
+        reader = reader.option("readMode", "direct")
+    else:
+        reader = reader.option("spoolPath", spool).option("spoolAccess", "auto")
+    df = reader.load().selectExpr("value", "cast(cast(seq as string) as binary) as key")
     q = (
         df.writeStream.format("zio")
         .option("endpoint", consumer)
@@ -110,6 +116,7 @@ def main() -> int:
                     "rows": n,
                     "total": rows,
                     "segmentRequests": report.get("segmentRequests"),
+                    "heldWindows": report.get("heldWindows"),
                 }
                 print("PROGRESS " + json.dumps(line), flush=True)
             # Every record read and committed, and two more batches' worth of quiet (so

@@ -212,6 +212,30 @@ def test_a_range_planned_before_a_queue_sigkill_is_served_byte_for_byte_after_it
         wait_for(lambda: monitor(mon)["messages"] == "150", what="acks up to 300 applied")
 
 
+def test_a_control_flow_that_outlived_a_killed_queue_is_told_at_once(
+    queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
+    ctx: zmq.Context[Any],
+    tmp_path: Path,
+) -> None:
+    """After a queue SIGKILL and restart on its endpoint the driver's socket reconnects
+    by itself; its next request reaches a queue process that knows no flow of it. The
+    queue answers with an EOT, so the driver reopens at once instead of waiting its
+    whole timeout (60 s here: the error would then say "no answer")."""
+    store = tmp_path / "store"
+    ep = free_endpoint()
+    proc, info = queue_process(store, "--flow-producer", ep)
+    pid = f"queue:{info['queue_id']}"
+    with ControlConnection(ep, ctx=ctx, timeout=60) as control:
+        inc = control.held(pid).incarnation
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        queue_process(store, "--flow-producer", ep)
+        with pytest.raises(TransportError) as info_:
+            control.held(pid)
+        assert "no flow with you here" in str(info_.value), str(info_.value)
+    assert held_window(ep, pid, ctx=ctx, timeout=T).incarnation == inc
+
+
 def test_a_read_cut_by_a_queue_sigkill_fails_bounded_and_its_retry_gets_the_same_bytes(
     queue_process: Callable[..., tuple[subprocess.Popen[bytes], dict[str, str]]],  # noqa: F811
     raw_socket: Callable[[int], Sock],

@@ -11,8 +11,12 @@ a deadline.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -26,6 +30,7 @@ from zio_spark.protocol.flow import BotReceived, Direction, Role
 from zio_spark.protocol.ranges import state_capability
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import (
+    ControlConnection,
     HeldWindow,
     RangeConnection,
     RangesNotServed,
@@ -488,3 +493,81 @@ def test_an_incarnation_other_than_the_retention_folders_is_refused(ctx, closing
     with pytest.raises(ConfigError, match="incarnation"):
         _producer(ctx, closing, retention_dir=folder, incarnation="another-one")
     assert _producer(ctx, closing, retention_dir=folder, incarnation=kept).incarnation == kept
+
+
+# A producer process on a retention folder, to be SIGKILLed (no EOT to its readers):
+# argv endpoint folder; prints its endpoint once bound and its records are held.
+_KILLABLE = r"""
+import sys, time
+from zio_spark.source.producer import Producer
+deadline = time.monotonic() + 10
+while True:  # the killed process's listener may still be going away
+    try:
+        p = Producer(sys.argv[1], producer_id="p1", linger_ms=0, retention_dir=sys.argv[2])
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+if p.last_seq == 0:
+    p.send_many([b"v%d" % i for i in range(1, 101)])
+print(p.endpoint, flush=True)
+time.sleep(120)
+"""
+
+
+def _killable(endpoint: str, folder: Any) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE, endpoint, str(folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()  # the child binds within its 10 s
+
+
+def test_readers_whose_flows_outlived_a_killed_producer_are_told_at_once(ctx, tmp_path):
+    """A producer SIGKILLed and restarted on its endpoint and folder (the direct read
+    mode's chaos): the driver's control flow and a task's range flow, open on the killed
+    process, reconnect by themselves at the socket level, and their next request reaches
+    a process where no flow knows them. It answers with an EOT saying so, and the reader
+    fails at once (then opens a new flow) instead of after its whole timeout (60 s here:
+    a driver's trigger, a task's read, stuck that long)."""
+    folder = tmp_path / "retention"
+    slow = 60.0
+    first, endpoint = _killable("tcp://127.0.0.1:*", folder)
+    procs = [first]
+    try:
+        control = ControlConnection(endpoint, ctx=ctx, timeout=slow)
+        reader = RangeConnection(endpoint, ctx=ctx, timeout=slow)
+        try:
+            window = control.held()
+            assert (window.first, window.end) == (1, 101)
+            first.kill()
+            first.wait(T)
+            again, _ = _killable(endpoint, folder)
+            procs.append(again)
+            for what, call in (
+                ("held", control.held),
+                ("read", lambda: list(reader.read(P, window.incarnation, 1, 50))),
+            ):
+                t0 = time.monotonic()
+                with pytest.raises(TransportError) as e:
+                    call()
+                took = time.monotonic() - t0
+                assert took < T, f"{what}: told after {took:.1f} s"
+                assert "producer restarted" in str(e.value), e.value
+        finally:
+            control.close()
+            reader.close()
+        # A new flow reads on in the same numbering (the folder's).
+        with ControlConnection(endpoint, ctx=ctx, timeout=T) as fresh:
+            assert fresh.held() == window
+        rows = _rows(list(read_range(endpoint, P, window.incarnation, 1, 101, ctx=ctx, timeout=T)))
+        assert [r["value"] for r in rows] == [b"v%d" % i for i in range(1, 101)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(T)

@@ -3,11 +3,16 @@
 Usage::
 
     python driver_child.py source ENDPOINT CKPT OUT SPOOL PER_TRIGGER BACKLOG CREDIT [TOPOLOGY]
+    python driver_child.py direct ENDPOINT CKPT OUT PER_TRIGGER MASTER
     python driver_child.py sink ENDPOINT CKPT ROWS_PER_BATCH SEED FAIL_PROB
 
 ``source``: ``readStream.format("zio")`` from one producer -> parquet files in ``OUT``;
 ``TOPOLOGY`` ``connect`` (default: the source connects to the producer at ENDPOINT) or
 ``bind`` (the source binds ENDPOINT and the producer connects as a flow client).
+``direct``: the same query with ``readMode=direct`` (no spool: tasks read ranges straight
+from the producer at ENDPOINT, the driver acks commits on its control flow), on Spark
+master ``MASTER`` (``local[2,8]``: a task whose range read a producer kill cut short is
+retried; or a standalone cluster's URL).
 ``sink``: ``rate-micro-batch`` -> a UDF that fails some tasks (seeded, first attempt only,
 after part of the partition went out) -> ``writeStream.format("zio")``, on
 ``local[2,4]`` so failed tasks are retried.
@@ -69,6 +74,28 @@ def source_query(argv: list[str]):
     )
 
 
+def direct_query(argv: list[str]):
+    endpoint, ckpt, out, per_trigger, master = argv
+    extra = {"spark.task.maxFailures": "8"} if not master.startswith("local") else {}
+    spark = session(master, "zio-chaos-direct", extra)
+    df = (
+        spark.readStream.format("zio")
+        .option("endpoints", endpoint)
+        .option("readMode", "direct")
+        .option("maxRecordsPerTrigger", per_trigger)
+        .option("connectTimeout", "60s")
+        .load()
+        .select("producer", "seq", "value")
+    )
+    return (
+        df.writeStream.format("parquet")
+        .option("path", out)
+        .option("checkpointLocation", ckpt)
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+
+
 def sink_query(argv: list[str]):
     endpoint, ckpt, rows, seed, prob = argv
     seed_i, prob_f = int(seed), float(prob)
@@ -114,7 +141,7 @@ def sink_query(argv: list[str]):
 
 def main() -> int:
     mode, *argv = sys.argv[1:]
-    query = {"source": source_query, "sink": sink_query}[mode](argv)
+    query = {"source": source_query, "direct": direct_query, "sink": sink_query}[mode](argv)
     print("STARTED", query.id, flush=True)
     try:
         query.awaitTermination()  # returns or raises only when the query ends by itself

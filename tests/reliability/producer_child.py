@@ -1,9 +1,12 @@
 """A replayable producer for the reliability suite, run as a child so it can be SIGKILLed.
 
-Usage: ``python producer_child.py ENDPOINT PRODUCER_ID COUNT RATE [bind|connect]``
+Usage: ``python producer_child.py ENDPOINT PRODUCER_ID COUNT RATE [bind|connect|direct DIR]``
 (records/s, 0: no limit). ``bind`` (default): the producer binds ENDPOINT and the source
 connects to it; ``connect``: the producer is a flow client of a source that binds
-ENDPOINT (``Producer(connect=...)``), reconnecting after the source's driver dies.
+ENDPOINT (``Producer(connect=...)``), reconnecting after the source's driver dies;
+``direct DIR``: the producer binds ENDPOINT with its retention in folder ``DIR``
+(``Producer(retention_dir=DIR)``) for a ``readMode=direct`` source, which never becomes
+its taker (tasks read ranges, the driver acks on a control flow).
 
 Record ``s`` (1-based) is always ``b"r<s>"``, as from an instrument that can re-read
 its data. The :class:`~zio_spark.source.producer.Producer` keeps unacknowledged records
@@ -13,8 +16,15 @@ taker's reply to ours), which moves its numbering on to the last record the sour
 holds, and produces from there: so the source decides where a restarted producer
 resumes, and any gap or overlap would show in the output.
 
-Prints ``ENDPOINT <ep>``, ``RESUME <seq>`` once a taker is attached, ``SENT <count>``
-when everything is queued, then waits to be killed or terminated.
+``direct``: a restart reopens the folder, so it keeps its records, its numbering and its
+incarnation; it resumes after the last record the folder holds (``Producer.last_seq``: a
+``send_many`` the kill cut short left a torn tail, cut off on reopen, so those records
+are sent again under the same numbers). No taker's ``resume`` is involved: the folder
+decides.
+
+Prints ``ENDPOINT <ep>``, ``INCARNATION <inc>`` (``direct``), ``RESUME <seq>`` once a taker
+is attached (``direct``: once the driver's control flow is), ``SENT <count>`` when
+everything is queued, then waits to be killed or terminated.
 """
 
 from __future__ import annotations
@@ -33,14 +43,22 @@ BIND_RETRY_S = 15.0
 TAKER_WAIT_S = 600.0
 
 
-def bind(endpoint: str, producer_id: str, connect: bool = False) -> Producer:
+def bind(
+    endpoint: str, producer_id: str, connect: bool = False, retention: str | None = None
+) -> Producer:
     """The previous incarnation's listener may still be going away: retry briefly."""
     if connect:
         return Producer(connect=endpoint, producer_id=producer_id, linger_ms=0, max_unacked=200_000)
     deadline = time.monotonic() + BIND_RETRY_S
     while True:
         try:
-            return Producer(endpoint, producer_id=producer_id, linger_ms=0, max_unacked=200_000)
+            return Producer(
+                endpoint,
+                producer_id=producer_id,
+                linger_ms=0,
+                max_unacked=200_000,
+                retention_dir=retention,
+            )
         except (TransportError, zmq.ZMQError):
             if time.monotonic() > deadline:
                 raise
@@ -51,19 +69,30 @@ def main() -> int:
     endpoint, producer_id = sys.argv[1:3]
     count, rate = int(sys.argv[3]), float(sys.argv[4])
     topology = sys.argv[5] if len(sys.argv) > 5 else "bind"
-    if topology not in ("bind", "connect"):
-        print(f"topology must be 'bind' or 'connect', got {topology!r}", file=sys.stderr)
+    if topology not in ("bind", "connect", "direct") or (topology == "direct") != (
+        len(sys.argv) > 6
+    ):
+        print(
+            f"topology must be 'bind', 'connect' or 'direct DIR', got {sys.argv[5:]!r}",
+            file=sys.stderr,
+        )
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    prod = bind(endpoint, producer_id, connect=topology == "connect")
+    retention = sys.argv[6] if topology == "direct" else None
+    prod = bind(endpoint, producer_id, connect=topology == "connect", retention=retention)
     print("ENDPOINT", prod.endpoint, flush=True)
+    if retention is not None:
+        print("INCARNATION", prod.incarnation, flush=True)
     deadline = time.monotonic() + TAKER_WAIT_S
-    while not prod.connected:
+    # ``direct``: the reader's driver is no taker; production starts once its control
+    # flow is open (a restart: once the driver's next held query reopened it), so that
+    # the records are produced while the query runs, as after a taker's BOT.
+    while not (prod.stats["control_flows"] if retention is not None else prod.connected):
         if time.monotonic() > deadline:
             print("NO_TAKER", flush=True)
             return 1
         time.sleep(0.02)
-    resume = prod.last_seq  # the taker's resume, or 0 on a fresh source
+    resume = prod.last_seq  # the taker's resume (0 on a fresh source), or the folder's last
     print("RESUME", resume, flush=True)
     seq = resume + 1
     started = time.monotonic()

@@ -31,7 +31,7 @@ def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
     def make() -> Any:
         r = legacy.ZioStreamReaderOldApi.__new__(legacy.ZioStreamReaderOldApi)
-        r.opts = SimpleNamespace(spool_path=str(tmp_path))
+        r.opts = SimpleNamespace(spool_path=str(tmp_path), read_mode="spool")
         return r
 
     make.starts = starts  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -180,6 +181,30 @@ except Exception as e:
     assert "Spark 4.2" in error and "Drop the option" in error
 
 
+def test_old_spark_reads_direct_with_the_old_api_reader_and_refuses_only_what_remains() -> None:
+    """``readMode=direct`` is no longer refused before 4.2 (the start comes from Spark's
+    other calls); a batch read in direct mode still is, naming why."""
+    out = _child(
+        _OLD_SPARK
+        + """
+from pyspark.sql.types import StructType
+from zio_spark.spark.datasource import ZioDataSource
+opts = {"endpoints": "tcp://127.0.0.1:5555", "spoolPath": "/tmp/x", "readMode": "direct"}
+reader = ZioDataSource(options=opts).streamReader(StructType())
+print(type(reader).__name__, reader.opts.read_mode)
+try:
+    ZioDataSource(options=opts).reader(StructType())
+except Exception as e:
+    print(type(e).__name__, e)
+"""
+    )
+    assert out.returncode == 0, out.stderr
+    kind, error = out.stdout.splitlines()[:2]
+    assert kind == "ZioStreamReaderOldApi direct"
+    assert error.startswith("ConfigError option 'readMode': got 'direct'")
+    assert "streaming queries (spark.readStream) only" in error
+
+
 def test_a_missing_class_fails_at_load_naming_it_and_the_spark_that_has_it() -> None:
     out = _child(
         """
@@ -218,6 +243,7 @@ def test_the_old_api_reader_passes_its_previous_answer_as_start(
     monkeypatch.setattr(ZioStreamReader, "reportLatestOffset", lambda self: {"backlog": {}})
     monkeypatch.setattr(legacy.ZioStreamReaderOldApi, "_planned_end", lambda self: None)
     r = legacy.ZioStreamReaderOldApi.__new__(legacy.ZioStreamReaderOldApi)
+    r.opts = SimpleNamespace(read_mode="spool")
     assert [r.latestOffset() for _ in range(3)] == [{"p": 10}, {"p": 25}, {"p": 25}]
     assert seen == [({}, None), ({"p": 10}, None), ({"p": 25}, None)]
 

@@ -25,6 +25,9 @@ Planning rules (pure, :func:`latest`, :func:`batch_ranges`):
 A batch reads ``[start.end, end.end)`` of every producer whose incarnation is the same in
 both offsets; a producer whose incarnation changed reads nothing in that batch.
 
+A Spark that calls ``latestOffset()`` without the batch start (before 4.2) gets the same
+planning: the runner knows the start from Spark's other calls (:class:`ImpliedStart`).
+
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
 opened at the first need, reopened after a failure) for ``held`` queries and commit acks,
 each on a thread of its own, so that an endpoint that is down never holds the others up.
@@ -61,6 +64,7 @@ from zio_spark.source.range_client import (
 __all__ = [
     "Controls",
     "DirectRange",
+    "ImpliedStart",
     "Loss",
     "Position",
     "batch_ranges",
@@ -283,6 +287,57 @@ def pack(ranges: Mapping[str, tuple[str, int, int]], step: int) -> list[tuple[Di
     as the spool path's (:func:`~zio_spark.source.plan.pack`)."""
     groups = plan.pack({p: (s, e) for p, (_, s, e) in ranges.items()}, step)
     return [tuple((p, ranges[p][0], s, e) for p, s, e in group) for group in groups]
+
+
+@dataclass
+class ImpliedStart:
+    """The batch start of ``latestOffset`` on a Spark that does not pass it (before 4.2:
+    ``latestOffset()`` with no arguments), known from Spark's other calls to the runner.
+
+    Everything the direct mode does with ``start`` (ack what Spark committed, plan from
+    it, tell records lost or of another incarnation from records not read yet) needs the
+    exact start: a start too high skips records, one too low reads them twice. What such
+    a Spark does (4.0.5 and 4.1.4, a probe source logging every call; the same on both):
+
+    - it runs a batch to exactly the offsets ``latestOffset()`` answered, and asks again
+      only once that batch is in its commit log (or when it ran none: the answer was its
+      committed offsets);
+    - it plans every batch with ``partitions(start, end)``, a batch it re-runs after a
+      failure too (no ``latestOffset()`` before it);
+    - a restarted query's first call is ``partitions(e, e)``, ``e`` the end of the last
+      batch in its offset log, then ``partitions(s, e)`` if that batch is not in its
+      commit log, and only then ``latestOffset()``;
+    - a new checkpoint's first call is ``latestOffset()``, then ``initialOffset()``, then
+      ``partitions(initial, end)``.
+
+    So the last end Spark was answered or planned with is the next batch's start, and it
+    is in Spark's commit log when ``latestOffset()`` is asked: :meth:`start` is what 4.2+
+    would pass. None means this runner saw no such call: a new checkpoint (its first
+    batch starts at the initial offsets, which the first ``latestOffset()`` then plans
+    from, :attr:`initial`, and ``initialOffset()`` answers).
+
+    Offsets are kept as Spark's JSON (plain dicts): the direct positions and the spool
+    numbers of givers read through the spool alike.
+    """
+
+    last: dict[str, Any] | None = None
+    # The initial offsets a start-less first latestOffset() planned from, for the
+    # initialOffset() that follows it (until the first partitions()).
+    initial: dict[str, Any] | None = None
+
+    def start(self) -> dict[str, Any] | None:
+        """The start of the batch ``latestOffset()`` is asked for (None: not known)."""
+        return None if self.last is None else dict(self.last)
+
+    def answered(self, end: Mapping[str, Any]) -> None:
+        """``latestOffset()`` answered ``end``: the start of the next question."""
+        self.last = dict(end)
+
+    def planned(self, start: Mapping[str, Any], end: Mapping[str, Any]) -> None:
+        """Spark called ``partitions(start, end)`` (``start == end``: a restarted query's
+        look at its offset log, or a batch with no new records)."""
+        self.last = dict(end)
+        self.initial = None
 
 
 T = TypeVar("T")

@@ -40,6 +40,11 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   record: EOT with the reason naming both numbers, the flow dropped, nothing freed. A
   control flow is no taker either; next to a spool-mode taker of the same producer, acks
   from both free up to the larger (freeing is monotonic).
+- **Strays.** A PAY or DAT from a client with no flow here (its flow was open on a
+  process of this producer that was killed, and libzmq reconnected it to this one) is
+  answered once with an EOT saying so (:meth:`RangeService.answer_stray`): a driver's
+  control flow, a task's range flow or a taker then opens a new flow at once, instead
+  of waiting out its timeout for an answer that never comes.
 - **Run keys** (``admit`` on a control flow, docs/direct-read.md "Security"). A producer
   with an allow-list of CURVE client keys runs a ZAP handler
   (:class:`~zio_spark.transport.curve.CurveAuthenticator`, ``gate``): a driver whose key
@@ -69,6 +74,7 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -83,6 +89,7 @@ from zio_spark.protocol.flow import (
     FlowState,
     pay_ack,
 )
+from zio_spark.protocol.message import FLOW_FORM, Message, encode_flow_label, parse_flow_label
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
     Acked,
@@ -111,12 +118,19 @@ from zio_spark.transport.giver import (
     plain_attrs,
     taker_terms,
 )
+from zio_spark.transport.port import PeerId, ServerPort, format_peer
 
 __all__ = ["HeldView", "ProducerFlowHandler", "RangeFlow", "RangeService", "RangeSource"]
 
 log = logging.getLogger("zio_spark.transport")
 
 _STALE = object()  # a step's answer: the flow's incarnation is no longer the producer's
+_STRAYS_TOLD = 1024  # clients told "no flow here" remembered (each is told once)
+_LOG_STRAY_FIRST = 20  # strays logged (then only counted)
+_STRAY_EOT = (
+    "no flow with you here (it ended, or this producer restarted while it was open): "
+    "open a new one with a BOT"
+)
 
 T = TypeVar("T")
 
@@ -225,6 +239,7 @@ class RangeService:
         self.stats = stats if stats is not None else collections.Counter()
         self._incarnation = incarnation
         self.flows: set[RangeFlow] = set()  # open range flows (loop thread)
+        self._told: dict[PeerId, None] = {}  # strays told to open a new flow (in order)
         backlog.on_renumber = self._renumbered
 
     @property
@@ -252,6 +267,39 @@ class RangeService:
             self._incarnation,
             old,
         )
+
+    def answer_stray(
+        self, port: ServerPort, origin: int, peer: PeerId, msg: Message | None, why: str
+    ) -> None:
+        """The server port's ``on_stray`` (loop thread): input of a client without a flow
+        here. Counted (``stats["stray_messages"]``), logged while rare, and a PAY or DAT
+        is answered once per client with an EOT: after a kill and restart of this
+        producer on the same endpoint, the reader's socket reconnects by itself and its
+        next request lands here, where no flow knows it; without an answer the reader
+        would wait its whole timeout (the driver's trigger, a task's read) before it
+        opens a new flow. A message that did not parse (``msg`` None) is only counted."""
+        self.stats["stray_messages"] += 1
+        if msg is None:
+            return
+        if self.stats["stray_messages"] <= _LOG_STRAY_FIRST:
+            log.warning(
+                "producer %s: %s sent a message outside any flow (%s)",
+                self.policy.producer_id,
+                format_peer(peer),
+                why,
+            )
+        try:
+            kind = parse_flow_label(msg.label).get("flow") if msg.form == FLOW_FORM else None
+        except RemoteProtocolError:
+            kind = None
+        if kind not in ("DAT", "PAY") or peer in self._told:
+            return
+        self._told[peer] = None
+        while len(self._told) > _STRAYS_TOLD:
+            del self._told[next(iter(self._told))]
+        label = encode_flow_label({"flow": "EOT", "reason": _STRAY_EOT})
+        with contextlib.suppress(TransportError):
+            port.send(Message(FLOW_FORM, label, 0, origin, 0, 0, ()), peer, timeout_ms=100)
 
     def end_flows(self, reason: str) -> None:
         """End every open range flow with EOT (loop thread; e.g. the producer closes)."""

@@ -35,24 +35,20 @@ __all__ = ["ZioDataSource", "check_source_options"]
 def check_source_options(opts: SourceOptions) -> None:
     """Refuse source options this Spark cannot honour.
 
+    ``readMode=direct`` runs on every supported Spark: where ``latestOffset()`` comes
+    without its batch start (before 4.2) the reader knows it from Spark's other calls
+    (:class:`~zio_spark.source.direct.ImpliedStart`). Its own limits (``endpoints``
+    only; streaming only) are refused where they are met (options, :meth:`reader`).
+
     Raises
     ------
     ConfigError
-        ``readMode=direct`` on a Spark before 4.2 (the direct offsets need
-        ``latestOffset(start, limit)``);
         ``maxRecordsPerTrigger`` on a Spark without admission control for Python sources
         (before 4.2): Spark would never pass the limit, so each micro-batch would take
         everything stored, not the rows asked for.
     """
     from zio_spark.errors import ConfigError
 
-    if opts.read_mode == "direct" and not compat.HAS_ADMISSION_CONTROL:
-        raise ConfigError(
-            "readMode",
-            "direct",
-            f"spool on this Spark ({compat.spark_version()}): the direct read mode needs "
-            "Spark 4.2 or later (latestOffset with its batch start)",
-        )
     if opts.max_records_per_trigger is not None and not compat.HAS_ADMISSION_CONTROL:
         raise ConfigError(
             "maxRecordsPerTrigger",

@@ -20,6 +20,15 @@ this, an availableNow run (one batch on these Sparks) whose last batch filled
 ``maxBacklog`` left that batch counted as backlog for ever (its ``commit`` never comes):
 no credit, no new records, no batch, and every later run ended with 0 rows.
 
+``readMode=direct`` keeps no such file: its start is known from Spark's own calls
+(:class:`zio_spark.source.direct.ImpliedStart`): the previous answer, the end of every
+``partitions(start, end)``, and a restarted query's first call ``partitions(e, e)``
+naming the end of its offset log's last batch (seen on 4.0.5 and 4.1.4). The spool
+folder is not the checkpoint's (a new checkpoint on the same stream meets an old file),
+and a start that is not Spark's would ack records to the producers that no batch read.
+Without any (a new checkpoint: ``latestOffset()`` comes before ``initialOffset()``) the
+first batch plans from the initial offsets, which ``initialOffset()`` then answers.
+
 Without ``reportLatestOffset`` (same Spark versions) the metrics it would report in the
 query's progress are logged instead (logger ``zio_spark.source``, INFO), at most every
 :data:`METRICS_LOG_INTERVAL` seconds.
@@ -62,8 +71,16 @@ class ZioStreamReaderOldApi(ZioStreamReader):
     """:class:`ZioStreamReader` for ``latestOffset()`` without arguments (see above)."""
 
     def latestOffset(
-        self, start: dict[str, int] | None = None, limit: Any = None
-    ) -> dict[str, int]:
+        self, start: dict[str, Any] | None = None, limit: Any = None
+    ) -> dict[str, Any]:
+        if self._direct:
+            # The start is known from Spark's calls (direct.ImpliedStart), never from a
+            # file: the spool folder is not the checkpoint's, and a start that is not
+            # Spark's would ack records no batch read, or read records twice.
+            out = self._direct_latest(self._implied.start(), limit)
+            self._implied.answered(out)
+            self._log_metrics()
+            return out
         if start is None:
             # Runner-side state, never pickled (ZioStreamReader.__getstate__).
             start = getattr(self, "_previous_end", None)
@@ -73,6 +90,10 @@ class ZioStreamReaderOldApi(ZioStreamReader):
                 start = self._planned_end() or {}
         out = super().latestOffset(start, limit)
         self._previous_end = dict(out)
+        self._log_metrics()
+        return out
+
+    def _log_metrics(self) -> None:
         if not compat.HAS_REPORT_LATEST_OFFSET:
             now = time.monotonic()
             if now >= getattr(self, "_metrics_due", 0.0):
@@ -81,9 +102,14 @@ class ZioStreamReaderOldApi(ZioStreamReader):
                     "zio source metrics (this Spark has no reportLatestOffset): %s",
                     json.dumps(self.reportLatestOffset(), sort_keys=True),
                 )
-        return out
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        if self._direct:
+            out = super().partitions(start, end)
+            # Also partitions(e, e): a restarted query's first call names the end of
+            # its last offset-log batch, the start of its next latestOffset().
+            self._implied.planned(start, end)
+            return out
         out = super().partitions(start, end)
         begin, stop = _offsets(start), _offsets(end)
         if begin != stop:  # a batch; partitions(e, e) is Spark's look at its offset log

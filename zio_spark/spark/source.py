@@ -227,6 +227,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._controls: direct.Controls | None = None
         self._direct_target: dict[str, direct.Position] | None = None
         self._rt_plain: frozenset[str] = frozenset()
+        # Direct mode on a Spark that calls latestOffset() without start (< 4.2).
+        self._implied = direct.ImpliedStart()
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled for the tasks only (the runner makes its reader afresh): they read
@@ -243,6 +245,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_controls": None,
             "_direct_target": None,
             "_rt_plain": frozenset(),
+            "_implied": direct.ImpliedStart(),
         }
 
     @property
@@ -272,15 +275,24 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
     def _direct_latest(
         self, start: dict[str, Any] | None, limit: ReadLimit | None
     ) -> dict[str, Any]:
+        """``start`` None: a Spark that does not pass it (before 4.2) and no call of
+        this runner told it (:class:`~zio_spark.source.direct.ImpliedStart`): a new
+        checkpoint, whose first batch starts at the initial offsets. This plans from
+        them, and ``initialOffset()``, which such a Spark asks next, answers them."""
         controls = self._control()
         begin, spool_start = direct.split_offsets(start)
         seen = dict(controls.seen)
         held = controls.held()
         direct.check_disjoint(held, spool_start)
-        # Spark plans a batch only once the previous one is in its commit log: ``start``
-        # is committed (commit() lags and never comes for availableNow's last batch).
-        # After held(): a restarted runner knows each producer's endpoint only then.
-        controls.ack(begin)
+        if start is None:
+            begin = direct.initial(held)
+            self._implied.initial = direct.to_json(begin)  # nothing to ack yet
+        else:
+            # Spark plans a batch only once the previous one is in its commit log:
+            # ``start`` is committed (commit() lags and never comes for availableNow's
+            # last batch). After held(): a restarted runner knows each producer's
+            # endpoint only then.
+            controls.ack(begin)
         if self._available_now:
             self._direct_complete(controls, begin, held)
         if self._available_now and self._direct_target is None:
@@ -373,7 +385,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
 
     def initialOffset(self) -> dict[str, Any]:
         if self._direct:
-            out: dict[str, Any] = direct.to_json(direct.initial(self._control().held()))
+            out: dict[str, Any] = self._implied.initial or direct.to_json(
+                direct.initial(self._control().held())
+            )
             if self._plain():
                 out.update(plan.sorted_offsets(self._runtime().spool.committed()))
             return dict(sorted(out.items()))
