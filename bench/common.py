@@ -341,6 +341,61 @@ def cpu_with_reaped(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+# Driver-side JVM threads, by the first 15 characters of their name
+# (``/proc/<pid>/task/<tid>/comm``). In local mode the executors live in the driver JVM,
+# so the JVM's total mixes both; these long-lived threads are the driver's own: the
+# micro-batch loop (planning, offset and commit logs, the calls into the source runner),
+# the DAG scheduler, task results, the listener bus (query progress) and the RPC
+# dispatcher (driver and executor endpoints share it in local mode). Executor task
+# threads cannot be counted this way: Spark replaces them every few seconds, and a
+# thread that ended takes its counter with it.
+JVM_DRIVER_THREADS = (
+    "stream executio",
+    "dag-scheduler-e",
+    "task-result-get",
+    "spark-listener-",
+    "dispatcher-even",
+)
+
+
+def jvm_threads(jvm: int | None) -> dict[int, tuple[str, float]]:
+    """``{tid: (name, CPU seconds so far)}`` of the driver JVM's live threads."""
+    out: dict[int, tuple[str, float]] = {}
+    if jvm is None:
+        return out
+    try:
+        tids = os.listdir(f"/proc/{jvm}/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        base = f"/proc/{jvm}/task/{tid}"
+        try:
+            name = Path(f"{base}/comm").read_text().strip()
+            fields = Path(f"{base}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def jvm_threads_used(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds between two :func:`jvm_threads` samples: ``JVM stream thread`` (the
+    micro-batch loop) and ``JVM driver threads`` (all of :data:`JVM_DRIVER_THREADS`,
+    the stream thread included). A thread alive at both counts its difference, one born
+    between them all of its time; one that ended in between is lost (a lower bound)."""
+    out = {"JVM stream thread": 0.0, "JVM driver threads": 0.0}
+    for tid, (name, cpu) in after.items():
+        used = cpu - before[tid][1] if tid in before else cpu
+        if name.startswith(JVM_DRIVER_THREADS):
+            out["JVM driver threads"] += used
+            if name.startswith("stream executio"):
+                out["JVM stream thread"] += used
+    return out
+
+
 def cpu_by_role(jvm: int | None, extra: Sequence[int] = ()) -> dict[str, float]:
     """CPU seconds so far of this process's descendants, summed per :func:`classify`
     role (``extra`` pids: ``"producers"``)."""
@@ -349,6 +404,55 @@ def cpu_by_role(jvm: int | None, extra: Sequence[int] = ()) -> dict[str, float]:
         role = "producers" if pid in extra else classify(pid, jvm)
         groups[role] = groups.get(role, 0.0) + cpu_with_reaped(pid)
     return groups
+
+
+def _own_cpu(pid: int) -> float | None:
+    """utime + stime of ``pid`` alone (None once it has gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuTracker:
+    """CPU seconds per :func:`classify` role over a window, from the processes' *own*
+    time (utime + stime, without reaped children), sampled by :meth:`sample`.
+
+    :func:`cpu_by_role` at two instants counts a child reaped in between in its
+    parent's row with *all* of its time: a source runner or Python worker of the
+    previous query, still ending when the window opens, then lands its whole life in
+    the JVM's row (and leaves its own row negative). Here each process counts what it
+    used between two samples it was seen in; one born after the first sample counts
+    all of its time at the first sample it is seen in; one that ends loses what it used
+    since its last sample (sample often: every 0.5 s). ``extra`` pids: ``"producers"``.
+    """
+
+    def __init__(self, jvm: int | None, extra: Sequence[int] = ()) -> None:
+        self.jvm = jvm
+        self.extra = set(extra)
+        self.last: dict[int, float] = {}
+        self.role: dict[int, str] = {}
+        self.used: dict[str, float] = {}
+        self.started = False
+
+    def sample(self) -> None:
+        for pid in descendants(os.getpid()):
+            cpu = _own_cpu(pid)
+            if cpu is None:
+                continue
+            role = self.role.get(pid)
+            if role is None:
+                role = "producers" if pid in self.extra else classify(pid, self.jvm)
+                self.role[pid] = role
+            if pid in self.last:
+                self.used[role] = self.used.get(role, 0.0) + cpu - self.last[pid]
+            elif self.started:
+                self.used[role] = self.used.get(role, 0.0) + cpu  # born in the window
+            else:
+                self.used.setdefault(role, 0.0)
+            self.last[pid] = cpu
+        self.started = True
 
 
 class RssSampler:
