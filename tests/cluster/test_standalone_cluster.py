@@ -109,6 +109,14 @@ def _stop_all(cluster: Proc, driver: Proc | None, pgids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _cluster_ready(cluster: Proc) -> tuple[dict[str, str], list[int]]:
+    """Wait for the cluster script's READY; its ``KEY=value`` lines, and the process
+    groups of the master and the two workers."""
+    _wait(lambda: _lines(cluster, "READY"), 240, "the local cluster", cluster)
+    info = dict(ln.split("=", 1) for ln in cluster.log.read_text().splitlines() if "=" in ln)
+    return info, [int(info["MASTER_PID"]), int(info["WORKER1_PID"]), int(info["WORKER2_PID"])]
+
+
 def test_cluster_reads_through_segment_server_and_survives_a_worker_kill(tmp_path: Path):
     _needs_root()
     t0 = time.monotonic()
@@ -121,9 +129,7 @@ def test_cluster_reads_through_segment_server_and_survives_a_worker_kill(tmp_pat
     prod = Producer(producer_id="daq-cluster", linger_ms=0)
     consumer = Consumer("tcp://127.0.0.1:*", tmp_path / "consumer", linger_ms=0)
     try:
-        _wait(lambda: _lines(cluster, "READY"), 240, "the local cluster", cluster)
-        info = dict(ln.split("=", 1) for ln in cluster.log.read_text().splitlines() if "=" in ln)
-        pgids = [int(info["MASTER_PID"]), int(info["WORKER1_PID"]), int(info["WORKER2_PID"])]
+        info, pgids = _cluster_ready(cluster)
         t_cluster = time.monotonic() - t0
 
         first = N // 3
@@ -223,9 +229,7 @@ def test_cluster_direct_reads_survive_a_worker_kill(tmp_path: Path):
     prod = Producer(producer_id="daq-cluster-direct", linger_ms=0)
     consumer = Consumer("tcp://127.0.0.1:*", tmp_path / "consumer", linger_ms=0)
     try:
-        _wait(lambda: _lines(cluster, "READY"), 240, "the local cluster", cluster)
-        info = dict(ln.split("=", 1) for ln in cluster.log.read_text().splitlines() if "=" in ln)
-        pgids = [int(info["MASTER_PID"]), int(info["WORKER1_PID"]), int(info["WORKER2_PID"])]
+        info, pgids = _cluster_ready(cluster)
         t_cluster = time.monotonic() - t0
 
         first = N // 3

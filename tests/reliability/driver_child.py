@@ -65,6 +65,11 @@ def source_query(argv: list[str]):
         .load()
         .select("producer", "seq", "value")
     )
+    return _to_parquet(df, out, ckpt)
+
+
+def _to_parquet(df, out: str, ckpt: str):
+    """The source queries' sink: parquet files, checkpointed, a trigger every 200 ms."""
     return (
         df.writeStream.format("parquet")
         .option("path", out)
@@ -87,13 +92,7 @@ def direct_query(argv: list[str]):
         .load()
         .select("producer", "seq", "value")
     )
-    return (
-        df.writeStream.format("parquet")
-        .option("path", out)
-        .option("checkpointLocation", ckpt)
-        .trigger(processingTime="200 milliseconds")
-        .start()
-    )
+    return _to_parquet(df, out, ckpt)
 
 
 def sink_query(argv: list[str]):

@@ -285,3 +285,15 @@ def seq_report(seqs: list[int], n: int) -> str:
         f"{len(seqs)} rows for {n} records: {len(missing)} missing ({_ranges(missing)}), "
         f"{len(dups)} duplicated ({_ranges(dups)}), {len(extra)} out of range ({_ranges(extra)})"
     )
+
+
+def check_exactly_once(table: Any, n: int, producer: str) -> None:
+    """The source chaos tests' verdict on their output (a pyarrow table with ``seq``,
+    ``value``, ``producer``): records ``1..n`` exactly once, each with its own value
+    (``b"r<seq>"``, as the producer children send them), all of ``producer``."""
+    seqs = table.column("seq").to_pylist()
+    values = table.column("value").to_pylist()
+    assert sorted(seqs) == list(range(1, n + 1)), seq_report(seqs, n)
+    bad = [(s, v) for s, v in zip(seqs, values, strict=True) if v != b"r%d" % s]
+    assert not bad, f"{len(bad)} records whose value is not their seq's, e.g. {bad[:3]}"
+    assert set(table.column("producer").to_pylist()) == {producer}

@@ -32,6 +32,7 @@ from tests.reliability.helpers import (
     KillPlan,
     ParquetProgress,
     chaos_rng,
+    check_exactly_once,
     run_with_kills,
     seq_report,
     wait_until,
@@ -153,18 +154,13 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
         for c in children:
             c.stop(grace=5.0)
 
-    seqs = table.column("seq").to_pylist()
-    values = table.column("value").to_pylist()
     print(
         f"source-direct/{size}: {n} records, driver kills {driver_plan.done}, producer kills "
         f"{producer_plan.done} (a range flow open at the kill: {flow_open}, task retries "
         f"{retries}), producer resumes {resumes}, {orphans} uncommitted parquet files "
         f"ignored, {took:.1f} s to all committed, {time.monotonic() - t0:.1f} s total"
     )
-    assert sorted(seqs) == list(range(1, n + 1)), seq_report(seqs, n)
-    bad = [(s, v) for s, v in zip(seqs, values, strict=True) if v != b"r%d" % s]
-    assert not bad, f"{len(bad)} records whose value is not their seq's, e.g. {bad[:3]}"
-    assert set(table.column("producer").to_pylist()) == {PRODUCER_ID}
+    check_exactly_once(table, n, PRODUCER_ID)
     # Every restart of the producer reopened its folder: one numbering throughout (a new
     # incarnation would have made the query skip the old one's records as lost). A
     # producer killed while it was still starting printed none: the first and the last
