@@ -393,3 +393,63 @@ def test_the_spool_path_over_curve_reads_with_the_secret_dropped(spark, ctx, tmp
         assert gate is not None and gate.handshakes[keys.driver_public] >= 1
     finally:
         p.close(flush=False, timeout=5)
+
+
+def test_a_first_batch_replanned_after_its_producer_restarted_without_records_is_loss(
+    ctx, tmp_path
+):
+    """Spark re-plans an uncommitted first batch after a restart with ``initialOffset()``
+    asked again. If the producer restarted without its records in between, that start
+    is of its new incarnation while the batch's end is of the old one: the batch would
+    read nothing of it. It is a DataLossError naming the producer and the planned end
+    (hook by hook, no Spark session); with failOnDataLoss=false it reads on."""
+    from zio_spark.errors import DataLossError
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    old = Producer(ctx=ctx, producer_id="b0", linger_ms=0, bind="tcp://127.0.0.1:*")
+    made = [old]
+
+    def reader(**extra: str) -> ZioStreamReader:
+        raw = {"endpoints": endpoint, "readMode": "direct", "connectTimeout": "5s", **extra}
+        return ZioStreamReader(parse_source_options(raw), ("seq", "value"))
+
+    try:
+        endpoint = old.endpoint
+        old.send_many(_values(50))
+        r = reader()
+        try:
+            start = r.initialOffset()
+            end = r.latestOffset(start, None)
+            assert end == {"b0": {"end": 51, "incarnation": old.incarnation}}
+        finally:
+            r.stop()  # the driver dies before batch 0 is committed
+        old.close(flush=False, timeout=5)
+
+        def rebind() -> bool:  # libzmq may still be tearing the old listener down
+            try:
+                made.append(Producer(ctx=ctx, producer_id="b0", linger_ms=0, bind=endpoint))
+            except TransportError:
+                return False
+            return True
+
+        wait_until(rebind, what="the producer back on its endpoint", timeout=30)
+        made[-1].send_many(_values(5))
+        r = reader()
+        try:
+            again = r.initialOffset()
+            assert again == {"b0": {"end": 1, "incarnation": made[-1].incarnation}}
+            with pytest.raises(DataLossError) as info:
+                r.partitions(again, end)
+            text = str(info.value)
+            assert "'b0'" in text and "up to 50" in text and old.incarnation in text, text
+        finally:
+            r.stop()
+        r = reader(failOnDataLoss="false")
+        try:
+            assert r.partitions(r.initialOffset(), end) == []  # nothing left to read of it
+        finally:
+            r.stop()
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)

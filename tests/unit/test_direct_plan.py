@@ -19,6 +19,7 @@ from zio_spark.source.direct import (
     owed,
     pack,
     split_offsets,
+    stale_plan,
     to_json,
 )
 from zio_spark.source.range_client import HeldWindow
@@ -119,6 +120,17 @@ def test_an_available_now_run_is_owed_by_silent_producers_short_of_the_target() 
     # and silent: owed; s restarted as another incarnation since: nothing to read of B.
     assert owed(start, target, {"p": HeldWindow(A, 1, 30)}) == ["r"]
     assert owed(start, target, {"p": HeldWindow(A, 1, 30), "r": HeldWindow(A, 1, 9)}) == []
+
+
+def test_a_plan_whose_end_is_of_an_incarnation_gone_is_stale() -> None:
+    now = {"p": HeldWindow(B, 1, 5), "q": HeldWindow(B, 1, 5), "r": HeldWindow(A, 1, 5)}
+    # p: batch 0 re-planned after a restart (start asked again: B; the old plan's end: A).
+    # q: latest()'s own switch (the batch ends in the new incarnation): not stale.
+    # r: same incarnation at both ends: not stale.
+    start = {"p": Position(B, 1), "q": Position(A, 7), "r": Position(A, 1)}
+    end = {"p": Position(A, 51), "q": Position(B, 1), "r": Position(A, 5)}
+    assert stale_plan(start, end, now) == ["p"]
+    assert stale_plan(start, end, {}) == []  # not seen: nothing claimed
 
 
 def test_batch_ranges_and_pack_cut_like_the_spool_path() -> None:

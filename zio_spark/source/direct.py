@@ -74,6 +74,7 @@ __all__ = [
     "owed",
     "pack",
     "split_offsets",
+    "stale_plan",
     "to_json",
 ]
 
@@ -265,6 +266,30 @@ def owed(
         if p in held or s is None or s.incarnation != t.incarnation or s.end >= t.end:
             continue
         out.append(p)
+    return out
+
+
+def stale_plan(
+    start: Mapping[str, Position],
+    end: Mapping[str, Position],
+    seen: Mapping[str, HeldWindow],
+) -> list[str]:
+    """Producers whose part of a planned batch is gone: ``end`` is of an incarnation
+    the producer no longer states while ``start`` is of the one it states now.
+
+    :func:`latest` never plans that (an incarnation switch ends a batch *in* the new
+    incarnation). It comes from Spark re-planning an uncommitted first batch after a
+    restart: ``start`` is then ``initialOffset()`` asked again, answered from the window
+    now, while ``end`` is the plan of the run before; if the producer restarted without
+    its records in between, the batch would read nothing of it, silently.
+    """
+    out = []
+    for p, e in sorted(end.items()):
+        s, w = start.get(p), seen.get(p)
+        if s is None or w is None or s.incarnation == e.incarnation:
+            continue
+        if s.incarnation == w.incarnation and e.incarnation != w.incarnation:
+            out.append(p)
     return out
 
 

@@ -499,6 +499,22 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                     "answered as such a giver yet; restart the query once they are back"
                 )
             spooled = list(self._spool_partitions(spool_start, spool_end))
+        switched = [
+            p for p, e in finish.items() if p in begin and begin[p].incarnation != e.incarnation
+        ]
+        if any(p not in controls.seen for p in switched):
+            controls.held()  # a restarted runner: learn each producer's incarnation now
+        for p in direct.stale_plan(begin, finish, controls.seen):
+            text = (
+                f"zio source (readMode=direct): this batch was planned to read producer "
+                f"{p!r} up to {finish[p].end - 1} numbered as incarnation "
+                f"{finish[p].incarnation!r}, but the producer now numbers its records as "
+                f"{controls.seen[p].incarnation!r}: it restarted without them, so they are "
+                "lost"
+            )
+            if self.opts.fail_on_data_loss:
+                raise DataLossError(text + " (failOnDataLoss=false reads on without them)")
+            log.warning("%s", text)
         ranges = direct.batch_ranges(begin, finish)
         if any(p not in controls.where for p in ranges):
             controls.held()  # a restarted runner: learn which endpoint serves which id
