@@ -229,3 +229,47 @@ def test_the_drivers_controls_register_the_run_key_and_reregister_after_a_drop(c
     assert _read(p, ctx, run, 1, 3) == [b"a", b"b"]
     # Without CURVE there is no run key to hand out.
     assert Controls((p.endpoint,), ctx=ctx, timeout=T).task_curve([p.endpoint]) is None
+
+
+def test_the_keeper_registers_the_run_key_again_at_a_restarted_producer(ctx, closing, keys):
+    """A producer with an allow-list restarted in the middle of a batch holds no lease
+    for the run key; without a driver hook in between (a batch runs) its tasks would be
+    refused. The driver's keeper looks at the control flow, finds it ended (the new
+    process answers with an EOT) and reopens it, which registers the key again."""
+    from zio_spark.source.direct import Controls
+
+    allowed = [keys.driver[0]]
+    p = _producer(ctx, closing, keys, curve_allowed_client_keys=allowed)
+    p.send_many([b"a", b"b"])
+    controls = Controls((p.endpoint,), ctx=ctx, curve=keys.curve(keys.driver), timeout=T)
+    closing.append(controls)
+    run = controls.run_curve
+    assert run is not None
+    assert controls.held()[P].end == 3
+    assert p.run_keys == frozenset({run.public_key})
+    endpoint = p.endpoint
+    p.close(flush=False, timeout=5)
+    made: list[Producer] = []
+
+    def rebind_at() -> bool:  # libzmq may still be tearing the old listener down
+        try:
+            q = Producer(
+                endpoint,
+                ctx=ctx,
+                linger_ms=0,
+                producer_id=P,
+                curve_secret_key=keys.server_secret,
+                curve_allowed_client_keys=allowed,
+            )
+        except TransportError:
+            return False
+        closing.append(q)
+        made.append(q)
+        return True
+
+    wait_until(rebind_at, T, "the producer back on its endpoint")
+    q = made[-1]
+    q.send_many([b"c"])
+    # No hook of the driver runs: only the keeper can register the key there again.
+    wait_until(lambda: q.run_keys == frozenset({run.public_key}), T, "the run key again")
+    assert _read(q, ctx, run, 1, 2) == [b"c"]

@@ -367,6 +367,10 @@ class ImpliedStart:
 
 T = TypeVar("T")
 
+KEEP_INTERVAL = 1.0
+"""Seconds between two looks of the keeper (:class:`Controls`, CURVE runs) at each idle
+control flow."""
+
 
 class _Lane:
     """One endpoint's control flow and the one thread that uses its socket (a zmq socket
@@ -434,6 +438,12 @@ class Controls:
     (:attr:`run_curve`); each control flow registers its public key as soon as it is
     open, and the tasks read with it (:meth:`task_curve`), so the source's secret key
     never leaves the driver, and a run's key stops working where its control flow ends.
+    A producer with an allow-list that restarts in the middle of a batch has no lease
+    for it any more, and that batch's tasks would be refused until the driver's next
+    hook: so a keeper thread looks at each open control flow every
+    :data:`KEEP_INTERVAL` seconds (a held query on its lane, when no other job waits
+    there) and reopens one that ended, which registers the run key again. A restarted
+    producer answers the look at once (an EOT: no such flow here).
     """
 
     def __init__(
@@ -471,6 +481,13 @@ class Controls:
         if curve is not None:
             public, secret = zmq.curve_keypair()
             self.run_curve = Curve(curve.server_key, public, secret)
+        # The keeper (CURVE runs): endpoints whose control flow it looks after (open once,
+        # not given up on), those with a look queued, and its thread, started at the first
+        # open control flow.
+        self._kept: set[str] = set()
+        self._keeping: set[str] = set()
+        self._keeper: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @property
     def unanswered(self) -> dict[str, str]:
@@ -511,8 +528,61 @@ class Controls:
                 "admitted while the control flow lives" if gated else "not needed (no allow-list)",
                 endpoint,
             )
+            with self._lock:
+                self._kept.add(endpoint)
+                if self._keeper is None and not self._closed.is_set():
+                    self._keeper = threading.Thread(
+                        target=self._keep_all, name="zio-control keeper", daemon=True
+                    )
+                    self._keeper.start()
         self._conns[endpoint] = conn
         return conn
+
+    def _keep_all(self) -> None:
+        """The keeper thread: every :data:`KEEP_INTERVAL` s, a look (:meth:`_keep`) at
+        each kept control flow, queued on its lane unless one is queued already."""
+        while not self._closed.wait(KEEP_INTERVAL):
+            with self._lock:
+                due = sorted(self._kept - self._keeping)
+                self._keeping.update(due)
+            for endpoint in due:
+                self._lane(endpoint).submit(partial(self._keep, endpoint))
+
+    def _keep(self, endpoint: str) -> None:
+        """On the lane: a held query on the control flow; one that ended (a producer's
+        restart answers with an EOT) is reopened at once, which registers the run key
+        again. If it cannot be reopened now the keeper gives up on it until a hook opens
+        it again (an endpoint that is down costs the lane one attempt, not one per look).
+        """
+        try:
+            conn = self._conns.get(endpoint)
+            if conn is not None:
+                try:
+                    conn.held()
+                    return
+                except TransportError as e:
+                    log.info(
+                        "zio source (readMode=direct): the control flow to %s ended (%s); "
+                        "reopening it for the run key",
+                        endpoint,
+                        e,
+                    )
+                    self._drop(endpoint)
+            try:
+                self._open(endpoint)
+            except (TransportError, RangesNotServed) as e:
+                with self._lock:
+                    self._kept.discard(endpoint)
+                log.warning(
+                    "zio source (readMode=direct): cannot reopen the control flow to %s "
+                    "(%s): the run key is not registered there until the next trigger "
+                    "reaches it",
+                    endpoint,
+                    e,
+                )
+        finally:
+            with self._lock:
+                self._keeping.discard(endpoint)
 
     def _drop(self, endpoint: str) -> None:
         conn = self._conns.pop(endpoint, None)
@@ -702,6 +772,10 @@ class Controls:
         """Send the acks still queued, end every control flow (EOT) and close its socket,
         each on its lane; waits at most ``timeout`` (default: the connection timeout)
         for all of them, then says which lane is still busy (an endpoint that is down)."""
+        self._closed.set()
+        keeper = self._keeper
+        if keeper is not None:
+            keeper.join(KEEP_INTERVAL + 1.0)
         closing = {
             endpoint: lane.submit(partial(self._drop, endpoint))
             for endpoint, lane in self._lanes.items()
