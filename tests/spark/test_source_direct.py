@@ -22,6 +22,21 @@ def _values(n: int, first: int = 0) -> list[bytes]:
     return [f"rec-{i}".encode() for i in range(first, first + n)]
 
 
+def _rebind(ctx: Any, producer_id: str, endpoint: str, made: list[Producer]) -> Producer:
+    """A producer restarted without retention on the endpoint of one just closed
+    (libzmq may still be tearing the old listener down: retried), added to ``made``."""
+
+    def bind() -> bool:
+        try:
+            made.append(Producer(ctx=ctx, producer_id=producer_id, linger_ms=0, bind=endpoint))
+        except TransportError:
+            return False
+        return True
+
+    wait_until(bind, what="the producer back on its endpoint", timeout=30)
+    return made[-1]
+
+
 def _direct(spark: Any, endpoint: str, tmp_path: Any, **options: str) -> Any:
     return zio_stream(spark, endpoint, tmp_path, readMode="direct", **options)
 
@@ -208,15 +223,7 @@ def test_a_producer_restarted_without_its_records_is_read_in_its_new_numbering(
             endpoint = old.endpoint
             old.close(flush=False, timeout=5)
 
-            def rebind() -> bool:  # libzmq may still be tearing the old listener down
-                try:
-                    made.append(Producer(ctx=ctx, producer_id="dr", linger_ms=0, bind=endpoint))
-                except TransportError:
-                    return False
-                return True
-
-            wait_until(rebind, what="the producer back on its endpoint", timeout=30)
-            new = made[-1]
+            new = _rebind(ctx, "dr", endpoint, made)
             assert new.incarnation != old.incarnation
             new.send_many([b"new-%d" % i for i in range(300)])
             wait_until(lambda: len(got) >= 800, what="the new records", timeout=T)
@@ -426,15 +433,7 @@ def test_a_first_batch_replanned_after_its_producer_restarted_without_records_is
             r.stop()  # the driver dies before batch 0 is committed
         old.close(flush=False, timeout=5)
 
-        def rebind() -> bool:  # libzmq may still be tearing the old listener down
-            try:
-                made.append(Producer(ctx=ctx, producer_id="b0", linger_ms=0, bind=endpoint))
-            except TransportError:
-                return False
-            return True
-
-        wait_until(rebind, what="the producer back on its endpoint", timeout=30)
-        made[-1].send_many(_values(5))
+        _rebind(ctx, "b0", endpoint, made).send_many(_values(5))
         r = reader()
         try:
             again = r.initialOffset()
