@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,6 +110,26 @@ def _stop_all(cluster: Proc, driver: Proc | None, pgids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def _check_published(
+    batches: list[int],
+    progress: list[dict[str, Any]],
+    values: list[bytes],
+    keys: list[int],
+    pubs: list[Any],
+    published_at_kill: int,
+    consumer: Consumer,
+) -> None:
+    """Every record exactly once at the consumer, from batches published once each, in
+    order, and the query went on after the kill. (An empty micro-batch publishes
+    nothing: the first one can be empty.)"""
+    assert batches == sorted(set(batches))
+    assert set(batches) == {p["batch"] for p in progress if p["rows"]}
+    assert len(values) == N and set(values) == {b"r%d" % i for i in range(N)}
+    assert sorted(keys) == list(range(1, N + 1))
+    assert len(pubs) > published_at_kill  # the query went on after the kill
+    assert consumer.stats["commit_errors"] == 0
+
+
 def _cluster_ready(cluster: Proc) -> tuple[dict[str, str], list[int]]:
     """Wait for the cluster script's READY; its ``KEY=value`` lines, and the process
     groups of the master and the two workers."""
@@ -177,14 +198,7 @@ def test_cluster_reads_through_segment_server_and_survives_a_worker_kill(tmp_pat
             "after_kill_s": round(time.monotonic() - t_kill, 1),
         }
         print("CLUSTER FIGURES " + json.dumps(figures))
-        # Every record exactly once, from batches published once each, in order.
-        # (An empty micro-batch publishes nothing: the first one can be empty.)
-        assert batches == sorted(set(batches))
-        assert set(batches) == {p["batch"] for p in progress if p["rows"]}
-        assert len(values) == N and set(values) == {b"r%d" % i for i in range(N)}
-        assert sorted(keys) == list(range(1, N + 1))
-        assert len(pubs) > published_at_kill  # the query went on after the kill
-        assert consumer.stats["commit_errors"] == 0
+        _check_published(batches, progress, values, keys, pubs, published_at_kill, consumer)
         # Reads went through the segment server: at least one request per data batch.
         data_batches = sum(1 for p in progress if p["rows"])
         assert requests >= data_batches - 1 > 0, (requests, progress)
@@ -289,12 +303,7 @@ def test_cluster_direct_reads_survive_a_worker_kill(tmp_path: Path):
             "after_kill_s": round(time.monotonic() - t_kill, 1),
         }
         print("CLUSTER FIGURES " + json.dumps(figures))
-        assert batches == sorted(set(batches))
-        assert set(batches) == {p["batch"] for p in progress if p["rows"]}
-        assert len(values) == N and set(values) == {b"r%d" % i for i in range(N)}
-        assert sorted(keys) == list(range(1, N + 1))
-        assert len(pubs) > published_at_kill  # the query went on after the kill
-        assert consumer.stats["commit_errors"] == 0
+        _check_published(batches, progress, values, keys, pubs, published_at_kill, consumer)
         if mid_read:  # the cut task ran again elsewhere: its range was read twice
             assert prod.stats["range_records"] > N, prod.stats
         # Direct: ranges read from the producer (at least one flow per data batch), never

@@ -54,19 +54,19 @@ def test_a_down_endpoint_is_asked_in_the_background_and_never_waited_for_again()
     )
     try:
         assert c.held() == {"pa": HeldWindow("inc", 1, 5)}
-        assert c.unanswered == {"tcp://b": "no BOT reply within 10 s"}
+        assert c.down == {"tcp://b": "no BOT reply within 10 s"}
         # b is down: its next query waits on a gate the test holds shut. The trigger
         # returns with a's window while b's query is still open (it was not waited for).
         c.gates["tcp://b"].clear()
         assert c.held() == {"pa": HeldWindow("inc", 1, 6)}
         wait_until(lambda: c.asked["tcp://b"] == 2, what="b asked again", timeout=T)
-        assert not c._asking["tcp://b"].done() and "tcp://b" in c.unanswered
+        assert not c._asking["tcp://b"].done() and "tcp://b" in c.down
         # b answers; the next trigger counts it and asks no new question while one is open.
         c.gates["tcp://b"].set()
         wait_until(lambda: c._asking["tcp://b"].done(), what="b's answer", timeout=T)
         got = c.held()
         assert got == {"pa": HeldWindow("inc", 1, 7), "pb": HeldWindow("inc", 1, 9)}
-        assert c.unanswered == {} and c.where == {"pa": "tcp://a", "pb": "tcp://b"}
+        assert c.down == {} and c.where == {"pa": "tcp://a", "pb": "tcp://b"}
         assert c.asked == {"tcp://a": 3, "tcp://b": 2}
     finally:
         c.close()
@@ -79,7 +79,7 @@ def test_acks_go_out_without_waiting_and_a_down_endpoint_does_not_hold_them(ctx)
     try:
         p.send_many([f"r{i}".encode() for i in range(100)])
         wait_until(lambda: "p1" in c.held(), what="p1's held window", timeout=T)
-        assert nobody in c.unanswered and "p1" in c.where
+        assert nobody in c.down and "p1" in c.where
         c.ack({"p1": Position(p.incarnation, 41)})  # records 1..40 committed
         wait_until(lambda: p.acked == 40, what="the ack of 40", timeout=T)
         # Several wanted acks in a row: the last one wins, none is lost.

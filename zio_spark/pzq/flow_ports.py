@@ -325,15 +325,14 @@ class FlowProducerPort:
         # is the side log's (kept_incarnation).
         self.ranges = RangeService(self, policy, stats=self.range_stats)
         # Driven inline by the broker's loop: process() and tick(), no thread of its own.
-        ranges = self.ranges
         self._server = FlowServer(
             port,
-            ranges.handler,
+            self.ranges.handler,
             ctx=ctx,
             name="queue flow producer",
             # A reader (driver's control flow, task, taker) whose flow outlived a previous
             # queue process on this endpoint is told with an EOT, not left to its timeout.
-            on_stray=lambda peer, msg, why: ranges.answer_stray(port, 0, peer, msg, why),
+            on_stray=self.ranges.stray_answerer(port),
         )
 
     def _reclaim(self, assigned: dict[int, int]) -> None:

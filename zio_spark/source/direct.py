@@ -375,20 +375,19 @@ control flow."""
 class _Lane:
     """One endpoint's control flow and the one thread that uses its socket (a zmq socket
     is used by one thread at a time): held queries, acks and the final EOT run there, in
-    the order they were asked. A daemon thread, started at the first job: one stuck on an
-    endpoint that is down never keeps the runner from exiting."""
+    the order they were asked. A daemon thread (a lane is made at its endpoint's first
+    job): one stuck on an endpoint that is down never keeps the runner from exiting."""
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         fut: Future[T] = Future()
         self._jobs.put((job, fut))
-        if not self._thread.is_alive() and self._thread.ident is None:
-            self._thread.start()
         return fut
 
     def _run(self) -> None:
@@ -488,11 +487,6 @@ class Controls:
         self._keeping: set[str] = set()
         self._keeper: threading.Thread | None = None
         self._closed = threading.Event()
-
-    @property
-    def unanswered(self) -> dict[str, str]:
-        """Endpoints (not plain) that gave no held window at their last query -> why."""
-        return dict(self.down)
 
     def _lane(self, endpoint: str) -> _Lane:
         lane = self._lanes.get(endpoint)

@@ -358,15 +358,14 @@ class Producer:
         self.producer_id = producer_id or f"{socket.gethostname()}|{self.endpoint}"
         self._backlog.producer_id, self._backlog.endpoint = self.producer_id, self.endpoint
         self._ranges.policy = GiverPolicy(self.producer_id, stream, batch)
-        ranges = self._ranges
         self._server = FlowServer(
             port,
-            ranges.handler,
+            self._ranges.handler,
             ctx=port_ctx,
             idle_timeout=idle_timeout,
             name=f"producer {self.producer_id}",
             # A reader whose flow outlived a previous process on this endpoint is told.
-            on_stray=lambda peer, msg, why: ranges.answer_stray(port, 0, peer, msg, why),
+            on_stray=self._ranges.stray_answerer(port),
         ).start()
 
     def _stop_gate(self) -> None:

@@ -268,6 +268,11 @@ class RangeService:
             old,
         )
 
+    def stray_answerer(self, port: ServerPort) -> Callable[[PeerId, Message | None, str], None]:
+        """The ``on_stray`` of a :class:`FlowServer` on ``port`` (:meth:`answer_stray`,
+        origin 0): the producer's and the queue's flow producer port alike."""
+        return lambda peer, msg, why: self.answer_stray(port, 0, peer, msg, why)
+
     def answer_stray(
         self, port: ServerPort, origin: int, peer: PeerId, msg: Message | None, why: str
     ) -> None:

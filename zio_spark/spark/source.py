@@ -326,7 +326,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         each), is a problem: the run fails (``failOnDataLoss``), else a WARN."""
         fail = self.opts.fail_on_data_loss
         if self._direct_target is None:
-            for endpoint, why in sorted(controls.unanswered.items()):
+            for endpoint, why in sorted(controls.down.items()):
                 self._run_state.problem(
                     endpoint,
                     f"zio source (readMode=direct): {endpoint} gave no held window when "
@@ -344,7 +344,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 f"({controls.where.get(p, 'no endpoint')}) held records up to "
                 f"{t.end - 1} when the availableNow run started; the run has read up to "
                 f"{begin[p].end - 1} and the producer no longer answers "
-                f"({controls.unanswered.get(controls.where.get(p, ''), 'no answer')}). "
+                f"({controls.down.get(controls.where.get(p, ''), 'no answer')}). "
                 "Restart the producer, or set failOnDataLoss=false to end the run "
                 "without them",
                 fail,
