@@ -232,7 +232,7 @@ def test_cluster_direct_reads_survive_a_worker_kill(tmp_path: Path):
     """``readMode=direct`` on the cluster: no spool, no receiver; the executors read their
     ranges straight from the producer (this process, a bound ``Producer``), the driver
     acks Spark's commits on its control flow. Mid-stream one worker's whole process group
-    dies, its tasks (some cut mid-read) run again on the other executor, against the
+    dies, its tasks (one may be cut mid-read) run again on the other executor, against the
     records the producer still holds (acks follow commits). The consumer must hold every
     record exactly once, in batches published once each, in order, and the producer must
     end with everything acknowledged and no taker ever attached."""
@@ -304,8 +304,14 @@ def test_cluster_direct_reads_survive_a_worker_kill(tmp_path: Path):
         }
         print("CLUSTER FIGURES " + json.dumps(figures))
         _check_published(batches, progress, values, keys, pubs, published_at_kill, consumer)
-        if mid_read:  # the cut task ran again elsewhere: its range was read twice
-            assert prod.stats["range_records"] > N, prod.stats
+        # A range flow seen open at the kill does not mean records were still to come:
+        # the task may have read its whole range while the kill was on its way (seen in
+        # 2 of 4 runs: range_records == N). A re-read is reported, not required; every
+        # record exactly once at the consumer is.
+        print(
+            f"CLUSTER RE-READ {prod.stats['range_records'] - N} records "
+            f"(a range flow open at the kill: {mid_read})"
+        )
         # Direct: ranges read from the producer (at least one flow per data batch), never
         # through a receiver (no taker), no segment server; every commit acked at the end.
         data_batches = sum(1 for p in progress if p["rows"])
