@@ -162,3 +162,50 @@ def test_a_connection_whose_lease_ended_opens_no_new_flow(ctx, closing, keys):
     reason = _reason(e.value)
     assert "a range read refused" in reason and "neither on this giver's allow-list" in reason
     assert "restart the query" in reason, reason
+
+
+class _Frame:
+    """A received frame as pyzmq gives it with ``copy=False``: bytes, more, properties."""
+
+    def __init__(self, data: bytes, more: bool, user_id: str | None) -> None:
+        self.bytes = data
+        self.more = more
+        self._user_id = user_id
+
+    def get(self, name: str) -> str:
+        if name != "User-Id" or self._user_id is None:
+            raise zmq.ZMQError(22)  # EINVAL, as libzmq for an absent property
+        return self._user_id
+
+
+class _Sock:
+    def __init__(self, frames: list[_Frame]) -> None:
+        self.frames = frames
+
+    def recv(self, flags: int, copy: bool) -> _Frame:
+        assert copy is False  # the property is only readable on a frame object
+        return self.frames.pop(0)
+
+
+def test_both_wires_read_the_user_id_of_what_they_take():
+    """The SERVER wire (one frame; no draft pyzmq here to run it on a socket) and the
+    ROUTER wire (a multipart message) read the same property, None when absent."""
+    from zio_spark.transport.wire import RouterWire, ServerWire
+
+    key = "k" * 40
+    for cls, frames, raw in (
+        (ServerWire, [_Frame(b"m", False, key)], None),
+        (RouterWire, [_Frame(b"id", True, key), _Frame(b"", True, key), _Frame(b"m", False, key)],
+         [b"id", b"", b"m"]),
+    ):  # fmt: skip
+        wire = cls.__new__(cls)  # no socket: the getters take it as an argument
+        wire.sock = _Sock(frames)  # type: ignore[assignment]
+        wire.user_id = None
+        wire.keep_user_ids()
+        got = wire.get(0)
+        assert wire.user_id == key
+        if raw is not None:
+            assert got == raw
+        wire.sock.frames.append(_Frame(b"n", False, None))  # no ZAP handler judged it
+        wire.get(0)
+        assert wire.user_id is None
