@@ -129,6 +129,7 @@ def test_a_queue_with_an_allow_list_leases_run_keys_for_range_reads_only(
 
 def test_a_queue_takes_the_applications_authenticator_as_its_gate(
     make_broker: Callable[..., QueueBroker],
+    tmp_path: Path,
     authenticator: Callable[..., CurveAuthenticator],
     raw_socket: Callable[[int], Sock],
     ctx: zmq.Context[Any],
@@ -152,6 +153,14 @@ def test_a_queue_takes_the_applications_authenticator_as_its_gate(
     assert auth.leased == frozenset({keys.run[0]})
     pid = f"queue:{b.queue_id.decode()}"
     assert _values(ep, pid, inc, 1, ctx, keys.curve(keys.run)) == [b"only"]
+    # A list of its own on a context that runs a handler already: fails naming the fix.
+    with pytest.raises(TransportError, match=r"authenticator=") as e:
+        make_broker(
+            tmp_path / "other",
+            curve_secret_key=keys.server_secret,
+            curve_allowed_client_keys=(keys.driver[0],),
+        )
+    assert "only one per context" in str(e.value)
 
 
 def test_queue_gate_options_are_checked(ctx: zmq.Context[Any], tmp_path: Path, keys: Keys) -> None:

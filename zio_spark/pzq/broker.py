@@ -495,7 +495,16 @@ class QueueBroker:
                 self._gate = self._authenticator
                 if opts.curve_allowed_client_keys is not None:
                     # Before any socket: every handshake is judged from the first on.
-                    own_gate = self._gate = start_authenticator(ctx, opts.curve_allowed_client_keys)
+                    try:
+                        own_gate = start_authenticator(ctx, opts.curve_allowed_client_keys)
+                    except TransportError as e:
+                        raise TransportError(
+                            f"{e}: the context given to the queue runs a ZAP handler "
+                            "already; pass it as QueueBroker(authenticator=...) (a "
+                            "CurveAuthenticator) instead of curve_allowed_client_keys",
+                            endpoint=e.endpoint,
+                        ) from e
+                    self._gate = own_gate
                 store = MessageStore(
                     self._store_path,
                     segment_bytes=opts.segment_bytes,
