@@ -838,6 +838,34 @@ def _curve_secret(value: object) -> str | bytes | None:
     )
 
 
+def _curve_allowed(value: object, secret: object) -> tuple[str | bytes, ...] | None:
+    """The queue's allow-list of CURVE client public keys: one key or several, each Z85
+    text (40 characters) or 32 raw bytes; None: no list. Needs ``curve_secret_key``."""
+    name = "curve_allowed_client_keys"
+    if value is None:
+        return None
+    if secret is None:
+        raise ConfigError(name, "...", "curve_secret_key too: an allow-list admits CURVE clients")
+    items = [value] if isinstance(value, str | bytes) else value
+    if not isinstance(items, list | tuple | frozenset | set) or not items:
+        raise ConfigError(
+            name,
+            value,
+            "one client public key or a non-empty list of them (the queue's PZQ "
+            "producers and consumers, Spark sources' and sinks' curvePublicKey)",
+        )
+    keys: list[str | bytes] = []
+    for i, key in enumerate(items):
+        text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
+        raw = isinstance(key, bytes) and len(key) == 32
+        if not raw and not (isinstance(text, str) and _Z85_KEY.match(text)):
+            raise ConfigError(
+                f"{name}[{i}]", key, "a Z85 CURVE public key (40 characters) or 32 raw bytes"
+            )
+        keys.append(key)
+    return tuple(keys)
+
+
 @dataclass(frozen=True, slots=True)
 class QueueOptions:
     """The queue server's settings, checked once, here: what ``zio-spark queue`` parses
@@ -860,6 +888,9 @@ class QueueOptions:
         Counts: >= 0, >= 1, >= 1, >= 1, >= 0.
     curve_secret_key
         Z85 text (40 characters) or 32 raw bytes; None: no CURVE.
+    curve_allowed_client_keys
+        CURVE client public keys the queue admits (one or a non-empty list, each Z85
+        text or 32 raw bytes; needs ``curve_secret_key``); None: no list.
     queue_id
         The send socket's routing id: 1 to 255 bytes, not starting with a 0 byte (None:
         the id kept in the store).
@@ -894,6 +925,7 @@ class QueueOptions:
     send_mode: str = SEND_MODES[0]
     dedup: str = DEDUP_RULES[0]
     dedup_grace: float = DEFAULT_DEDUP_GRACE
+    curve_allowed_client_keys: tuple[str | bytes, ...] | None = None
 
     def __post_init__(self) -> None:
         def put(field: str, value: object) -> None:
@@ -934,3 +966,7 @@ class QueueOptions:
             check_count(option, getattr(self, option), minimum)
         put("sync", bool(self.sync))
         put("curve_secret_key", _curve_secret(self.curve_secret_key))
+        put(
+            "curve_allowed_client_keys",
+            _curve_allowed(self.curve_allowed_client_keys, self.curve_secret_key),
+        )

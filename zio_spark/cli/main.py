@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         "through a ZAP handler; repeat it, @FILE with one key a line, or a folder of "
         "public certificates (zauth's CURVE location: *.key files). List the takers' "
         "and the Spark drivers' curvePublicKey: a driver in readMode=direct registers a "
-        "fresh key for its query's tasks, admitted while its control flow lives. "
+        "fresh key for its query's tasks, admitted while its control flow lives, for "
+        "range reads only. "
         "Default: any client that knows the server key",
     )
     sp.add_argument("--group", help="ZRE group to advertise in (see `peers`; --bind only)")

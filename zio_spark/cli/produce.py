@@ -8,7 +8,8 @@ final EOT). A shortfall exits 1 with the numbers and, when no taker came, the li
 CURVE (``--bind`` only): ``--curve-secret`` makes the port a CURVE server (its public key
 is printed: the readers' ``curveServerKey``); ``--curve-allow`` (repeatable) admits only
 the listed client public keys, through a ZAP handler, plus the run keys that Spark
-drivers on the list register for their queries' tasks (docs/direct-read.md, Security).
+drivers on the list register for their queries' tasks, for range reads only: a run key
+is refused a control flow or a taker's flow (docs/direct-read.md, Security).
 """
 
 from __future__ import annotations

@@ -100,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
         help="CURVE secret key (Z85), or @FILE to read it from a file (keeps it out of ps)",
     )
     p.add_argument(
+        "--curve-allow", action="append", metavar="KEY|@FILE|DIR",
+        help="with --curve-secret: admit only CURVE clients with this public key (Z85), "
+        "the keys of @FILE (one a line) or the public certificates of DIR; repeatable. "
+        "It holds every client of the queue (PZQ producers and consumers, Spark "
+        "drivers' curvePublicKey); a direct-mode driver's run keys are then admitted "
+        "on --flow-producer for range reads while its control flow lives",
+    )  # fmt: skip
+    p.add_argument(
         "--dedup-window", type=int, default=DEFAULT_QUEUE_DEDUP_WINDOW, metavar="N",
         help="message ids remembered to drop duplicates",
     )  # fmt: skip
@@ -125,6 +133,32 @@ def _parser() -> argparse.ArgumentParser:
         '("event": "stopped": received, stored, duplicates, delivered, acked, ...)',
     )
     return p
+
+
+def _allowed(values: list[str] | None, secret: str | None) -> tuple[bytes, ...] | None:
+    """``--curve-allow``'s keys (each KEY, @FILE or DIR, as ``zio-spark produce``
+    reads them), Z85; None without the option.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``--curve-allow``: without ``--curve-secret``, a malformed key, an
+        unreadable file or folder.
+    """
+    if not values:
+        return None
+    from zio_spark.cli.produce import _key_text
+    from zio_spark.transport.curve import curve_key
+
+    if secret is None:
+        raise ConfigError(
+            "--curve-secret", None, "the queue's secret key with --curve-allow (CURVE)"
+        )
+    return tuple(
+        curve_key(k, "--curve-allow")
+        for v in values
+        for k in _key_text(v, "--curve-allow", folder=True)
+    )
 
 
 def run_queue(argv: Sequence[str] | None = None) -> int:
@@ -158,6 +192,7 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
     try:
         if secret is not None and secret.startswith("@"):
             secret = Path(secret[1:]).read_text("ascii").strip()
+        allowed = _allowed(args.curve_allow, secret)
         options = QueueOptions(
             Path(args.store),
             receive=args.receive,
@@ -171,6 +206,7 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             ack_backlog=args.ack_backlog,
             inflight=args.inflight,
             curve_secret_key=secret,
+            curve_allowed_client_keys=allowed,
             queue_id=args.queue_id.encode() if args.queue_id else None,
             dedup_window=args.dedup_window,
             flow_producer=args.flow_producer,
@@ -196,10 +232,12 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
         queue_id = broker.queue_id.decode("utf-8", "replace")
         public = broker.curve_public_key
         if args.json:
-            ready = {"command": "queue", "event": "ready", "queue_id": queue_id}
+            ready: dict[str, object] = {"command": "queue", "event": "ready", "queue_id": queue_id}
             ready.update(broker.endpoints)
             if public is not None:
                 ready["curve_public_key"] = public.decode("ascii")
+            if allowed is not None:
+                ready["curve_allowed_client_keys"] = len(allowed)
             print(json.dumps(ready, sort_keys=True), flush=True)
         else:
             for name, endpoint in broker.endpoints.items():
@@ -207,6 +245,8 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
             print(f"queue_id: {queue_id}")
             if public is not None:
                 print(f"curve_public_key: {public.decode('ascii')}")
+            if allowed is not None:
+                print(f"curve_allowed_client_keys: {len(allowed)}")
             print("ready", flush=True)
         while not stop.wait(0.5):
             if not broker.running:

@@ -75,7 +75,13 @@ store. Counted as ``flow_given``, ``flow_acked``, ``flow_stored``.
 
 Security: with ``curve_secret_key`` all three sockets are CURVE servers; clients need
 :attr:`QueueBroker.curve_public_key`. Without a ZAP handler on the context any client that
-knows the key may connect (see :func:`zio_spark.transport.start_authenticator`).
+knows the key may connect (see :func:`zio_spark.transport.start_authenticator`). With
+``curve_allowed_client_keys`` the broker runs a ZAP handler of its own on its context
+that admits only those keys, on every socket (PZQ producers and consumers, Spark sources
+and sinks alike); an application's own handler on a ``context`` it passes is given as
+``authenticator``. Either is the flow producer port's gate: Spark drivers in
+``readMode=direct`` lease their query runs' keys on it (range reads on that port only),
+as with a bound producer's allow-list (:mod:`zio_spark.pzq.flow_ports`, "Run keys").
 """
 
 from __future__ import annotations
@@ -114,7 +120,13 @@ from zio_spark.storage.store import (
     MessageStore,
     StoreError,
 )
-from zio_spark.transport.curve import apply_server, server_curve, server_keys
+from zio_spark.transport.curve import (
+    CurveAuthenticator,
+    apply_server,
+    server_curve,
+    server_keys,
+    start_authenticator,
+)
 from zio_spark.transport.loop import Waker
 
 if TYPE_CHECKING:
@@ -174,6 +186,7 @@ class QueueSettings(TypedDict, total=False):
     ack_backlog: int
     inflight: int
     curve_secret_key: str | bytes | None
+    curve_allowed_client_keys: tuple[str | bytes, ...] | None
     queue_id: bytes | None
     max_batch: int
     dedup_window: int
@@ -242,6 +255,15 @@ class QueueBroker:
         crash resends them).
     curve_secret_key
         Make all sockets CURVE servers with this secret key (Z85 or 32 raw bytes).
+    curve_allowed_client_keys
+        With ``curve_secret_key``: admit only CURVE clients with these public keys
+        (Z85 or 32 raw bytes), through a ZAP handler the broker runs on its context, on
+        every socket: list the PZQ producers and consumers and the Spark drivers
+        (sources' and sinks' ``curvePublicKey``). It is the flow producer port's gate:
+        a driver's run keys are admitted there, for range reads, while its control flow
+        lives. None: no list (any client that knows the server key gets in, unless the
+        context runs a handler of its own). The context must run no other ZAP handler
+        (one per context): with one of yours, pass it as ``authenticator``.
     queue_id
         The send socket's routing id, which consumers see as part 0 (default: the id kept
         in the store folder). Must not start with a zero byte.
@@ -260,6 +282,12 @@ class QueueBroker:
         Most messages given to the flow producer port and not yet acknowledged.
     context
         A zmq context to use (default: a private one, terminated at stop).
+    authenticator
+        The application's running :class:`~zio_spark.transport.curve.CurveAuthenticator`
+        on ``context`` (needs ``context`` and ``curve_secret_key``; not with
+        ``curve_allowed_client_keys``): the flow producer port's gate, on which drivers
+        lease their run keys. The port calls its ``lease_only_in`` so that run keys are
+        admitted on that port only.
 
     Raises
     ------
@@ -274,6 +302,7 @@ class QueueBroker:
         store_path: str | os.PathLike[str] | QueueOptions,
         *,
         context: zmq.Context[Any] | None = None,
+        authenticator: CurveAuthenticator | None = None,
         **settings: Unpack[QueueSettings],
     ) -> None:
         if isinstance(store_path, QueueOptions):
@@ -303,6 +332,30 @@ class QueueBroker:
         self._curve = None if secret is None else server_curve(secret)
         self._keys = server_keys(self._curve)  # (secret, public) for the three sockets
         self._queue_id_wanted = options.queue_id
+        if authenticator is not None:
+            if not isinstance(authenticator, CurveAuthenticator):
+                raise ConfigError(
+                    "authenticator",
+                    type(authenticator).__name__,
+                    "a running zio_spark.transport.curve.CurveAuthenticator (it leases "
+                    "run keys); another handler cannot admit them",
+                )
+            if context is None:
+                raise ConfigError(
+                    "authenticator", "...", "context= too: the context the handler runs on"
+                )
+            if secret is None:
+                raise ConfigError(
+                    "authenticator", "...", "curve_secret_key too: it judges CURVE clients"
+                )
+            if options.curve_allowed_client_keys is not None:
+                raise ConfigError(
+                    "curve_allowed_client_keys",
+                    "...",
+                    "None with authenticator= (the list belongs to your handler then)",
+                )
+        self._authenticator = authenticator
+        self._gate: CurveAuthenticator | None = None  # the flow port's, while running
         self._given_ctx = context
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -435,9 +488,23 @@ class QueueBroker:
         store: MessageStore | None = None
         sync_thread: threading.Thread | None = None
         self._sync_q: queue.SimpleQueue[CommitTicket | None] = queue.SimpleQueue()
+        own_gate: CurveAuthenticator | None = None
         try:
             try:
                 opts = self.options
+                self._gate = self._authenticator
+                if opts.curve_allowed_client_keys is not None:
+                    # Before any socket: every handshake is judged from the first on.
+                    try:
+                        own_gate = start_authenticator(ctx, opts.curve_allowed_client_keys)
+                    except TransportError as e:
+                        raise TransportError(
+                            f"{e}: the context given to the queue runs a ZAP handler "
+                            "already; pass it as QueueBroker(authenticator=...) (a "
+                            "CurveAuthenticator) instead of curve_allowed_client_keys",
+                            endpoint=e.endpoint,
+                        ) from e
+                    self._gate = own_gate
                 store = MessageStore(
                     self._store_path,
                     segment_bytes=opts.segment_bytes,
@@ -476,6 +543,8 @@ class QueueBroker:
                     log.error("closing the store: %s", e)
             for s in sockets:
                 s.close(linger=self._linger)
+            if own_gate is not None:
+                own_gate.stop()
             if self._given_ctx is None:
                 ctx.term()
 
@@ -560,6 +629,7 @@ class QueueBroker:
                     sync=sync,
                     curve=self._curve,
                     linger_ms=self._linger,
+                    gate=self._gate,
                 )
             if consumer_ep is not None:
                 consumer = FlowConsumerPort(

@@ -56,6 +56,19 @@ the store instead of memory:
   ``not_held``. A commit acks through :meth:`FlowProducerPort.ack`, exactly as a taker's
   PAY ``ack`` does. The port never renumbers, so its incarnation changes only with a new
   side log.
+- **Run keys** (CURVE, docs/direct-read.md "Security"): with ``gate`` (the broker's ZAP
+  handler: its own from ``curve_allowed_client_keys``, or the application's passed as
+  ``QueueBroker(authenticator=...)``), the port does what a bound producer with an
+  allow-list does: a driver's ``admit`` leases its run key on that handler while its
+  control flow lives (answered ``admitted``), and each BOT is judged by the key of the
+  connection it came on (a list key opens any flow, a run key range reads only, any
+  other key none). Without a gate ``admit`` is answered ``open``: the port cannot tell
+  the context's handler, if any, about the run key, so such a handler would refuse the
+  tasks (a ZAP handler of pyzmq's own on the queue's context is such a case: pass a
+  :class:`~zio_spark.transport.curve.CurveAuthenticator` instead). The port's socket
+  then has the ZAP domain :data:`FLOW_ZAP_DOMAIN`, and the gate admits leased run keys
+  in that domain only (``lease_only_in``): a run key cannot reach the queue's PZQ
+  sockets, which the same handler judges by its allow-list alone.
 - **Policy when the taker goes away**: its unacknowledged messages *stay assigned* (in
   the store and the side log) until a taker resumes and acks them, across queue
   restarts too. They are never released to PZQ consumers automatically: a resuming
@@ -108,12 +121,14 @@ from zio_spark.sink.consumer import BatchId, Consumer
 from zio_spark.source.range_serving import HeldView, RangeService
 from zio_spark.storage.flow_log import FlowLog
 from zio_spark.storage.store import MAX_ID_BYTES, MessageRejected, MessageStore, StoreError
+from zio_spark.transport.curve import CurveAuthenticator
 from zio_spark.transport.flow_server import FlowServer
 from zio_spark.transport.giver import GiverPolicy, Giving, Taken
 from zio_spark.transport.port import ServerPort
 
 __all__ = [
     "DEFAULT_FLOW_WINDOW",
+    "FLOW_ZAP_DOMAIN",
     "LOG_REWRITE_BYTES",
     "FlowConsumerPort",
     "FlowProducerPort",
@@ -129,6 +144,9 @@ DEFAULT_FLOW_WINDOW: Final = 100_000
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
+
+FLOW_ZAP_DOMAIN: Final = "zio-spark-queue-flow"
+"""The ZAP domain of a gated flow producer port (its run keys are leased in it only)."""
 
 FRAMES_HEADER: Final = "zio.frames"
 _MAX_DAT_RECORDS: Final = 1000
@@ -251,6 +269,11 @@ class FlowProducerPort:
     mode, curve, linger_ms
         For the :class:`~zio_spark.transport.port.ServerPort` (``curve``: the broker's,
         a bound port's :class:`~zio_spark.options.Curve`; None: no CURVE).
+    gate
+        The running ZAP handler of ``ctx`` that admits this port's CURVE clients (needs
+        ``curve``): drivers lease their run keys on it and flows are bound to keys, as
+        on a producer with an allow-list (module docstring, "Run keys"). None: ``admit``
+        is answered ``open`` and any client that got in opens any flow.
 
     Raises
     ------
@@ -274,8 +297,15 @@ class FlowProducerPort:
         mode: str | None = None,
         curve: Curve | None = None,
         linger_ms: int = 500,
+        gate: CurveAuthenticator | None = None,
     ) -> None:
         _check_endpoint("flow_producer", endpoint)
+        if gate is not None and curve is None:
+            raise ConfigError(
+                "gate",
+                "<CurveAuthenticator>",
+                "None without CURVE (curve_secret_key): a ZAP handler judges CURVE clients only",
+            )
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError("flow_window", window, "an integer >= 1")
         self.store = store
@@ -298,12 +328,19 @@ class FlowProducerPort:
             self._sent_max = self._next_seq - 1  # seqs above were never sent to anybody
             self._reclaim(self._log.assigned)
             self._log.assigned = {}
+            if gate is not None:
+                # Run keys are leased for this port's handshakes only: the handler
+                # judges the queue's PZQ sockets too, where a task has no business.
+                gate.lease_only_in(FLOW_ZAP_DOMAIN)
             port = ServerPort(
                 ctx,
                 mode=mode,
                 linger_ms=linger_ms,
                 send_timeout_ms=200,
                 curve=curve,
+                zap_domain=None if gate is None else FLOW_ZAP_DOMAIN,
+                # With a gate, the key a client came with decides its flows.
+                user_ids=gate is not None,
             )
             try:
                 self.endpoint = port.bind(endpoint)
@@ -323,7 +360,7 @@ class FlowProducerPort:
         )
         # Range and control flows (direct reads) next to the taker's; the incarnation
         # is the side log's (kept_incarnation).
-        self.ranges = RangeService(self, policy, stats=self.range_stats)
+        self.ranges = RangeService(self, policy, stats=self.range_stats, gate=gate)
         # Driven inline by the broker's loop: process() and tick(), no thread of its own.
         self._server = FlowServer(
             port,

@@ -159,7 +159,12 @@ class Producer:
         producer (their ``curvePublicKey``). A driver in ``readMode=direct`` registers a
         fresh key per query run on its control flow; that key is admitted for as long as
         the control flow lives, so the query's tasks read ranges with it and never hold
-        the driver's secret key (docs/direct-read.md, "Security"). The port then lives
+        the driver's secret key (docs/direct-read.md, "Security"). Flows are bound to
+        keys: a key on this list opens any flow (a taker's, a control flow, a range
+        read); a run key opens range reads only (a control flow or a taker's flow
+        opened with it is rejected, so a task cannot free records or admit keys); a
+        connection whose key is neither (a run key whose lease ended) opens none. The
+        port then lives
         in a zmq context of its own (a ZAP handler is one per context and would judge
         every CURVE socket of a shared one), so ``ctx`` is not used for it. None (the
         default): any client that knows the server key gets in, as before.
@@ -340,6 +345,9 @@ class Producer:
                 linger_ms=linger_ms,
                 curve=server_curve,
                 zap_domain=None if allowed is None else _ZAP_DOMAIN,
+                # With a list, which key a client came with decides the flows it may
+                # open (range_serving: a run key reads ranges only).
+                user_ids=allowed is not None,
                 sndhwm=_SEND_QUEUE,
             )
         except BaseException:

@@ -53,6 +53,15 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   closes, when the lease ends and new connections with it are refused. The lease is
   taken before the answer goes out, so a driver that has the answer can hand the key
   to its tasks. Without an allow-list the answer is ``open`` and nothing is stored.
+- **Flows bound to keys** (with a ``gate`` only). ZAP judges a connection once, at its
+  handshake; which flows it may open is decided at its BOT from the key it came with
+  (the ZAP ``User-Id`` of the connection, which the port keeps:
+  ``ServerPort(user_ids=True)``): a key on the allow-list (a taker, a driver) opens any
+  flow; a leased run key opens range reads only, so a task holding it cannot open a
+  control flow (free records, admit more keys) or a taker's flow (drain the backlog);
+  any other key (a run key whose lease ended since the handshake, or none) opens none.
+  A refusal is the BOT's rejection (EOT) with a reason naming the flow kind, the key
+  kind and the fix (:meth:`RangeService.key_refusal`; ``stats["flows_refused_key"]``).
 - **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
   ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
@@ -92,6 +101,7 @@ from zio_spark.protocol.flow import (
 from zio_spark.protocol.message import FLOW_FORM, Message, encode_flow_label, parse_flow_label
 from zio_spark.protocol.ranges import (
     READ_CONTROL,
+    READ_RANGE,
     Acked,
     AdmitRequest,
     Admitted,
@@ -317,6 +327,43 @@ class RangeService:
     def window(self, records: HeldView) -> Window:
         return Window(records.first, records.next_seq)
 
+    def key_refusal(self, user_id: str | None, mode: str | None) -> str | None:
+        """Why a client whose connection came with the CURVE key ``user_id`` (its ZAP
+        ``User-Id``, Z85; None: none known) may not open a flow of ``mode`` (``read``:
+        ``"range"``, ``"control"``, None for a taker), or None if it may.
+
+        Without a gate every flow is open to whoever got in. With one: a key on the
+        allow-list opens any flow; a run key leased now opens range reads only; any
+        other key opens none (module docstring, "Flows bound to keys")."""
+        gate = self.gate
+        if gate is None:
+            return None
+        key = None if user_id is None else user_id.encode("ascii", "replace")
+        if key is not None and key in gate.allowed:
+            return None
+        leased = key is not None and key in gate.leased
+        if leased and mode == READ_RANGE:
+            return None
+        kind = {READ_RANGE: "a range read", READ_CONTROL: "a control flow"}.get(
+            mode or "", "a taker's flow"
+        )
+        if leased:
+            return (
+                f"{kind} refused to CURVE key {user_id}: it is a query run's key (leased "
+                "by a driver's control flow), which opens range reads only. A control "
+                "flow or a taker's flow needs a key on this giver's allow-list: the "
+                "source's own curvePublicKey/curveSecretKey, or a key added with "
+                "curve_allowed_client_keys / --curve-allow"
+            )
+        shown = "(none: no ZAP user id on this connection)" if user_id is None else user_id
+        return (
+            f"{kind} refused to CURVE key {shown}: it is neither on this giver's "
+            "allow-list nor a run key admitted now (a run key is admitted only while "
+            "its query run's control flow lives: the query stopped or restarted, a task "
+            "of an earlier run); restart the query, or put the reader's public key on "
+            "the allow-list (curve_allowed_client_keys / --curve-allow)"
+        )
+
 
 class RangeFlow:
     """One range reader's flow (server side, loop thread): requests in PAYs, answers in
@@ -360,7 +407,12 @@ class RangeFlow:
             if self.conn.flow.state is FlowState.READY:
                 self.conn.send_eot({"reason": text})
             raise RemoteProtocolError(text, field="ack", value=attrs.get("ack"))
-        self.giver.on_pay(attrs)
+        try:
+            self.giver.on_pay(attrs)
+        except RemoteProtocolError as e:
+            # The reader learns why (an admit or a commit on a range flow, a bad
+            # request), not only that its flow is gone.
+            raise self._refuse(e) from None
         self.pump()
 
     def end(self, reason: str) -> None:
@@ -493,6 +545,21 @@ class ProducerFlowHandler(GiverHandler):
             except RemoteProtocolError as e:
                 conn.reject({"reason": str(e)})
                 raise
+            service = self.service
+            if service.gate is not None:
+                user_id = conn.server.port.user_id(conn.peer)
+                refused = service.key_refusal(user_id, mode)
+                if refused is not None:
+                    service.stats["flows_refused_key"] += 1
+                    if service.stats["flows_refused_key"] <= _LOG_STRAY_FIRST:
+                        log.warning(
+                            "producer %s: %s: %s",
+                            service.policy.producer_id,
+                            conn.name,
+                            refused,
+                        )
+                    conn.reject({"reason": refused})
+                    return
             if mode is not None:
                 self._open_range(conn, bot, control=mode == READ_CONTROL)
                 return

@@ -262,7 +262,9 @@ class CurveAuthenticator:
     :meth:`release` of that owner. A key is admitted while it is on the allow-list or
     leased by any owner. The ZAP thread reads one immutable set per handshake; changes
     are made under a lock and take effect at the next handshake (connections already
-    made stay up).
+    made stay up). Leased keys are admitted in every domain the handler answers for,
+    unless :meth:`lease_only_in` named some: then only at their handshakes (a queue's
+    handler judges its PZQ sockets too, where a query's run key has no business).
     """
 
     def __init__(
@@ -281,6 +283,7 @@ class CurveAuthenticator:
         self._lock = threading.Lock()
         self._leases: dict[Hashable, bytes] = {}
         self._leased: frozenset[bytes] = frozenset()
+        self._lease_domains: frozenset[str] | None = None  # None: every domain
         self.refused = 0  # handshakes refused (ZAP thread; read for stats)
         # Handshakes admitted, per client key (Z85): who connected with which key.
         self.handshakes: collections.Counter[bytes] = collections.Counter()
@@ -328,9 +331,32 @@ class CurveAuthenticator:
                 self._leased = frozenset(self._leases.values())
         return key
 
+    def lease_only_in(self, domain: str) -> None:
+        """Answer for the ZAP ``domain`` too (a socket with
+        ``ServerPort(zap_domain=domain)``), and admit leased keys only at handshakes of
+        the domains named so (the allow-list stays good everywhere). Call it before
+        sockets of ``domain`` take clients (after :meth:`start`).
+
+        Raises
+        ------
+        ConfigError
+            If ``domain`` is empty or ``"*"`` (sockets without a domain: those the
+            leases must stay out of).
+        """
+        if not isinstance(domain, str) or domain in ("", "*"):
+            raise ConfigError("domain", domain, "a ZAP domain name of its own, not '' or '*'")
+        if not self._started:
+            raise ConfigError("domain", domain, "a started handler (call start() first)")
+        self._auth.configure_curve_callback(domain, credentials_provider=self)
+        with self._lock:
+            self._lease_domains = frozenset({*(self._lease_domains or ()), domain})
+
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq's credentials-provider hook: ``key`` is the client's Z85 public key."""
-        ok = key in self._allowed or key in self._leased
+        domains = self._lease_domains
+        ok = key in self._allowed or (
+            key in self._leased and (domains is None or domain in domains)
+        )
         if ok:
             self.handshakes[key] += 1
         else:

@@ -138,6 +138,9 @@ log = logging.getLogger("zio_spark.transport")
 
 OnBadMessage = Literal["return", "raise"]
 _P = TypeVar("_P", bound="_Port[Any, Any]")
+# Clients whose User-Id a ServerPort(user_ids=True) remembers: far more than one
+# recv_many batch can name, so the BOT being dispatched always finds its own.
+_USER_IDS_KEPT = 4096
 _R = TypeVar("_R")
 _Got = TypeVar("_Got")  # what recv gives: (peer, message) on a server, a message on a client
 _Parts = TypeVar("_Parts")  # what recv_frames gives: (peer, parts) or the parts
@@ -691,6 +694,10 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         one from keys with :func:`~zio_spark.transport.curve.server_curve`).
     zap_domain
         ZAP domain of the socket (see :func:`~zio_spark.transport.curve.start_authenticator`).
+    user_ids
+        Keep the ZAP ``User-Id`` of each client's connection (:meth:`user_id`): what a
+        server whose flows depend on the client's CURVE key reads at BOT time. Off by
+        default (a property lookup per message).
 
     Raises
     ------
@@ -709,6 +716,7 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         *,
         curve: Curve | None = None,
         zap_domain: str | None = None,
+        user_ids: bool = False,
         **options: Unpack[PortOptions],
     ) -> None:
         keys = server_keys(curve)
@@ -716,6 +724,47 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         super().__init__(
             ctx, functools.partial(apply_server, keys=keys, zap_domain=zap_domain), **options
         )
+        # peer -> the User-Id of its connection (user_ids only; bounded, oldest out).
+        self._user_ids: dict[PeerId, str | None] | None = None
+        if user_ids:
+            self._keep_user_ids()
+
+    def _keep_user_ids(self) -> None:
+        wire = self._wire
+        wire.keep_user_ids()
+        kept: dict[PeerId, str | None] = {}
+        self._user_ids = kept
+        decode, split = self._decode, self._split
+
+        def note(peer: PeerId) -> None:
+            # Every message of a peer (one connection) has the same User-Id; the latest
+            # goes last, so the oldest peers are the ones forgotten.
+            kept.pop(peer, None)
+            kept[peer] = wire.user_id
+            if len(kept) > _USER_IDS_KEPT:
+                del kept[next(iter(kept))]
+
+        def decode_noting(raw: Any) -> Any:
+            got = decode(raw)
+            note(got[0])
+            return got
+
+        def split_noting(raw: Any) -> Any:
+            got = split(raw)
+            note(got[0])
+            return got
+
+        self._get = wire.get
+        self._decode = decode_noting
+        self._split = split_noting
+
+    def user_id(self, peer: PeerId) -> str | None:
+        """The ZAP ``User-Id`` of the connection ``peer``'s latest message came on: a
+        CURVE client's Z85 public key under a ZAP handler of ours or pyzmq's. None if
+        the port keeps none (``user_ids`` off), no ZAP handler judged the connection,
+        or nothing came from ``peer`` lately."""
+        kept = self._user_ids
+        return None if kept is None else kept.get(peer)
 
     @property
     def last_peer(self) -> PeerId | None:

@@ -53,6 +53,7 @@ __all__ = [
     "Wire",
     "choose_mode",
     "drafts_available",
+    "frame_user_id",
     "make_wire",
     "silent_peer_hint",
     "socket_type_name",
@@ -107,6 +108,20 @@ def _send_parts(sock: zmq.Socket[bytes], parts: Sequence[bytes]) -> None:
         send(p, _NB)
     else:
         send(p, _NB, copy=False)
+
+
+def frame_user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP ``User-Id`` of the connection ``frame`` came on (a frame received with
+    ``copy=False``), None without one (no ZAP handler judged that connection).
+
+    libzmq attaches the connection's metadata to every message it delivers; the ZAP
+    handler's reply sets ``User-Id`` (pyzmq's authenticators, ours included: the Z85
+    public key of a CURVE client)."""
+    try:
+        got = frame.get("User-Id")
+    except zmq.ZMQError:  # EINVAL: no such property on this connection
+        return None
+    return got if isinstance(got, str) and got else None
 
 
 def _recv_parts(sock: zmq.Socket[bytes], flags: int) -> list[bytes]:
@@ -341,11 +356,31 @@ class Wire:
     def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
         self.took = 0
+        self.user_id: str | None = None
+        """The ZAP ``User-Id`` of the message :attr:`get` read last, once
+        :meth:`keep_user_ids` is on (else None)."""
         self.get: Callable[[int], Any] = self._getter(sock)
         """Read one raw message with these flags; ``zmq.Again`` if none is there."""
 
     @staticmethod
     def _getter(sock: zmq.Socket[bytes]) -> Callable[[int], Any]:
+        raise NotImplementedError  # pragma: no cover - every wire defines it
+
+    def keep_user_ids(self) -> None:
+        """From now on :attr:`get` also reads each message's ZAP ``User-Id`` into
+        :attr:`user_id` (:func:`frame_user_id`): a server that lets a flow's kind depend
+        on the client's CURVE key needs it at BOT time. Off by default: it costs a
+        property lookup per message, which the receiving hot loops do not pay."""
+        get = self._getter_with_user_id(self.sock)
+
+        def got(flags: int) -> Any:
+            raw, self.user_id = get(flags)
+            return raw
+
+        self.get = got
+
+    @staticmethod
+    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
         raise NotImplementedError  # pragma: no cover - every wire defines it
 
     def check_peer(self, peer: object) -> PeerId:
@@ -386,6 +421,14 @@ class _SingleFrameWire(Wire):
     @staticmethod
     def _getter(sock: zmq.Socket[bytes]) -> Callable[[int], Any]:
         return functools.partial(sock.recv, copy=False)
+
+    @staticmethod
+    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
+        def get(flags: int) -> tuple[zmq.Frame, str | None]:
+            frame = sock.recv(flags, copy=False)
+            return frame, frame_user_id(frame)
+
+        return get
 
     def pack(self, frames: Sequence[bytes], peer: Any) -> bytes:
         return join_single(frames)
@@ -468,6 +511,21 @@ class _EnvelopeWire(Wire):
     @staticmethod
     def _getter(sock: zmq.Socket[bytes]) -> Callable[[int], Any]:
         return functools.partial(_recv_parts, sock)
+
+    @staticmethod
+    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
+        def get(flags: int) -> tuple[list[bytes], str | None]:
+            # As _recv_parts; the metadata rides on every frame (the ROUTER's identity
+            # frame too), so the first one tells.
+            frame = sock.recv(flags, copy=False)
+            user_id = frame_user_id(frame)
+            parts = [frame.bytes]
+            while frame.more:
+                frame = sock.recv(_NB, copy=False)
+                parts.append(frame.bytes)
+            return parts, user_id
+
+        return get
 
     def put(self, packed: list[bytes], peer: Any) -> None:
         _send_parts(self.sock, packed)
