@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -177,3 +178,82 @@ def test_a_range_batch_becomes_the_spool_paths_columns() -> None:
     assert out.column("origin").to_pylist() == [2, 2]
     part = _spark_batch(wire, "p", 2, 1_000_000, ("seq", "value"))
     assert part.schema.names == ["seq", "value"] and part.column("seq").to_pylist() == [3, 4]
+
+
+def _wire(first: int, n: int) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(range(first, first + n), pa.int64()),
+            pa.array([b"v%d" % i for i in range(first, first + n)]),
+            pa.nulls(n, pa.binary()),
+            pa.nulls(n, pa.int64()),
+            pa.nulls(n, pa.map_(pa.string(), pa.string())),
+        ],
+        schema=WIRE_SCHEMA,
+    )
+
+
+class _FakeRangeConnection:
+    """Stands in for RangeConnection: yields the given (origin, wire batch) DATs."""
+
+    dats: list[tuple[int, pa.RecordBatch]] = []
+
+    def __init__(self, endpoint: str, **_: object) -> None:
+        self.origin = 0
+
+    def __enter__(self) -> _FakeRangeConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def read(self, producer: str, incarnation: str, start: int, end: int) -> Any:
+        for origin, wire in self.dats:
+            self.origin = origin
+            yield wire
+
+
+def _direct_partition(start: int, end: int) -> Any:
+    from zio_spark.spark.source import DirectPartition
+
+    return DirectPartition(
+        ranges=(("tcp://h:1", "p", "inc", start, end),),
+        fail_on_data_loss=True,
+        columns=tuple(SPARK_SCHEMA.names),
+        timestamp_us=5,
+        timeout=1.0,
+        mode=None,
+        curve=None,
+        stream="zio",
+    )
+
+
+def test_a_ranges_dats_reach_spark_in_few_large_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark pays per batch handed over: DATs are gathered into batches of
+    SPARK_BATCH_ROWS (the last smaller), in order, one origin per batch."""
+    from zio_spark.spark import source
+
+    monkeypatch.setattr(source, "SPARK_BATCH_ROWS", 10)
+    dats = [(7, _wire(1 + 4 * i, 4)) for i in range(6)]  # 24 records
+    dats += [(8, _wire(25, 4)), (8, _wire(29, 2))]  # the origin changes: a new batch
+    monkeypatch.setattr(_FakeRangeConnection, "dats", dats)
+    monkeypatch.setattr(source, "RangeConnection", _FakeRangeConnection)
+    out = list(source._read_direct(_direct_partition(1, 31)))
+    assert [b.num_rows for b in out] == [12, 12, 6]
+    assert [b.column("origin").to_pylist()[0] for b in out] == [7, 7, 8]
+    assert all(b.schema.equals(SPARK_SCHEMA) for b in out)
+    seqs = [s for b in out for s in b.column("seq").to_pylist()]
+    assert seqs == list(range(1, 31))
+    assert out[0].column("value").to_pylist()[:2] == [b"v1", b"v2"]
+
+
+def test_batches_are_joined_without_concat_batches_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyarrow < 19 has no concat_batches: the table path gives the same batch."""
+    from zio_spark.spark import source
+
+    parts = [_wire(1, 3), _wire(4, 2), _wire(6, 1)]
+    joined = source._concat(parts)
+    monkeypatch.setattr(source, "_CONCAT_BATCHES", None)
+    assert source._concat(parts).equals(joined)
+    assert joined.num_rows == 6 and joined.column("seq").to_pylist() == list(range(1, 7))
+    assert source._concat(parts[:1]) is parts[0]
