@@ -148,7 +148,7 @@ class _SteadyReader(DataSourceStreamReader):  # type: ignore[misc]
 
 
 def _producer_child(
-    endpoint_file: str, window: int, producer_id: str, rate: float, batch: int
+    endpoint_file: str, window: int, producer_id: str, rate: float, batch: int, window_bytes: int
 ) -> None:
     """Our Producer in its own process (bound: it serves range reads too), sending 100 B
     records as fast as it may, or ``rate`` records a second (in chunks every 100 ms)."""
@@ -159,6 +159,8 @@ def _producer_child(
         kw["batch"] = batch
     if window > 0:
         kw["max_unacked"] = window
+    if window_bytes > 0:
+        kw["max_unacked_bytes"] = window_bytes
     prod = Producer("tcp://127.0.0.1:*", **kw)
     Path(endpoint_file + ".tmp").write_text(prod.endpoint)
     os.replace(endpoint_file + ".tmp", endpoint_file)
@@ -167,6 +169,9 @@ def _producer_child(
     chunk = [VALUE] * 10_000
     from zio_spark.errors import TransportError
 
+    # Seconds spent in sends that found the window full (the query acked too late to
+    # keep the producer going): written next to the endpoint file at the end.
+    born, full = time.monotonic(), 0.0
     if rate > 0:
         t0, sent = time.monotonic(), 0
         while not stop:
@@ -179,10 +184,13 @@ def _producer_child(
                     continue
             time.sleep(0.1)
     while not stop:
+        t = time.monotonic()
         try:
             prod.send_many(chunk, timeout=1.0)
         except TransportError:  # the window is full: the query is behind; keep offering
+            full += time.monotonic() - t
             continue
+    Path(endpoint_file + ".full").write_text(f"{full / (time.monotonic() - born):.4f}")
     prod.close(flush=False, timeout=0.5)
 
 
@@ -340,7 +348,7 @@ def _measure(
 
 
 def _producers(
-    work: Path, n: int, window: int, rate: float, batch: int = 0
+    work: Path, n: int, window: int, rate: float, batch: int = 0, window_bytes: int = 0
 ) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
     """``n`` producer processes (ids ``steady``, or ``steady-<i>``) and their endpoints."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -355,6 +363,8 @@ def _producers(
                     ep_file,
                     "--window",
                     str(window),
+                    "--window-bytes",
+                    str(window_bytes),
                     "--producer-id",
                     pid,
                     "--rate",
@@ -388,8 +398,10 @@ def _zio(
     producers: int = 1,
     rate: float = 0.0,
     batch: int = 0,
+    window_bytes: int = 0,
 ) -> dict[str, Any]:
-    procs, endpoints = _producers(work, producers, window, rate, batch)
+    procs, endpoints = _producers(work, producers, window, rate, batch, window_bytes)
+    res: dict[str, Any] = {}
     try:
         df = (
             spark.readStream.format("zio")  # a reader: options are added below, then load()
@@ -403,9 +415,16 @@ def _zio(
             df = df.option("maxBacklog", str(max_backlog))
         for k, v in options.items():
             df = df.option(k, v)
-        return _measure(spark, df.load(), work, seconds, [p.pid for p in procs])
+        res = _measure(spark, df.load(), work, seconds, [p.pid for p in procs])
     finally:
         _stop(procs)
+    # Each producer's share of its life spent on a full window (the query behind).
+    shares = [float(p.read_text()) for p in work.glob("producer-*.ep.full")]
+    for p in work.glob("producer-*.ep.full"):
+        p.unlink()
+    if shares:
+        res["producer_window_full_share"] = max(shares)
+    return res
 
 
 def _bind(spark: Any, work: Path, seconds: float, clients: int) -> dict[str, Any]:
@@ -449,6 +468,7 @@ def _scale(
                     producers=n,
                     rate=a.scale_rate,
                     batch=a.producer_batch,
+                    window_bytes=a.window_bytes,
                 )
             )
             r = res[n][-1]
@@ -556,6 +576,9 @@ def main() -> None:
     )
     ap.add_argument("--window", type=int, default=0, help="producer max_unacked (0: default)")
     ap.add_argument(
+        "--window-bytes", type=int, default=0, help="producer max_unacked_bytes (0: default)"
+    )
+    ap.add_argument(
         "--producer-batch",
         type=int,
         default=0,
@@ -590,7 +613,9 @@ def main() -> None:
     ap.add_argument("--origin", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.producer_child:
-        _producer_child(a.producer_child, a.window, a.producer_id, a.rate, a.producer_batch)
+        _producer_child(
+            a.producer_child, a.window, a.producer_id, a.rate, a.producer_batch, a.window_bytes
+        )
         return
     if a.plain_child:
         _plain_client_child(a.plain_child, a.origin)
@@ -655,17 +680,46 @@ def main() -> None:
                 res["rate"].append(_measure(spark, rate, work, seconds, []))
             if "zio" in cases:
                 res["zio"].append(
-                    _zio(spark, work, seconds, a.window, a.max_backlog, options, batch=pb)
+                    _zio(
+                        spark,
+                        work,
+                        seconds,
+                        a.window,
+                        a.max_backlog,
+                        options,
+                        batch=pb,
+                        window_bytes=a.window_bytes,
+                    )
                 )
             if "direct" in cases:
                 res["direct"].append(
-                    _zio(spark, work, seconds, a.window, 0, direct_options, direct=True, batch=pb)
+                    _zio(
+                        spark,
+                        work,
+                        seconds,
+                        a.window,
+                        0,
+                        direct_options,
+                        direct=True,
+                        batch=pb,
+                        window_bytes=a.window_bytes,
+                    )
                 )
             if "bind8" in cases:
                 res["bind8"].append(_bind(spark, work, seconds, a.bind_clients))
             print(
                 f"round {i}: "
-                + ", ".join(f"{c} {r[-1]['rows_per_s']:,.0f}/s" for c, r in res.items())
+                + ", ".join(
+                    f"{c} {r[-1]['rows_per_s']:,.0f}/s "
+                    f"({r[-1]['rows_per_s'] / max(r[-1]['triggers_per_s'], 1e-9):,.0f}/trigger"
+                    + (
+                        f", producer on a full window {r[-1]['producer_window_full_share']:.0%}"
+                        if "producer_window_full_share" in r[-1]
+                        else ""
+                    )
+                    + ")"
+                    for c, r in res.items()
+                )
                 + f"; load {[r[-1]['load_1m'] for r in res.values()]}",
                 flush=True,
             )
