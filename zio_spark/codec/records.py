@@ -62,6 +62,7 @@ __all__ = [
     "encode_stream",
     "plain_attrs",
     "plain_value",
+    "seq_array",
     "wire_to_wal",
 ]
 
@@ -150,6 +151,12 @@ def encode_batch(batch: pa.RecordBatch) -> bytes:
     return encode_stream(batch, WIRE_SCHEMA)
 
 
+def seq_array(first: int, n: int) -> pa.Array:
+    """``first, first + 1, ... first + n - 1`` as an int64 array: from numpy's arange
+    (~4 us for 4,096), not a Python range (~530 us, most of a DAT's encoding)."""
+    return pa.array(np.arange(first, first + n, dtype=np.int64))
+
+
 def encode_records(
     first_seq: int,
     values: Sequence[bytes],
@@ -173,7 +180,7 @@ def encode_records(
     hdrs = None if headers is None else [None if h is None else list(h.items()) for h in headers]
     batch = pa.RecordBatch.from_arrays(
         [
-            pa.array(range(first_seq, first_seq + n), pa.int64()),
+            seq_array(first_seq, n),
             pa.array(values, pa.binary()),
             pa.nulls(n, pa.binary()) if keys is None else pa.array(keys, pa.binary()),
             pa.nulls(n, pa.int64()) if granules is None else pa.array(granules, pa.int64()),

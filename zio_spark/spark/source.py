@@ -194,7 +194,7 @@ def _spark_batch(
 # vector load) and the column conversion pays per call, so a range is converted and
 # handed over in batches of about this size (the last one smaller), at the cost of
 # one copy of the records (``concat_batches``). Measured per 65,536 rows of 100 B
-# (min of 5 × 20 calls, a loaded machine): converting 16 DATs one by one 5.2 ms,
+# (min of 5 runs of 20 calls, a loaded machine): converting 16 DATs one by one 5.2 ms,
 # joined then converted 3.2 ms; Spark's wrap-and-write of 16 batches 3.1 ms, of one
 # 0.07 ms.
 SPARK_BATCH_ROWS = 65_536

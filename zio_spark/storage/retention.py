@@ -76,6 +76,7 @@ from typing import Any, Final
 
 import pyarrow as pa
 
+from zio_spark.codec.records import seq_array
 from zio_spark.codec.schema import WIRE_SCHEMA
 from zio_spark.errors import (
     CorruptRecordError,
@@ -282,7 +283,7 @@ def encode_batch(
         ) from e
     return pa.RecordBatch.from_arrays(
         [
-            pa.array(range(first, first + n), pa.int64()),
+            seq_array(first, n),
             value_array,
             key_array,
             granule_array,
@@ -893,7 +894,7 @@ class RetentionLog:
             self._gen, self._first, self._next = gen, new_first, new_first
             try:
                 for b in held:
-                    seq = pa.array(range(self._next, self._next + b.num_rows), pa.int64())
+                    seq = seq_array(self._next, b.num_rows)
                     moved = pa.RecordBatch.from_arrays([seq, *b.columns[1:]], schema=WIRE_SCHEMA)
                     self._write_batch(moved, self._next, b.num_rows)
                 self._write_head(gen, new_first, incarnation)
