@@ -71,6 +71,7 @@ __all__ = [
     "check_disjoint",
     "initial",
     "latest",
+    "latest_with_spool",
     "owed",
     "pack",
     "split_offsets",
@@ -195,8 +196,31 @@ def latest(
 
     ``target``: an availableNow run's ends (no further than them in their incarnation).
     ``seen``: the last held window each producer answered before (to tell what an
-    incarnation that is gone held beyond ``start``).
+    incarnation that is gone held beyond ``start``). ``max_rows``
+    (``maxRecordsPerTrigger``): shared fairly by the producers (:func:`plan.fair_rows`).
     """
+    end, _, losses = latest_with_spool(
+        start, held, {}, {}, target=target, max_rows=max_rows, seen=seen
+    )
+    return end, losses
+
+
+def latest_with_spool(
+    start: Mapping[str, Position],
+    held: Mapping[str, HeldWindow],
+    spool_bases: Mapping[str, int],
+    spool_ends: Mapping[str, int],
+    *,
+    target: Mapping[str, Position] | None = None,
+    max_rows: int | None = None,
+    seen: Mapping[str, HeldWindow] | None = None,
+) -> tuple[Offsets, dict[str, int], list[Loss]]:
+    """:func:`latest` for a batch that also reads givers through the spool:
+    ``spool_bases``/``spool_ends`` are their ranges before the budget
+    (:func:`plan.wanted_ends`). ``max_rows`` is then one budget for the whole batch,
+    shared fairly by every producer whichever path reads it, so a batch holds at most
+    ``max_rows`` records (not that many per path). Returns the direct offsets, the
+    spool ends (cut) and the losses."""
     out: Offsets = dict(start)
     losses: list[Loss] = []
     ends: dict[str, int] = {}
@@ -245,11 +269,15 @@ def latest(
             goal = t.end if t is not None and t.incarnation == w.incarnation else was.end
         bases[p] = was.end
         ends[p] = max(was.end, goal)
+    spooled = dict(spool_ends)
     if max_rows is not None:
-        ends, _ = plan.take_rows(bases, ends, max_rows)
+        # Producer ids are one namespace across both paths (check_disjoint).
+        both = plan.fair_rows({**spool_bases, **bases}, {**spool_ends, **ends}, max_rows)
+        ends = {p: both[p] for p in ends}
+        spooled = {p: both[p] for p in spool_ends}
     for p, e in ends.items():
         out[p] = Position(start[p].incarnation, e)
-    return dict(sorted(out.items())), losses
+    return dict(sorted(out.items())), plan.sorted_offsets(spooled), losses
 
 
 def owed(

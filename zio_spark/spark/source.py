@@ -301,17 +301,25 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 p: direct.Position(w.incarnation, w.end) for p, w in held.items()
             }
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        end, losses = direct.latest(
-            begin, held, target=self._direct_target, max_rows=max_rows, seen=seen
+        # Givers read through the spool before, not answering yet (a restarted
+        # runner): their offsets are kept.
+        spool_bases, spool_ends = dict(spool_start), dict(spool_start)
+        if self._plain():
+            # The givers read through the spool, in the same batch and within the same
+            # maxRecordsPerTrigger budget (shared fairly with the direct producers).
+            spool_bases, spool_ends = self._spool_wanted(spool_start)
+        end, spool_end, losses = direct.latest_with_spool(
+            begin,
+            held,
+            spool_bases,
+            spool_ends,
+            target=self._direct_target,
+            max_rows=max_rows,
+            seen=seen,
         )
         self._losses(losses)
         out: dict[str, Any] = direct.to_json(end)
-        if self._plain():
-            # The givers read through the spool, in the same batch (their own
-            # maxRecordsPerTrigger budget).
-            out.update(self._spool_latest(spool_start, limit))
-        else:
-            out.update(spool_start)  # not answering yet (a restarted runner): kept
+        out.update(spool_end)
         return dict(sorted(out.items()))
 
     def _direct_complete(
@@ -424,6 +432,15 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return self._spool_latest(start or {}, limit)
 
     def _spool_latest(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, int]:
+        bases, ends = self._spool_wanted(start)
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        if max_rows is not None:
+            ends, _ = plan.take_rows(bases, ends, max_rows)
+        return plan.sorted_offsets(ends)
+
+    def _spool_wanted(self, start: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """The spool path's next batch before ``maxRecordsPerTrigger``: each producer's
+        base and the end it could reach (:func:`~zio_spark.source.plan.wanted_ends`)."""
         rt = self._runtime()
         check(rt, self.opts)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -444,8 +461,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
                 wait_first(rt, self.opts, self._run_state, one_batch=one_batch)
             ends = rt.spool.seal()
-        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return plan.latest_end(start, ends, rt.spool.committed(), max_rows)
+        return plan.wanted_ends(start, ends, rt.spool.committed())
 
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._controls is not None:
