@@ -176,8 +176,9 @@ def test_read_mode_option() -> None:
         parse_source_options({"endpoints": "tcp://h:1", "readMode": "fast"})
     with pytest.raises(ConfigError, match=r"'readMode'.*with 'bind'"):
         parse_source_options({"bind": "tcp://127.0.0.1:5555", "readMode": "direct"})
-    with pytest.raises(ConfigError, match=r"'readMode'.*with 'group'"):
-        parse_source_options({"group": "g", "readMode": "direct"})
+    grouped = parse_source_options({"group": "g", "readMode": "direct"})
+    assert grouped.read_mode == "direct" and grouped.zre is not None
+    assert grouped.zre.group == "g" and grouped.endpoints == ()
 
 
 def test_a_range_batch_becomes_the_spool_paths_columns() -> None:

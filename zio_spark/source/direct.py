@@ -47,12 +47,12 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
 from zio_spark.errors import ConfigError, TransportError
-from zio_spark.options import Curve
+from zio_spark.options import Curve, ZreOptions
 from zio_spark.source import plan
 from zio_spark.source.range_client import (
     AckRefused,
@@ -60,6 +60,9 @@ from zio_spark.source.range_client import (
     HeldWindow,
     RangesNotServed,
 )
+
+if TYPE_CHECKING:  # imported where a group is used: ZRE costs ~0.1-0.3 s to import
+    from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = [
     "Controls",
@@ -482,6 +485,8 @@ class Controls:
         curve: Curve | None = None,
         timeout: float = 30.0,
         stream: str | None = None,
+        zre: ZreOptions | None = None,
+        group_port: str | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.ctx = ctx
@@ -515,6 +520,83 @@ class Controls:
         self._keeping: set[str] = set()
         self._keeper: threading.Thread | None = None
         self._closed = threading.Event()
+        # ZRE discovery (``group``): the watcher, started at the first held(); what it
+        # saw join (endpoint -> socket mode) or leave, applied by held() on the caller's
+        # thread; the socket mode of each endpoint it found (others: ``mode``).
+        self.zre = zre
+        self.group_port = group_port
+        self._watcher: GroupWatcher | None = None
+        self._found: list[tuple[str, str | None]] = []
+        self._left: list[str] = []
+        self._modes: dict[str, str | None] = {}
+
+    def mode_of(self, endpoint: str) -> str | None:
+        """The socket mode to reach ``endpoint`` (a discovered one: from the socket type
+        it advertises; None: the default)."""
+        return self._modes.get(endpoint, self.mode)
+
+    # -- discovery (the watcher's thread, then the caller's) -----------------------------
+
+    def _joined(self, endpoint: str, mode: str) -> None:
+        with self._lock:
+            self._found.append((endpoint, mode))
+
+    def _gone(self, endpoint: str) -> None:
+        with self._lock:
+            self._left.append(endpoint)
+
+    def _discover(self) -> None:
+        """With a ``group``: start the watcher at the first call (then listen for two
+        beacon intervals, so the first trigger sees the producers already there, not
+        whichever beacon came first), and apply what it saw since the last call. A
+        producer that joined is asked from this trigger on; one that left is *down*
+        (its offset stays; an availableNow run it owes records fails naming it) and its
+        control flow is closed; a plain giver that left is no longer read through the
+        spool (:attr:`plain` forgets it)."""
+        if self.zre is None:
+            return
+        if self._watcher is None:
+            from zio_spark.transport.discovery import GroupWatcher
+
+            self._watcher = GroupWatcher(
+                self.zre,
+                self._joined,
+                self._gone,
+                requested_mode=self.mode,
+                port_name=self.group_port,
+            ).start()
+            self._closed.wait(2 * self.zre.interval + self._watcher.poll)
+        with self._lock:
+            found, self._found = self._found, []
+            left, self._left = self._left, []
+        for endpoint, mode in found:
+            if endpoint not in self.endpoints:
+                self.endpoints = (*self.endpoints, endpoint)
+            self._modes[endpoint] = mode
+            self.down.pop(endpoint, None)
+            log.info(
+                "zio source (readMode=direct): %s found in ZRE group %r; asked from this "
+                "trigger on",
+                endpoint,
+                self.zre.group,
+            )
+        for endpoint in left:
+            if any(e == endpoint for e, _ in found):
+                continue  # left and came back between two triggers
+            self.endpoints = tuple(e for e in self.endpoints if e != endpoint)
+            if endpoint in self.plain:
+                self.plain.discard(endpoint)
+            else:
+                self.down[endpoint] = f"it left ZRE group {self.zre.group!r}"
+            with self._lock:
+                self._kept.discard(endpoint)
+            self._lane(endpoint).submit(partial(self._drop, endpoint))
+            log.warning(
+                "zio source (readMode=direct): %s left ZRE group %r; its offsets stay until "
+                "it is found again",
+                endpoint,
+                self.zre.group,
+            )
 
     def _lane(self, endpoint: str) -> _Lane:
         lane = self._lanes.get(endpoint)
@@ -531,7 +613,7 @@ class Controls:
         conn = ControlConnection(
             endpoint,
             ctx=self.ctx,
-            mode=self.mode,
+            mode=self.mode_of(endpoint),
             curve=self.curve,
             timeout=self.timeout,
             stream=self.stream,
@@ -683,7 +765,9 @@ class Controls:
     def held(self) -> dict[str, HeldWindow]:
         """Each producer's held window now (one round trip per endpoint, all at once);
         endpoints that do not answer are left out (and logged). Endpoints that were down
-        are asked in the background: their answer counts once it came."""
+        are asked in the background: their answer counts once it came. With a
+        ``group``, the endpoints are the ones discovery found (:meth:`_discover`)."""
+        self._discover()
         waited: list[Future[_Answer]] = []
         for endpoint in self.endpoints:
             if endpoint in self.plain:
@@ -727,7 +811,8 @@ class Controls:
             producer, w = answer.producer, answer.window
             assert producer is not None and w is not None  # a capable giver states it
             other = self.where.get(producer)
-            if other is not None and other != endpoint:
+            moved = other not in self.endpoints or (self.zre is not None and other in self.down)
+            if other is not None and other != endpoint and not moved:
                 raise ConfigError(
                     "endpoints",
                     ",".join(self.endpoints),
@@ -795,6 +880,8 @@ class Controls:
         each on its lane; waits at most ``timeout`` (default: the connection timeout)
         for all of them, then says which lane is still busy (an endpoint that is down)."""
         self._closed.set()
+        if self._watcher is not None:
+            self._watcher.stop()
         keeper = self._keeper
         if keeper is not None:
             keeper.join(KEEP_INTERVAL + 1.0)
