@@ -21,7 +21,7 @@ from tests.support import free_endpoint, wait_until
 from zio_spark.options import parse_source_options
 from zio_spark.source.producer import Producer
 from zio_spark.spark.compat import ReadMaxRows
-from zio_spark.spark.source import DirectPartition, ZioPartition, ZioStreamReader
+from zio_spark.spark.source import ZioStreamReader
 from zio_spark.transport.giver import GiverHandler
 
 T = 60.0  # seconds: every wait of a test is bounded by this
@@ -157,3 +157,157 @@ def test_a_plain_giver_and_a_capable_producer_across_a_restart_read_once(ctx, tm
     finally:
         cap.close(flush=False, timeout=5)
         old.close(flush=False, timeout=5)
+
+
+def test_one_max_records_per_trigger_budget_over_both_paths(ctx, tmp_path):
+    """maxRecordsPerTrigger is one budget per batch, shared fairly by a producer read
+    directly and an older one read through the spool (not that many per path)."""
+    cap = Producer(ctx=ctx, producer_id="cap", linger_ms=0, bind="tcp://127.0.0.1:*")
+    old = _older_producer(ctx, "old")
+    try:
+        cap.send_many(_values("cap", 0, 1000))
+        old.send_many(_values("old", 0, 300))
+        got: list[Row] = []
+        r = _reader(tmp_path, endpoints=f"{cap.endpoint},{old.endpoint}")
+        try:
+            start = r.initialOffset()
+            rt = r._rt
+            assert rt is not None
+            wait_until(lambda: rt.spool.backlog().get("old", 0) == 300, T, "old in the spool")
+            sizes = []
+            while len(got) < 1300:
+                assert len(sizes) < 10, sizes
+                end = r.latestOffset(start, ReadMaxRows(500))
+                batch = _read(r, start, end)
+                sizes.append((len(_of(batch, "cap")), len(_of(batch, "old"))))
+                got += batch
+                r.commit(end)
+                start = end
+        finally:
+            r.stop()
+        # 250 each while both have records waiting; then the direct producer takes
+        # what the older one leaves (50 left of its 300).
+        assert sizes == [(250, 250), (450, 50), (300, 0)], sizes
+        assert _of(got, "cap") == _want("cap", 1000) and _of(got, "old") == _want("old", 300)
+    finally:
+        cap.close(flush=False, timeout=5)
+        old.close(flush=False, timeout=5)
+
+
+def test_a_plain_giver_found_after_the_spool_runtime_was_made_joins_the_query(ctx, tmp_path):
+    """An endpoint down when the query started answers later as a plain giver, after
+    the spool runtime was made for another one: its receiver takes it too (before, the
+    query failed), and every record of the three givers is read once."""
+    cap = Producer(ctx=ctx, producer_id="cap", linger_ms=0, bind="tcp://127.0.0.1:*")
+    old = _older_producer(ctx, "old")
+    late_endpoint = free_endpoint()
+    late: Producer | None = None
+    try:
+        cap.send_many(_values("cap", 0, 100))
+        old.send_many(_values("old", 0, 100))
+        got: list[Row] = []
+        r = _reader(
+            tmp_path,
+            endpoints=f"{cap.endpoint},{old.endpoint},{late_endpoint}",
+            connectTimeout="1s",
+        )
+        try:
+            start = r.initialOffset()
+            assert r._rt is not None and r._controls is not None
+            assert late_endpoint in r._controls.down  # nobody there yet
+            start = _run(
+                r,
+                start,
+                got,
+                lambda: len(got) == 200,
+                "the givers up at the start",
+            )
+            late = _older_producer(ctx, "late", bind=late_endpoint)
+            late.send_many(_values("late", 0, 100))
+            cap.send_many(_values("cap", 100, 10))
+            _run(r, start, got, lambda: len(got) == 310, "the late plain giver")
+            assert late_endpoint in r._controls.plain
+        finally:
+            r.stop()
+        assert _of(got, "cap") == _want("cap", 110)
+        assert _of(got, "old") == _want("old", 100)
+        assert _of(got, "late") == _want("late", 100)
+    finally:
+        for p in (cap, old, late):
+            if p is not None:
+                p.close(flush=False, timeout=5)
+
+
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_group_discovery_feeds_the_direct_query(ctx, tmp_path):
+    """``group`` with readMode=direct, over real ZRE on loopback: a capable producer
+    there at the start and one that joins later are read directly (range and control
+    flows only), an older producer found in the group through the spool, every record
+    once; a producer that leaves the group is down (its offset stays), the others read
+    on."""
+    group = f"dg-{uuid.uuid4().hex[:8]}"
+    port = _free_udp_port()
+    made: list[Producer] = []
+
+    def producer(pid: str, older: bool = False) -> Producer:
+        p = (
+            _older_producer(ctx, pid)
+            if older
+            else Producer(ctx=ctx, producer_id=pid, linger_ms=0, bind="tcp://127.0.0.1:*")
+        )
+        made.append(p)
+        p.advertise(group, beacon_port=port, interval=0.1)
+        return p
+
+    try:
+        first = producer("g1")
+        first.send_many(_values("g1", 0, 100))
+        got: list[Row] = []
+        r = _reader(tmp_path, group=group, zreBeaconPort=str(port), zreInterval="100ms")
+        try:
+            start = _run(r, r.initialOffset(), got, lambda: len(got) == 100, "the first")
+            second = producer("g2")  # joins after the query started
+            second.send_many(_values("g2", 0, 70))
+            older = producer("g3", older=True)
+            older.send_many(_values("g3", 0, 30))
+            start = _run(r, start, got, lambda: len(got) == 200, "the ones that joined")
+            controls = r._controls
+            assert controls is not None
+            assert controls.plain == {older.endpoint}
+            assert controls.where == {"g1": first.endpoint, "g2": second.endpoint}
+
+            first.close(flush=False, timeout=5)  # leaves the group (a leaving beacon)
+            second.send_many(_values("g2", 70, 30))
+            deadline = time.monotonic() + T
+            while "left ZRE group" not in controls.down.get(first.endpoint, ""):
+                assert time.monotonic() < deadline, "the leaving producer never seen gone"
+                end = r.latestOffset(start, None)
+                got += _read(r, start, end)
+                r.commit(end)
+                start = end
+            assert first.endpoint not in controls.endpoints
+            start = _run(r, start, got, lambda: len(got) == 230, "after one left")
+            assert start["g1"]["end"] == 101  # its offset stays
+            # It comes back (restarted without its records, on another port): found
+            # again, and read on in its new numbering.
+            again = producer("g1")
+            again.send_many(_values("g1", 100, 20))
+            _run(r, start, got, lambda: len(got) == 250, "the producer back in the group")
+            assert controls.where["g1"] == again.endpoint
+        finally:
+            r.stop()
+        assert _of(got, "g1") == sorted(
+            _want("g1", 100) + [("g1", i + 1, v) for i, v in enumerate(_values("g1", 100, 20))]
+        )
+        assert _of(got, "g2") == _want("g2", 100)
+        assert _of(got, "g3") == _want("g3", 30)
+        assert second.stats.get("takers", 0) == 0 and second.stats["range_flows"] >= 1
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)

@@ -566,6 +566,12 @@ class Controls:
                 port_name=self.group_port,
             ).start()
             self._closed.wait(2 * self.zre.interval + self._watcher.poll)
+        self._apply_discovery()
+
+    def _apply_discovery(self) -> None:
+        """What the watcher saw since the last call (:meth:`_discover`)."""
+        if self.zre is None:
+            return
         with self._lock:
             found, self._found = self._found, []
             left, self._left = self._left, []
@@ -768,7 +774,7 @@ class Controls:
         are asked in the background: their answer counts once it came. With a
         ``group``, the endpoints are the ones discovery found (:meth:`_discover`)."""
         self._discover()
-        waited: list[Future[_Answer]] = []
+        waited: dict[str, Future[_Answer]] = {}
         for endpoint in self.endpoints:
             if endpoint in self.plain:
                 continue
@@ -778,14 +784,23 @@ class Controls:
                     partial(self._ask, endpoint)
                 )
             if endpoint not in self.down:
-                waited.append(fut)
-        wait_all(waited)  # each bounded by its connection's timeouts (two attempts)
+                waited[endpoint] = fut
+        # Each bounded by its connection's timeouts (two attempts). With a group, an
+        # endpoint that leaves meanwhile is not waited for (it is down, as it left).
+        while waited:
+            _, busy = wait_all(waited.values(), timeout=None if self.zre is None else 0.2)
+            if not busy:
+                break
+            self._apply_discovery()
+            waited = {e: f for e, f in waited.items() if e in self.endpoints and f in busy}
         out: dict[str, HeldWindow] = {}
         for endpoint, fut in list(self._asking.items()):
             if not fut.done():
                 continue
             del self._asking[endpoint]
             answer = fut.result()  # a protocol error of the peer is raised here
+            if answer.error is not None and endpoint not in self.endpoints:
+                continue  # it left the group: down for that reason
             if answer.plain:
                 log.info(
                     "zio source (readMode=direct): %s does not serve range reads; it is "
@@ -890,7 +905,12 @@ class Controls:
             for endpoint, lane in self._lanes.items()
         }
         limit = self.timeout if timeout is None else timeout
-        _, busy = wait_all(closing.values(), timeout=limit)
+        # Endpoints that left the group are not waited for (their lane may still be
+        # asking one that is gone).
+        _, busy = wait_all(
+            [f for e, f in closing.items() if e in self.endpoints or self.zre is None],
+            timeout=limit,
+        )
         for endpoint, fut in closing.items():
             if fut in busy:
                 log.warning(
