@@ -31,6 +31,7 @@ planning: the runner knows the start from Spark's other calls (:class:`ImpliedSt
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
 opened at the first need, reopened after a failure) for ``held`` queries and commit acks,
 each on a thread of its own, so that an endpoint that is down never holds the others up.
+Its endpoints are the ``endpoints`` option's, or what a ZRE ``group`` advertises.
 With CURVE it also holds the run's key pair: drawn when the run's controls are made,
 registered on every control flow it opens (``admit``: a producer with an allow-list
 admits it while that flow lives) and handed to the tasks instead of the source's own
@@ -462,6 +463,11 @@ class Controls:
     not state the range capability is put in :attr:`plain` (never asked again): the
     stream reader reads it through the spool. Acks are sent on the lanes without
     waiting (cumulative: only the latest position per producer is sent).
+
+    With ``zre`` (the ``group`` option) the endpoints are those a ZRE group advertises
+    (:meth:`_discover`): one that joins is asked from the next trigger, one that leaves
+    is down (its offset stays; nothing waits for it), a plain one found there goes to
+    :attr:`plain` as a listed one does.
 
     With ``curve`` (the source's CURVE client keys: the driver's, on the producers'
     allow-lists), a fresh key pair is drawn here, once per query run
