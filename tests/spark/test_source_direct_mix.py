@@ -311,3 +311,52 @@ def test_group_discovery_feeds_the_direct_query(ctx, tmp_path):
     finally:
         for p in made:
             p.close(flush=False, timeout=5)
+
+
+def test_a_direct_query_with_group_reads_a_producer_that_joins_later(spark, ctx, tmp_path):
+    """The same in a Spark query (the runner process runs the discovery): two capable
+    producers of a ZRE group, the second started after the query, each read once,
+    directly (no taker)."""
+    group = f"dq-{uuid.uuid4().hex[:8]}"
+    port = _free_udp_port()
+    made: list[Producer] = []
+    got: list[Row] = []
+    df = (
+        spark.readStream.format("zio")
+        .option("group", group)
+        .option("readMode", "direct")
+        .option("zreBeaconPort", str(port))
+        .option("zreInterval", "100ms")
+        .option("spoolPath", str(tmp_path / "spool"))
+        .load()
+    )
+    q = (
+        df.writeStream.foreachBatch(
+            lambda b, i: got.extend(
+                (r.producer, r.seq, bytes(r.value))
+                for r in b.select("producer", "seq", "value").collect()
+            )
+        )
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
+    try:
+        for k in range(2):  # the second producer joins after the query started
+            p = Producer(ctx=ctx, producer_id=f"q{k}", linger_ms=0, bind="tcp://127.0.0.1:*")
+            made.append(p)
+            p.advertise(group, beacon_port=port, interval=0.1)
+            p.send_many(_values(f"q{k}", 0, 300))
+
+            def read(k: int = k) -> bool:
+                assert q.exception() is None, q.exception()
+                return len(got) >= 300 * (k + 1)
+
+            wait_until(read, T, f"the records of producer {k}")
+        assert q.exception() is None
+    finally:
+        q.stop()
+        for p in made:
+            p.close(flush=False, timeout=5)
+    assert sorted(got) == sorted(_want("q0", 300) + _want("q1", 300))
+    assert all(p.stats.get("takers", 0) == 0 and p.stats["range_flows"] >= 1 for p in made)

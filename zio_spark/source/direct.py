@@ -805,8 +805,8 @@ class Controls:
                 continue
             del self._asking[endpoint]
             answer = fut.result()  # a protocol error of the peer is raised here
-            if answer.error is not None and endpoint not in self.endpoints:
-                continue  # it left the group: down for that reason
+            if endpoint not in self.endpoints and answer.window is None:
+                continue  # it left the group meanwhile: down for that reason
             if answer.plain:
                 log.info(
                     "zio source (readMode=direct): %s does not serve range reads; it is "
@@ -855,8 +855,11 @@ class Controls:
         with self._lock:
             for p, pos in sorted(end.items()):
                 endpoint = self.where.get(p)
-                if pos.end <= 1 or self._acked.get(p) == pos or endpoint is None:
-                    continue  # endpoint None: not seen yet by this runner; a later commit
+                if pos.end <= 1 or self._acked.get(p) == pos:
+                    continue
+                if endpoint is None or endpoint not in self.endpoints:
+                    continue  # not seen by this runner yet, or it left the group: a later
+                    # commit acks it (acks are cumulative)
                 self._want[p] = (endpoint, pos)
                 if endpoint not in self._acking:
                     self._acking.add(endpoint)
