@@ -16,8 +16,10 @@ import uuid
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from tests.support import free_endpoint, wait_until
+from zio_spark.errors import TransportError
 from zio_spark.options import parse_source_options
 from zio_spark.source.producer import Producer
 from zio_spark.spark.compat import ReadMaxRows
@@ -360,3 +362,26 @@ def test_a_direct_query_with_group_reads_a_producer_that_joins_later(spark, ctx,
             p.close(flush=False, timeout=5)
     assert sorted(got) == sorted(_want("q0", 300) + _want("q1", 300))
     assert all(p.stats.get("takers", 0) == 0 and p.stats["range_flows"] >= 1 for p in made)
+
+
+def test_an_available_now_run_that_finds_no_producer_in_its_group_fails_naming_it(tmp_path):
+    """Never "0 rows, success": an availableNow run whose group has no producer fails
+    naming the group and the beacon port; with failOnDataLoss=false it ends empty."""
+    group = f"de-{uuid.uuid4().hex[:8]}"
+    port = _free_udp_port()
+    opts = {"group": group, "zreBeaconPort": str(port), "zreInterval": "100ms"}
+    r = _reader(tmp_path, **opts)
+    try:
+        r.prepareForTriggerAvailableNow()
+        with pytest.raises(TransportError) as info:
+            r.latestOffset(r.initialOffset(), None)
+        assert repr(group) in str(info.value) and f"beacon port {port}" in str(info.value)
+    finally:
+        r.stop()
+    r = _reader(tmp_path, failOnDataLoss="false", **opts)
+    try:
+        r.prepareForTriggerAvailableNow()
+        start = r.initialOffset()
+        assert start == {} and r.latestOffset(start, None) == {}
+    finally:
+        r.stop()
