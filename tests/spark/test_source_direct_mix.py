@@ -385,3 +385,32 @@ def test_an_available_now_run_that_finds_no_producer_in_its_group_fails_naming_i
         assert start == {} and r.latestOffset(start, None) == {}
     finally:
         r.stop()
+
+
+def test_two_producers_of_one_id_in_a_group_fail_the_query_naming_both(ctx, tmp_path):
+    """A producer id moves to a new endpoint only when its old one left (or is down):
+    two live endpoints of a group stating one id fail the query, naming both."""
+    from zio_spark.errors import ConfigError
+
+    group = f"dd-{uuid.uuid4().hex[:8]}"
+    port = _free_udp_port()
+    made = [
+        Producer(ctx=ctx, producer_id="dup", linger_ms=0, bind="tcp://127.0.0.1:*")
+        for _ in range(2)
+    ]
+    try:
+        for p in made:
+            p.advertise(group, beacon_port=port, interval=0.1)
+        r = _reader(tmp_path, group=group, zreBeaconPort=str(port), zreInterval="100ms")
+        try:
+            deadline = time.monotonic() + T
+            with pytest.raises(ConfigError) as info:  # at the first trigger that sees both
+                start = r.initialOffset()
+                while time.monotonic() < deadline:
+                    start = r.latestOffset(start, None)
+            assert all(p.endpoint in str(info.value) for p in made), str(info.value)
+        finally:
+            r.stop()
+    finally:
+        for p in made:
+            p.close(flush=False, timeout=5)

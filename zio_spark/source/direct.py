@@ -805,8 +805,10 @@ class Controls:
                 continue
             del self._asking[endpoint]
             answer = fut.result()  # a protocol error of the peer is raised here
-            if endpoint not in self.endpoints and answer.window is None:
-                continue  # it left the group meanwhile: down for that reason
+            if endpoint not in self.endpoints:
+                # It left the group meanwhile: down for that reason, whatever it said
+                # before it went (tasks planned on it now would find nobody there).
+                continue
             if answer.plain:
                 log.info(
                     "zio source (readMode=direct): %s does not serve range reads; it is "
