@@ -706,18 +706,16 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
 
 
 def _direct_topology(opts: Mapping[str, Any]) -> None:
-    """``readMode=direct`` reads producers named in ``endpoints`` only: the driver opens a
-    control flow to each and tasks connect to them. Giver clients of ``bind`` have no
-    port a task could reach, and ``group`` discovery is not wired to it yet."""
-    for other in ("bind", "group"):
-        if other in opts:
-            raise ConfigError(
-                "readMode",
-                "direct",
-                f"spool with {other!r}: direct reads connect to producers listed in "
-                f"'endpoints' (bound zio-spark producers); with {other!r} use "
-                "readMode=spool",
-            )
+    """``readMode=direct`` reads producers named in ``endpoints`` or found in a ZRE
+    ``group``: the driver opens a control flow to each and tasks connect to them. Giver
+    clients of ``bind`` have no port a task could reach."""
+    if "bind" in opts:
+        raise ConfigError(
+            "readMode",
+            "direct",
+            "spool with 'bind': direct reads connect to bound zio-spark producers listed "
+            "in 'endpoints' or found in a 'group'; with 'bind' use readMode=spool",
+        )
 
 
 def _bind_curve(opts: dict[str, Any]) -> Curve | None:

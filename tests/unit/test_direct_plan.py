@@ -17,6 +17,7 @@ from zio_spark.source.direct import (
     check_disjoint,
     initial,
     latest,
+    latest_with_spool,
     owed,
     pack,
     split_offsets,
@@ -65,11 +66,33 @@ def test_latest_reads_to_the_held_end_and_never_back() -> None:
     assert end == {"p": Position(A, 20), "q": Position(A, 3)} and losses == []
 
 
-def test_latest_cuts_to_max_rows_in_producer_order() -> None:
+def test_latest_shares_max_rows_fairly() -> None:
     start = {"p": Position(A, 1), "q": Position(B, 1)}
     held = {"p": HeldWindow(A, 1, 11), "q": HeldWindow(B, 1, 11)}
     end, _ = latest(start, held, max_rows=15)
-    assert end == {"p": Position(A, 11), "q": Position(B, 6)}
+    assert end == {"p": Position(A, 9), "q": Position(B, 8)}
+    end, _ = latest(start, {"p": HeldWindow(A, 1, 4), "q": HeldWindow(B, 1, 100)}, max_rows=15)
+    assert end == {"p": Position(A, 4), "q": Position(B, 13)}  # what p leaves goes to q
+
+
+def test_one_max_rows_budget_over_direct_producers_and_givers_through_the_spool() -> None:
+    """A batch that reads some producers directly and some givers through the spool
+    holds at most maxRecordsPerTrigger records in all (not that many per path), shared
+    fairly by the producers whichever path reads them."""
+    start = {"d": Position(A, 1)}
+    held = {"d": HeldWindow(A, 1, 1001)}
+    end, spool, losses = latest_with_spool(
+        start, held, {"g": 1, "h": 5}, {"g": 1001, "h": 7}, max_rows=100
+    )
+    assert losses == []
+    # h has 2 waiting; d and g split the other 98.
+    assert end == {"d": Position(A, 50)} and spool == {"g": 50, "h": 7}
+    # Without a budget, each path goes as far as it can.
+    end, spool, _ = latest_with_spool(start, held, {"g": 1}, {"g": 1001})
+    assert end == {"d": Position(A, 1001)} and spool == {"g": 1001}
+    # A spool giver kept (its base is its end: nothing waiting) takes nothing.
+    end, spool, _ = latest_with_spool(start, held, {"g": 40}, {"g": 40}, max_rows=10)
+    assert end == {"d": Position(A, 11)} and spool == {"g": 40}
 
 
 def test_a_new_producer_joins_at_its_first_record_without_records_in_that_batch() -> None:
@@ -154,8 +177,9 @@ def test_read_mode_option() -> None:
         parse_source_options({"endpoints": "tcp://h:1", "readMode": "fast"})
     with pytest.raises(ConfigError, match=r"'readMode'.*with 'bind'"):
         parse_source_options({"bind": "tcp://127.0.0.1:5555", "readMode": "direct"})
-    with pytest.raises(ConfigError, match=r"'readMode'.*with 'group'"):
-        parse_source_options({"group": "g", "readMode": "direct"})
+    grouped = parse_source_options({"group": "g", "readMode": "direct"})
+    assert grouped.read_mode == "direct" and grouped.zre is not None
+    assert grouped.zre.group == "g" and grouped.endpoints == ()
 
 
 def test_a_range_batch_becomes_the_spool_paths_columns() -> None:

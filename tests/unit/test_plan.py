@@ -185,6 +185,45 @@ def test_take_rows_properties(ends, budget):
     assert all(starts[p] <= out[p] <= max(starts[p], ends[p]) for p in ends)
 
 
+# -- fair_rows ---------------------------------------------------------------------------
+
+
+def test_fair_rows_gives_each_producer_an_equal_share_and_passes_on_what_one_leaves():
+    # 2 waiting at "a": less than its share (10 over 3); "b" and "c" split the other 8.
+    assert plan.fair_rows({"a": 1, "b": 1, "c": 1}, {"a": 3, "b": 101, "c": 101}, 10) == {
+        "a": 3,
+        "b": 5,
+        "c": 5,
+    }
+    # 7 left over 2 after "a" took its 3: the odd record goes to the first in id order.
+    assert plan.fair_rows({"a": 1, "b": 1, "c": 1}, {"a": 4, "b": 101, "c": 101}, 10) == {
+        "a": 4,
+        "b": 5,
+        "c": 4,
+    }
+    # A busy first producer does not fill the batch (take_rows would give "a" all 6).
+    assert plan.fair_rows({"a": 1, "b": 1}, {"a": 1001, "b": 1001}, 6) == {"a": 4, "b": 4}
+    assert plan.fair_rows({"a": 1, "b": 1}, {"a": 1001, "b": 1001}, 5) == {"a": 4, "b": 3}
+    assert plan.fair_rows({"a": 6, "b": 1}, {"a": 4, "b": 3}, 5) == {"a": 6, "b": 3}  # empty
+    assert plan.fair_rows({"a": 1}, {"a": 9}, 0) == {"a": 1}
+
+
+@given(_OFFSETS, st.integers(0, 3000))
+def test_fair_rows_properties(ends, budget):
+    starts = {p: e // 2 for p, e in ends.items()}
+    out = plan.fair_rows(starts, ends, budget)
+    want = {p: max(0, ends[p] - starts[p]) for p in ends}
+    got = {p: out[p] - starts[p] for p in out}
+    assert set(out) == set(ends)
+    assert all(0 <= got[p] <= want[p] for p in ends)
+    assert sum(got.values()) == min(budget, sum(want.values()))  # the budget, all of it
+    # Max-min fair: a producer given less than it wanted got at least as much as any
+    # other, but for one odd record.
+    for p in ends:
+        if got[p] < want[p]:
+            assert all(got[q] <= got[p] + 1 for q in ends), (got, want)
+
+
 # -- is_step -----------------------------------------------------------------------------
 
 

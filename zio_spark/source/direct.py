@@ -31,6 +31,7 @@ planning: the runner knows the start from Spark's other calls (:class:`ImpliedSt
 :class:`Controls` keeps the control flows (one :class:`ControlConnection` per endpoint,
 opened at the first need, reopened after a failure) for ``held`` queries and commit acks,
 each on a thread of its own, so that an endpoint that is down never holds the others up.
+Its endpoints are the ``endpoints`` option's, or what a ZRE ``group`` advertises.
 With CURVE it also holds the run's key pair: drawn when the run's controls are made,
 registered on every control flow it opens (``admit``: a producer with an allow-list
 admits it while that flow lives) and handed to the tasks instead of the source's own
@@ -47,12 +48,12 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 
 from zio_spark.errors import ConfigError, TransportError
-from zio_spark.options import Curve
+from zio_spark.options import Curve, ZreOptions
 from zio_spark.source import plan
 from zio_spark.source.range_client import (
     AckRefused,
@@ -60,6 +61,9 @@ from zio_spark.source.range_client import (
     HeldWindow,
     RangesNotServed,
 )
+
+if TYPE_CHECKING:  # imported where a group is used: ZRE costs ~0.1-0.3 s to import
+    from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = [
     "Controls",
@@ -71,6 +75,7 @@ __all__ = [
     "check_disjoint",
     "initial",
     "latest",
+    "latest_with_spool",
     "owed",
     "pack",
     "split_offsets",
@@ -195,8 +200,31 @@ def latest(
 
     ``target``: an availableNow run's ends (no further than them in their incarnation).
     ``seen``: the last held window each producer answered before (to tell what an
-    incarnation that is gone held beyond ``start``).
+    incarnation that is gone held beyond ``start``). ``max_rows``
+    (``maxRecordsPerTrigger``): shared fairly by the producers (:func:`plan.fair_rows`).
     """
+    end, _, losses = latest_with_spool(
+        start, held, {}, {}, target=target, max_rows=max_rows, seen=seen
+    )
+    return end, losses
+
+
+def latest_with_spool(
+    start: Mapping[str, Position],
+    held: Mapping[str, HeldWindow],
+    spool_bases: Mapping[str, int],
+    spool_ends: Mapping[str, int],
+    *,
+    target: Mapping[str, Position] | None = None,
+    max_rows: int | None = None,
+    seen: Mapping[str, HeldWindow] | None = None,
+) -> tuple[Offsets, dict[str, int], list[Loss]]:
+    """:func:`latest` for a batch that also reads givers through the spool:
+    ``spool_bases``/``spool_ends`` are their ranges before the budget
+    (:func:`plan.wanted_ends`). ``max_rows`` is then one budget for the whole batch,
+    shared fairly by every producer whichever path reads it, so a batch holds at most
+    ``max_rows`` records (not that many per path). Returns the direct offsets, the
+    spool ends (cut) and the losses."""
     out: Offsets = dict(start)
     losses: list[Loss] = []
     ends: dict[str, int] = {}
@@ -245,11 +273,15 @@ def latest(
             goal = t.end if t is not None and t.incarnation == w.incarnation else was.end
         bases[p] = was.end
         ends[p] = max(was.end, goal)
+    spooled = dict(spool_ends)
     if max_rows is not None:
-        ends, _ = plan.take_rows(bases, ends, max_rows)
+        # Producer ids are one namespace across both paths (check_disjoint).
+        both = plan.fair_rows({**spool_bases, **bases}, {**spool_ends, **ends}, max_rows)
+        ends = {p: both[p] for p in ends}
+        spooled = {p: both[p] for p in spool_ends}
     for p, e in ends.items():
         out[p] = Position(start[p].incarnation, e)
-    return dict(sorted(out.items())), losses
+    return dict(sorted(out.items())), plan.sorted_offsets(spooled), losses
 
 
 def owed(
@@ -432,6 +464,11 @@ class Controls:
     stream reader reads it through the spool. Acks are sent on the lanes without
     waiting (cumulative: only the latest position per producer is sent).
 
+    With ``zre`` (the ``group`` option) the endpoints are those a ZRE group advertises
+    (:meth:`_discover`): one that joins is asked from the next trigger, one that leaves
+    is down (its offset stays; nothing waits for it), a plain one found there goes to
+    :attr:`plain` as a listed one does.
+
     With ``curve`` (the source's CURVE client keys: the driver's, on the producers'
     allow-lists), a fresh key pair is drawn here, once per query run
     (:attr:`run_curve`); each control flow registers its public key as soon as it is
@@ -454,6 +491,8 @@ class Controls:
         curve: Curve | None = None,
         timeout: float = 30.0,
         stream: str | None = None,
+        zre: ZreOptions | None = None,
+        group_port: str | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.ctx = ctx
@@ -487,6 +526,89 @@ class Controls:
         self._keeping: set[str] = set()
         self._keeper: threading.Thread | None = None
         self._closed = threading.Event()
+        # ZRE discovery (``group``): the watcher, started at the first held(); what it
+        # saw join (endpoint -> socket mode) or leave, applied by held() on the caller's
+        # thread; the socket mode of each endpoint it found (others: ``mode``).
+        self.zre = zre
+        self.group_port = group_port
+        self._watcher: GroupWatcher | None = None
+        self._found: list[tuple[str, str | None]] = []
+        self._left: list[str] = []
+        self._modes: dict[str, str | None] = {}
+
+    def mode_of(self, endpoint: str) -> str | None:
+        """The socket mode to reach ``endpoint`` (a discovered one: from the socket type
+        it advertises; None: the default)."""
+        return self._modes.get(endpoint, self.mode)
+
+    # -- discovery (the watcher's thread, then the caller's) -----------------------------
+
+    def _joined(self, endpoint: str, mode: str) -> None:
+        with self._lock:
+            self._found.append((endpoint, mode))
+
+    def _gone(self, endpoint: str) -> None:
+        with self._lock:
+            self._left.append(endpoint)
+
+    def _discover(self) -> None:
+        """With a ``group``: start the watcher at the first call (then listen for two
+        beacon intervals, so the first trigger sees the producers already there, not
+        whichever beacon came first), and apply what it saw since the last call. A
+        producer that joined is asked from this trigger on; one that left is *down*
+        (its offset stays; an availableNow run it owes records fails naming it) and its
+        control flow is closed; a plain giver that left is no longer read through the
+        spool (:attr:`plain` forgets it)."""
+        if self.zre is None:
+            return
+        if self._watcher is None:
+            from zio_spark.transport.discovery import GroupWatcher
+
+            self._watcher = GroupWatcher(
+                self.zre,
+                self._joined,
+                self._gone,
+                requested_mode=self.mode,
+                port_name=self.group_port,
+            ).start()
+            self._closed.wait(2 * self.zre.interval + self._watcher.poll)
+        self._apply_discovery()
+
+    def _apply_discovery(self) -> None:
+        """What the watcher saw since the last call (:meth:`_discover`)."""
+        if self.zre is None:
+            return
+        with self._lock:
+            found, self._found = self._found, []
+            left, self._left = self._left, []
+        for endpoint, mode in found:
+            if endpoint not in self.endpoints:
+                self.endpoints = (*self.endpoints, endpoint)
+            self._modes[endpoint] = mode
+            self.down.pop(endpoint, None)
+            log.info(
+                "zio source (readMode=direct): %s found in ZRE group %r; asked from this "
+                "trigger on",
+                endpoint,
+                self.zre.group,
+            )
+        for endpoint in left:
+            if any(e == endpoint for e, _ in found):
+                continue  # left and came back between two triggers
+            self.endpoints = tuple(e for e in self.endpoints if e != endpoint)
+            if endpoint in self.plain:
+                self.plain.discard(endpoint)
+            else:
+                self.down[endpoint] = f"it left ZRE group {self.zre.group!r}"
+            with self._lock:
+                self._kept.discard(endpoint)
+            self._lane(endpoint).submit(partial(self._drop, endpoint))
+            log.warning(
+                "zio source (readMode=direct): %s left ZRE group %r; its offsets stay until "
+                "it is found again",
+                endpoint,
+                self.zre.group,
+            )
 
     def _lane(self, endpoint: str) -> _Lane:
         lane = self._lanes.get(endpoint)
@@ -503,7 +625,7 @@ class Controls:
         conn = ControlConnection(
             endpoint,
             ctx=self.ctx,
-            mode=self.mode,
+            mode=self.mode_of(endpoint),
             curve=self.curve,
             timeout=self.timeout,
             stream=self.stream,
@@ -655,8 +777,10 @@ class Controls:
     def held(self) -> dict[str, HeldWindow]:
         """Each producer's held window now (one round trip per endpoint, all at once);
         endpoints that do not answer are left out (and logged). Endpoints that were down
-        are asked in the background: their answer counts once it came."""
-        waited: list[Future[_Answer]] = []
+        are asked in the background: their answer counts once it came. With a
+        ``group``, the endpoints are the ones discovery found (:meth:`_discover`)."""
+        self._discover()
+        waited: dict[str, Future[_Answer]] = {}
         for endpoint in self.endpoints:
             if endpoint in self.plain:
                 continue
@@ -666,14 +790,25 @@ class Controls:
                     partial(self._ask, endpoint)
                 )
             if endpoint not in self.down:
-                waited.append(fut)
-        wait_all(waited)  # each bounded by its connection's timeouts (two attempts)
+                waited[endpoint] = fut
+        # Each bounded by its connection's timeouts (two attempts). With a group, an
+        # endpoint that leaves meanwhile is not waited for (it is down, as it left).
+        while waited:
+            _, busy = wait_all(waited.values(), timeout=None if self.zre is None else 0.2)
+            if not busy:
+                break
+            self._apply_discovery()
+            waited = {e: f for e, f in waited.items() if e in self.endpoints and f in busy}
         out: dict[str, HeldWindow] = {}
         for endpoint, fut in list(self._asking.items()):
             if not fut.done():
                 continue
             del self._asking[endpoint]
             answer = fut.result()  # a protocol error of the peer is raised here
+            if endpoint not in self.endpoints:
+                # It left the group meanwhile: down for that reason, whatever it said
+                # before it went (tasks planned on it now would find nobody there).
+                continue
             if answer.plain:
                 log.info(
                     "zio source (readMode=direct): %s does not serve range reads; it is "
@@ -699,7 +834,8 @@ class Controls:
             producer, w = answer.producer, answer.window
             assert producer is not None and w is not None  # a capable giver states it
             other = self.where.get(producer)
-            if other is not None and other != endpoint:
+            moved = other not in self.endpoints or (self.zre is not None and other in self.down)
+            if other is not None and other != endpoint and not moved:
                 raise ConfigError(
                     "endpoints",
                     ",".join(self.endpoints),
@@ -721,8 +857,11 @@ class Controls:
         with self._lock:
             for p, pos in sorted(end.items()):
                 endpoint = self.where.get(p)
-                if pos.end <= 1 or self._acked.get(p) == pos or endpoint is None:
-                    continue  # endpoint None: not seen yet by this runner; a later commit
+                if pos.end <= 1 or self._acked.get(p) == pos:
+                    continue
+                if endpoint is None or endpoint not in self.endpoints:
+                    continue  # not seen by this runner yet, or it left the group: a later
+                    # commit acks it (acks are cumulative)
                 self._want[p] = (endpoint, pos)
                 if endpoint not in self._acking:
                     self._acking.add(endpoint)
@@ -767,6 +906,8 @@ class Controls:
         each on its lane; waits at most ``timeout`` (default: the connection timeout)
         for all of them, then says which lane is still busy (an endpoint that is down)."""
         self._closed.set()
+        if self._watcher is not None:
+            self._watcher.stop()
         keeper = self._keeper
         if keeper is not None:
             keeper.join(KEEP_INTERVAL + 1.0)
@@ -775,7 +916,12 @@ class Controls:
             for endpoint, lane in self._lanes.items()
         }
         limit = self.timeout if timeout is None else timeout
-        _, busy = wait_all(closing.values(), timeout=limit)
+        # Endpoints that left the group are not waited for (their lane may still be
+        # asking one that is gone).
+        _, busy = wait_all(
+            [f for e, f in closing.items() if e in self.endpoints or self.zre is None],
+            timeout=limit,
+        )
         for endpoint, fut in closing.items():
             if fut in busy:
                 log.warning(

@@ -38,6 +38,7 @@ __all__ = [
     "Verdict",
     "base",
     "extend_plain",
+    "fair_rows",
     "is_step",
     "latest_end",
     "pack",
@@ -45,6 +46,7 @@ __all__ = [
     "pieces",
     "sorted_offsets",
     "take_rows",
+    "wanted_ends",
 ]
 
 Range = tuple[str, int, int]
@@ -100,12 +102,55 @@ def latest_end(
     is stored; with ``max_rows`` (``maxRecordsPerTrigger``) the batch holds at most that
     many records, taken in producer id order from each base. Keys are sorted.
     """
+    bases, out = wanted_ends(start, ends, committed)
+    if max_rows is not None:
+        out, _ = take_rows(bases, out, max_rows)
+    return sorted_offsets(out)
+
+
+def wanted_ends(
+    start: Mapping[str, int], ends: Mapping[str, int], committed: Mapping[str, int]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """:func:`latest_end` before ``maxRecordsPerTrigger``: each producer's base (where
+    its next batch starts) and the end it could reach, for a caller that shares one
+    budget with other ranges (the direct mode's givers read through the spool)."""
     out = {p: max(int(v), ends.get(p, 0)) for p, v in start.items()}
     for p, e in ends.items():
         out[p] = max(out.get(p, 0), e, base(p, start, committed))
-    if max_rows is not None:
-        out, _ = take_rows({p: base(p, start, committed) for p in out}, out, max_rows)
-    return sorted_offsets(out)
+    return {p: base(p, start, committed) for p in out}, out
+
+
+def fair_rows(starts: Mapping[str, int], ends: Mapping[str, int], budget: int) -> dict[str, int]:
+    """``ends`` cut to at most ``budget`` records in all, shared fairly: every producer
+    with records waiting gets an equal share, and what one does not need (fewer
+    records waiting than its share) goes to the others (max-min fairness). A share that
+    does not divide evenly gives the odd records one each, in producer id order.
+
+    Unlike :func:`take_rows` (producer id order, which a busy first producer can fill
+    trigger after trigger) no producer waits behind another: the direct mode's one
+    budget over its direct producers and the givers it reads through the spool.
+    ``starts`` must hold every producer of ``ends``; a range already empty keeps
+    nothing and its end is set to its start.
+    """
+    want = {p: max(0, ends[p] - starts[p]) for p in ends}
+    give = dict.fromkeys(ends, 0)
+    left = max(0, budget)
+    hungry = sorted(p for p, n in want.items() if n > 0)
+    while hungry and left > 0:
+        share = left // len(hungry)
+        if share == 0:
+            for p in hungry[:left]:
+                give[p] += 1
+            break
+        still = []
+        for p in hungry:
+            take = min(share, want[p] - give[p])
+            give[p] += take
+            left -= take
+            if give[p] < want[p]:
+                still.append(p)
+        hungry = still
+    return {p: starts[p] + give[p] for p in ends}
 
 
 def is_step(waiting: int, held_back: bool) -> bool:

@@ -302,6 +302,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 curve=o.curve,
                 timeout=o.connect_timeout,
                 stream=o.stream,
+                zre=o.zre,
+                group_port=o.group_port,
             )
             _unwind_on_sigterm(self._controls)
         return self._controls
@@ -341,17 +343,25 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 p: direct.Position(w.incarnation, w.end) for p, w in held.items()
             }
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        end, losses = direct.latest(
-            begin, held, target=self._direct_target, max_rows=max_rows, seen=seen
+        # Givers read through the spool before, not answering yet (a restarted
+        # runner): their offsets are kept.
+        spool_bases, spool_ends = dict(spool_start), dict(spool_start)
+        if self._plain():
+            # The givers read through the spool, in the same batch and within the same
+            # maxRecordsPerTrigger budget (shared fairly with the direct producers).
+            spool_bases, spool_ends = self._spool_wanted(spool_start)
+        end, spool_end, losses = direct.latest_with_spool(
+            begin,
+            held,
+            spool_bases,
+            spool_ends,
+            target=self._direct_target,
+            max_rows=max_rows,
+            seen=seen,
         )
         self._losses(losses)
         out: dict[str, Any] = direct.to_json(end)
-        if self._plain():
-            # The givers read through the spool, in the same batch (their own
-            # maxRecordsPerTrigger budget).
-            out.update(self._spool_latest(spool_start, limit))
-        else:
-            out.update(spool_start)  # not answering yet (a restarted runner): kept
+        out.update(spool_end)
         return dict(sorted(out.items()))
 
     def _direct_complete(
@@ -365,6 +375,17 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         the run records and no longer answers (each asked twice, up to connectTimeout
         each), is a problem: the run fails (``failOnDataLoss``), else a WARN."""
         fail = self.opts.fail_on_data_loss
+        if self._direct_target is None and controls.zre is not None and not controls.endpoints:
+            zre = controls.zre
+            self._run_state.problem(
+                zre.group,
+                f"zio source (readMode=direct): no producer advertised a flow port in ZRE "
+                f"group {zre.group!r} (beacon port {zre.beacon_port}) when the "
+                "availableNow run started; the run would end with nothing. Start the "
+                "producers first (check zreBroadcast/zreInterface where UDP broadcast is "
+                "blocked), or set failOnDataLoss=false to run without them",
+                fail,
+            )
         if self._direct_target is None:
             for endpoint, why in sorted(controls.down.items()):
                 self._run_state.problem(
@@ -394,32 +415,52 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         if self._rt is None:
             opts = self.opts
             if self._direct:
-                # Direct mode: the receiver takes the givers without the range capability.
-                plain = tuple(sorted(self._control().plain))
-                opts = replace(opts, endpoints=plain, read_mode="spool")
+                # Direct mode: the receiver takes the givers without the range capability
+                # only (no group watcher of its own: Controls' discovery hands them
+                # over); those with another socket mode, and later ones, :meth:`_plain`
+                # adds.
+                controls = self._control()
+                plain = tuple(
+                    sorted(e for e in controls.plain if controls.mode_of(e) == controls.mode)
+                )
+                opts = replace(opts, endpoints=plain, zre=None, read_mode="spool")
                 self._rt_plain = frozenset(plain)
             self._rt = Runtime(opts)
             _unwind_on_sigterm(self._rt)
+            if self._direct:
+                self._plain()
         return self._rt
 
     def _plain(self) -> bool:
         """Direct mode: whether some endpoints are read through the spool (their givers
         do not state the range capability); the spool runtime is made for them on the
-        first need. An endpoint found plain after that fails the query (its receiver's
-        endpoints are fixed for the run)."""
-        plain = self._control().plain
-        if not plain:
-            return False
-        if self._rt is not None and not plain <= self._rt_plain:
-            raise ConfigError(
-                "readMode",
-                "direct",
-                f"givers found without the range capability before the run's first "
-                f"batch; {sorted(plain - self._rt_plain)} answered only later. Restart "
-                "the query (they are then read through the spool from the start), or "
-                "use readMode=spool",
-            )
-        return True
+        first need. A giver found plain later (its endpoint answered late, or discovery
+        found it) joins the receiver at once, as a producer found by a spool-mode
+        ``group`` does: its records are read from the next batch on; one that left the
+        group is let go by the receiver (its offset stays)."""
+        controls = self._control()
+        plain = frozenset(controls.plain)
+        if self._rt is not None and plain != self._rt_plain:
+            receiver = self._rt.receiver
+            joined = plain - self._rt_plain
+            for endpoint in sorted(joined):
+                log.info("zio source (readMode=direct): %s is read through the spool", endpoint)
+                receiver.add_endpoint(endpoint, controls.mode_of(endpoint))
+            for endpoint in sorted(self._rt_plain - plain):
+                receiver.remove_endpoint(endpoint)
+            self._rt_plain = plain
+            # The receiver's loop adds them: once it did, the spool path's completeness
+            # rules (availableNow) count them.
+            deadline = time.monotonic() + self.opts.connect_timeout
+            while not joined <= set(receiver.endpoints()):
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"zio source (readMode=direct): the receiver did not take "
+                        f"{sorted(joined - set(receiver.endpoints()))} within "
+                        f"connectTimeout ({self.opts.connect_timeout:g} s)"
+                    )
+                time.sleep(0.01)
+        return bool(plain)
 
     # -- Spark hooks -----------------------------------------------------------------
 
@@ -464,6 +505,15 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return self._spool_latest(start or {}, limit)
 
     def _spool_latest(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, int]:
+        bases, ends = self._spool_wanted(start)
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        if max_rows is not None:
+            ends, _ = plan.take_rows(bases, ends, max_rows)
+        return plan.sorted_offsets(ends)
+
+    def _spool_wanted(self, start: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """The spool path's next batch before ``maxRecordsPerTrigger``: each producer's
+        base and the end it could reach (:func:`~zio_spark.source.plan.wanted_ends`)."""
         rt = self._runtime()
         check(rt, self.opts)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -484,8 +534,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
                 wait_first(rt, self.opts, self._run_state, one_batch=one_batch)
             ends = rt.spool.seal()
-        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return plan.latest_end(start, ends, rt.spool.committed(), max_rows)
+        return plan.wanted_ends(start, ends, rt.spool.committed())
 
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._controls is not None:
@@ -569,6 +618,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         planned = time.time_ns() // 1000
         # The run's key pair, never the source's secret (docs/direct-read.md, Security).
         curve = controls.task_curve(controls.where[p] for p in ranges)
+        # A task reads with one socket mode: producers found by discovery may advertise
+        # another socket type than the rest, so their ranges are packed apart.
+        by_mode: dict[str | None, dict[str, tuple[str, int, int]]] = {}
+        for p, r in ranges.items():
+            by_mode.setdefault(controls.mode_of(controls.where[p]), {})[p] = r
         return spooled + [
             DirectPartition(
                 tuple((controls.where[p], p, inc, s, e) for p, inc, s, e in group),
@@ -576,11 +630,12 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 self.columns,
                 planned,
                 o.connect_timeout,
-                None if o.socket == "auto" else o.socket,
+                mode,
                 curve,
                 o.stream,
             )
-            for group in direct.pack(ranges, o.max_records_per_partition)
+            for mode, some in sorted(by_mode.items(), key=lambda kv: str(kv[0]))
+            for group in direct.pack(some, o.max_records_per_partition)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
