@@ -232,18 +232,17 @@ class _StoreView:
 def _taken(got: list[tuple[_Given, tuple[bytes, ...]]]) -> Taken:
     """Contiguous assigned messages as the records of one DAT."""
     values: list[bytes] = []
-    headers: list[Mapping[str, str] | None] = []
-    for _, body in got:
+    headers: list[Mapping[str, str] | None] | None = None
+    for i, (_, body) in enumerate(got):
+        if len(body) == 1:
+            values.append(body[0])
+            continue
         value, hdrs = record_from_body(body)
         values.append(value)
-        headers.append(hdrs)
-    return Taken(
-        got[0][0].seq,
-        values,
-        [g.message_id for g, _ in got],
-        None,
-        headers if any(h is not None for h in headers) else None,
-    )
+        if headers is None:
+            headers = [None] * len(got)
+        headers[i] = hdrs
+    return Taken(got[0][0].seq, values, [g.message_id for g, _ in got], None, headers)
 
 
 class FlowProducerPort:
@@ -467,39 +466,58 @@ class FlowProducerPort:
             self.ack(upto)
         return out
 
-    def _body(self, given: _Given) -> tuple[bytes, ...] | None:
-        """The body of an assigned message: held, or read back from the store. None if
-        the store cannot give it back (the seq becomes a hole, counted as lost)."""
-        if given.body is not None:
-            return given.body
-        try:
-            return self.store.read_taken(given.key).body
-        except StoreError as e:
-            self._table.pop(given.seq, None)
-            self.counters["lost"] += 1
-            log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, e)
-            return None
+    def _lost(self, given: _Given, error: StoreError) -> None:
+        """The store cannot give ``given``'s message back: its seq becomes a hole."""
+        self._table.pop(given.seq, None)
+        self.counters["lost"] += 1
+        log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, error)
 
     def _records(
         self, seq: int, n: int, max_bytes: int | None
     ) -> list[tuple[_Given, tuple[bytes, ...]]]:
         """Up to ``n`` contiguous assigned messages from ``seq`` with their bodies,
-        stopping at a hole or once ``max_bytes`` of values were taken (at least one)."""
+        stopping at a hole or once ``max_bytes`` of values were taken (at least one).
+
+        Bodies not held in memory are read back from the store a run at a time
+        (:meth:`MessageStore.read_taken_run`: one ``pread`` for records side by side,
+        each CRC-checked); a message the store cannot give back ends the list there,
+        and asked for first it becomes a hole (counted ``lost``), never skipped."""
         out: list[tuple[_Given, tuple[bytes, ...]]] = []
         table = self._table
-        size = 0
-        while len(out) < n:
-            given = table.get(seq)
+        givens: list[_Given] = []
+        for s in range(seq, seq + n):
+            given = table.get(s)
             if given is None:
                 break
-            body = self._body(given)
-            if body is None:
-                break
-            out.append((given, body))
-            size += sum(map(len, body))
-            seq += 1
+            givens.append(given)
+        size = 0
+        i = 0
+        while i < len(givens):
             if max_bytes is not None and size >= max_bytes:
                 break
+            given = givens[i]
+            if given.body is not None:  # held for a taker
+                out.append((given, given.body))
+                size += sum(map(len, given.body))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(givens) and givens[j].body is None:
+                j += 1
+            run = givens[i:j]
+            try:
+                read = self.store.read_taken_run(
+                    [g.key for g in run], None if max_bytes is None else max_bytes - size
+                )
+            except StoreError as e:
+                self._lost(given, e)
+                break
+            for g, message in zip(run, read, strict=False):
+                out.append((g, message.body))
+                size += sum(map(len, message.body))
+            if len(read) < len(run):
+                break  # a byte budget reached, or a message the next read will name
+            i = j
         return out
 
     def process(self) -> None:

@@ -410,6 +410,28 @@ class MessageStore:
         """
         return self._index.read_taken(key)
 
+    def read_taken_run(
+        self, keys: Sequence[int], max_bytes: int | None = None
+    ) -> list[StoredMessage]:
+        """Read in-flight messages back from disk, in the order of ``keys``, leaving
+        their state alone: :meth:`read_taken` for many at once. Records that lie close
+        together in one segment (messages taken in store order) come with one ``pread``
+        per run of up to :data:`~zio_spark.storage.store_index.RUN_BYTES`, and every
+        record's length and CRC is checked from that buffer.
+
+        Returns the messages of a prefix of ``keys``: all of them, or fewer when a later
+        key cannot be read back (not in flight, a short read, a failing CRC: the caller
+        reads on from that key and gets its error), or once the bodies read total
+        ``max_bytes`` (at least one message). Nothing is ever skipped.
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, or the *first* key cannot be read back (as
+            :meth:`read_taken`); the messages stay as they were.
+        """
+        return self._index.read_taken_run(keys, max_bytes)
+
     def ack(self, key: int) -> bool:
         """Delete an in-flight message: a tombstone goes into the next commit.
 
