@@ -129,6 +129,7 @@ from zio_spark.transport.port import ServerPort
 __all__ = [
     "DEFAULT_FLOW_WINDOW",
     "FLOW_ZAP_DOMAIN",
+    "HELD_SLICE",
     "LOG_REWRITE_BYTES",
     "FlowConsumerPort",
     "FlowProducerPort",
@@ -141,6 +142,10 @@ log = logging.getLogger("zio_spark.pzq")
 
 DEFAULT_FLOW_WINDOW: Final = 100_000
 """Most messages assigned to the flow producer port and not yet acknowledged."""
+
+HELD_SLICE: Final = 1024
+"""Most messages a held query numbers per broker loop turn (each slice is one side log
+sync): the rest of the loop (PZQ peers, other flows) runs between slices."""
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
@@ -263,6 +268,8 @@ class FlowProducerPort:
         Most messages assigned and not yet acknowledged (their bodies are in memory).
     max_take
         Most messages taken from the store per loop turn.
+    held_slice
+        Most messages numbered for held queries per loop turn (:meth:`prepare_held`).
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
     mode, curve, linger_ms
@@ -292,6 +299,7 @@ class FlowProducerPort:
         ctx: zmq.Context[Any],
         window: int = DEFAULT_FLOW_WINDOW,
         max_take: int = 4096,
+        held_slice: int = HELD_SLICE,
         sync: bool = True,
         mode: str | None = None,
         curve: Curve | None = None,
@@ -307,9 +315,14 @@ class FlowProducerPort:
             )
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError("flow_window", window, "an integer >= 1")
+        if isinstance(held_slice, bool) or not isinstance(held_slice, int) or held_slice < 1:
+            raise ConfigError("held_slice", held_slice, "an integer >= 1")
         self.store = store
         self.window = window
         self.max_take = max_take
+        self.held_slice = held_slice
+        self._slice_left = held_slice  # numbering left for held queries this loop turn
+        self._numbering = False  # a held query waits for more numbering
         self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
         self.counters: dict[str, int] = dict.fromkeys(
             ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
@@ -450,12 +463,24 @@ class FlowProducerPort:
         self._low = low
         return low
 
-    def prepare_held(self) -> None:
+    def prepare_held(self) -> bool:
         """Assign what the store has ready (up to ``window`` unacked), so a held answer
-        shows it: in direct mode no taker's credit pulls messages in. Durable in the
-        side log on return; no body is kept (ranges read the store)."""
-        while self._assign(self.window, keep_body=False):
-            pass
+        shows it: in direct mode no taker's credit pulls messages in. At most
+        ``held_slice`` messages per broker loop turn (shared by every held query of the
+        turn), so the other sockets are served between slices. Durable in the side log
+        on return; no body is kept (ranges read the store).
+
+        Returns True once nothing more is ready (or the window is full): the answer may
+        go. False: more may be ready; the flow asks again at its next tick, and
+        :meth:`busy` keeps the loop turning meanwhile."""
+        left = self._slice_left
+        if left > 0:
+            got = self._assign(left, keep_body=False)
+            self._slice_left = left - got
+            if got < min(left, self.max_take):
+                return True  # the store has nothing more ready, or the window is full
+        self._numbering = True
+        return False
 
     def read_held(self, read: Callable[[HeldView], T]) -> T:
         return read(self._view)  # one thread: the broker's (no lock to take)
@@ -525,8 +550,11 @@ class FlowProducerPort:
         self._server.process()
 
     def pump(self) -> None:
-        """Send what the taker has credit for; keep the side log bounded (broker thread)."""
+        """Send what the taker has credit for, number a slice for pending held queries;
+        keep the side log bounded (broker thread, once per loop turn)."""
+        self._numbering = False  # set again by a held query still waiting (prepare_held)
         self._server.tick()
+        self._slice_left = self.held_slice  # the next turn's numbering budget
         store = self.store
         if (
             self._log.size > LOG_REWRITE_BYTES
@@ -542,6 +570,8 @@ class FlowProducerPort:
         """Whether the next loop turn has work without waiting for input."""
         taker = self._taker
         conn = None if taker is None else taker.conn
+        if self._numbering:
+            return True
         return (
             taker is not None
             and conn is not None
