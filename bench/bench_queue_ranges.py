@@ -17,8 +17,10 @@ same run on the same bytes:
   then ``read_range`` of every message over loopback (a task's read: the broker's
   thread, ZeroMQ and the reader's Arrow decoding, on the same cores), read twice.
 
-Ratios are ours / the anchor's records/s of the same run; medians over ``--repeat``
-runs (the store is written once per run).
+Each case in records/s (wall) and records per CPU-second of this process (every
+thread: the broker's too; the steadier figure on a shared box); ratios are ours / the
+anchor's records per CPU-second of the same run (the mean of its reads before and after
+the cases); medians over ``--repeat`` runs (the store is written once per run).
 
     .venv/bin/python bench/bench_queue_ranges.py [--messages 100000] [--size 100]
         [--repeat 3] [--no-sync] [--out DIR]
@@ -55,6 +57,18 @@ _CHUNK = 1 << 20
 _DAT = 1000
 
 
+class Clock:
+    """Wall and CPU seconds (this process: every thread, the broker's included) of a
+    step: the box is shared, so CPU seconds are the steadier figure."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def took(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
 def fill(folder: Path, n: int, size: int, sync: bool) -> None:
     """``n`` durable messages of ``size`` bytes, committed 1000 at a time."""
     body = os.urandom(size)
@@ -66,9 +80,9 @@ def fill(folder: Path, n: int, size: int, sync: bool) -> None:
         store.commit()
 
 
-def anchor(folder: Path) -> float:
+def anchor(folder: Path) -> tuple[float, float]:
     """Seconds to pread every segment file of ``folder`` once, 1 MiB at a time."""
-    t0 = time.perf_counter()
+    t0 = Clock()
     total = 0
     for path in sorted(folder.glob("seg-*.log")):
         fd = os.open(path, os.O_RDONLY)
@@ -83,24 +97,26 @@ def anchor(folder: Path) -> float:
         finally:
             os.close(fd)
     assert total > 0
-    return time.perf_counter() - t0
+    return t0.took()
 
 
-def in_process(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, float]:
+def in_process(
+    folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]
+) -> dict[str, tuple[float, float]]:
     """Seconds to number ``n`` messages, then to serve them twice (port only)."""
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     with MessageStore(folder, sync=sync) as store:
         port = FlowProducerPort(store, "tcp://127.0.0.1:*", ctx=ctx, sync=sync, linger_ms=0)
         try:
-            t0 = time.perf_counter()
+            t0 = Clock()
             while port.prepare_held() is False:
                 port.pump()  # a loop turn: the next slice may number
-            out["number"] = time.perf_counter() - t0
+            out["number"] = t0.took()
             if port.last_seq != n:
                 raise SystemExit(f"numbered {port.last_seq} of {n} messages")
             view = port._view
             for name in ("serve", "serve again"):
-                t0 = time.perf_counter()
+                t0 = Clock()
                 seq, got = 1, 0
                 while seq <= n:
                     taken = view.take(seq, min(_DAT, n + 1 - seq), DAT_BYTES)
@@ -108,35 +124,35 @@ def in_process(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[
                         raise SystemExit(f"the store did not give back seq {seq}")
                     seq += len(taken.values)
                     got += len(taken.values)
-                out[name] = time.perf_counter() - t0
+                out[name] = t0.took()
                 assert got == n
         finally:
             port.close()
     return out
 
 
-def e2e(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, float]:
+def e2e(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, tuple[float, float]]:
     """Seconds for a held query and two range reads of every message, over loopback."""
     (folder / "flow-producer.log").unlink()  # number afresh: nothing held in memory
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     broker = QueueBroker(
         folder, flow_producer="tcp://127.0.0.1:*", context=ctx, linger_ms=0, sync=sync
     ).start()
     try:
         ep = broker.endpoints["flow_producer"]
         pid = f"queue:{broker.queue_id.decode()}"
-        t0 = time.perf_counter()
+        t0 = Clock()
         held = held_window(ep, pid, ctx=ctx, timeout=120)
-        out["e2e held"] = time.perf_counter() - t0
+        out["e2e held"] = t0.took()
         if (held.first, held.end) != (1, n + 1):
             raise SystemExit(f"held window [{held.first}, {held.end}), wanted [1, {n + 1})")
         for name in ("e2e range", "e2e range again"):
-            t0 = time.perf_counter()
+            t0 = Clock()
             rows = sum(
                 b.num_rows
                 for b in read_range(ep, pid, held.incarnation, 1, n + 1, ctx=ctx, timeout=120)
             )
-            out[name] = time.perf_counter() - t0
+            out[name] = t0.took()
             if rows != n:
                 raise SystemExit(f"read {rows} of {n} rows")
     finally:
@@ -153,7 +169,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
     n, sync = args.messages, not args.no_sync
-    runs: dict[str, list[float]] = {}
+    wall: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         for _ in range(args.repeat):
@@ -166,26 +183,38 @@ def main() -> None:
                 times["anchor after"] = anchor(folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-            for name, seconds in times.items():
-                runs.setdefault(name, []).append(n / seconds)
+            for name, (w, c) in times.items():
+                wall.setdefault(name, []).append(n / w)
+                cpu.setdefault(name, []).append(n / max(c, 1e-6))
     finally:
         ctx.term()
-    anchors = [(a + b) / 2 for a, b in zip(runs["anchor"], runs["anchor after"], strict=True)]
+
+    def both(runs: dict[str, list[float]]) -> list[float]:
+        """The anchor of each run: the mean of its reads before and after."""
+        return [(a + b) / 2 for a, b in zip(runs["anchor"], runs["anchor after"], strict=True)]
+
     result: dict[str, Any] = {
         "machine": machine(),
         "messages": n,
         "size": args.size,
         "sync": sync,
-        "records_per_s": {k: spread(v) for k, v in runs.items()},
-        "ratio_to_anchor": {k: ratio_spread(v, anchors) for k, v in runs.items()},
+        "records_per_s": {k: spread(v) for k, v in wall.items()},
+        "records_per_cpu_s": {k: spread(v) for k, v in cpu.items()},
+        "ratio_to_anchor": {k: ratio_spread(v, both(wall)) for k, v in wall.items()},
+        "cpu_ratio_to_anchor": {k: ratio_spread(v, both(cpu)) for k, v in cpu.items()},
     }
     path = write_json(args.out, "queue_ranges.json", result)
     rows = [
-        (k, fmt_spread(spread(v), "/s"), fmt_spread(ratio_spread(v, anchors), "", digits=4))
-        for k, v in runs.items()
+        (
+            k,
+            fmt_spread(spread(v), "/s"),
+            fmt_spread(spread(cpu[k]), "/CPU-s"),
+            fmt_spread(ratio_spread(cpu[k], both(cpu)), "", digits=4),
+        )
+        for k, v in wall.items()
     ]
-    print(md_table(("case", "records/s", "ratio to the raw pread"), rows))
-    print(f"({n} messages of {args.size} B, sync {sync}; {path})")
+    print(md_table(("case", "records/s", "records per CPU-s", "CPU ratio to the raw pread"), rows))
+    print(f"({n} messages of {args.size} B, sync {sync}; load {os.getloadavg()[0]:.1f}; {path})")
 
 
 if __name__ == "__main__":

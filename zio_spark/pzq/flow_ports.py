@@ -230,24 +230,24 @@ class _StoreView:
         return self._port.next_seq
 
     def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
-        got = self._port._records(first, n, max_bytes)
-        return _taken(got) if got else None
+        givens, bodies = self._port._records(first, n, max_bytes)
+        return _taken(givens, bodies) if bodies else None
 
 
-def _taken(got: list[tuple[_Given, tuple[bytes, ...]]]) -> Taken:
-    """Contiguous assigned messages as the records of one DAT."""
-    values: list[bytes] = []
+def _taken(givens: list[_Given], bodies: list[tuple[bytes, ...]]) -> Taken:
+    """Contiguous assigned messages (``givens``, with their ``bodies``) as the records
+    of one DAT."""
     headers: list[Mapping[str, str] | None] | None = None
-    for i, (_, body) in enumerate(got):
-        if len(body) == 1:
-            values.append(body[0])
-            continue
-        value, hdrs = record_from_body(body)
-        values.append(value)
-        if headers is None:
-            headers = [None] * len(got)
-        headers[i] = hdrs
-    return Taken(got[0][0].seq, values, [g.message_id for g, _ in got], None, headers)
+    try:
+        values = [value for (value,) in bodies]  # one-part bodies: the value as is
+    except ValueError:  # a multi-part body: joined, with its zio.frames header
+        values = []
+        headers = []
+        for body in bodies:
+            value, hdrs = record_from_body(body)
+            values.append(value)
+            headers.append(hdrs)
+    return Taken(givens[0].seq, values, [g.message_id for g in givens], None, headers)
 
 
 class FlowProducerPort:
@@ -499,51 +499,51 @@ class FlowProducerPort:
 
     def _records(
         self, seq: int, n: int, max_bytes: int | None
-    ) -> list[tuple[_Given, tuple[bytes, ...]]]:
-        """Up to ``n`` contiguous assigned messages from ``seq`` with their bodies,
-        stopping at a hole or once ``max_bytes`` of values were taken (at least one).
+    ) -> tuple[list[_Given], list[tuple[bytes, ...]]]:
+        """Up to ``n`` contiguous assigned messages from ``seq`` and their bodies (two
+        lists of one length), stopping at a hole or once ``max_bytes`` of values were
+        taken (at least one).
 
         Bodies not held in memory are read back from the store a run at a time
         (:meth:`MessageStore.read_taken_run`: one ``pread`` for records side by side,
-        each CRC-checked); a message the store cannot give back ends the list there,
+        each CRC-checked); a message the store cannot give back ends the lists there,
         and asked for first it becomes a hole (counted ``lost``), never skipped."""
-        out: list[tuple[_Given, tuple[bytes, ...]]] = []
-        table = self._table
+        get = self._table.get
         givens: list[_Given] = []
         for s in range(seq, seq + n):
-            given = table.get(s)
+            given = get(s)
             if given is None:
                 break
             givens.append(given)
+        bodies: list[tuple[bytes, ...]] = []
+        total = len(givens)
         size = 0
         i = 0
-        while i < len(givens):
-            if max_bytes is not None and size >= max_bytes:
-                break
+        while i < total and (max_bytes is None or size < max_bytes):
             given = givens[i]
             if given.body is not None:  # held for a taker
-                out.append((given, given.body))
+                bodies.append(given.body)
                 size += sum(map(len, given.body))
                 i += 1
                 continue
             j = i + 1
-            while j < len(givens) and givens[j].body is None:
+            while j < total and givens[j].body is None:
                 j += 1
-            run = givens[i:j]
             try:
                 read = self.store.read_taken_run(
-                    [g.key for g in run], None if max_bytes is None else max_bytes - size
+                    [g.key for g in givens[i:j]], None if max_bytes is None else max_bytes - size
                 )
             except StoreError as e:
                 self._lost(given, e)
                 break
-            for g, message in zip(run, read, strict=False):
-                out.append((g, message.body))
-                size += sum(map(len, message.body))
-            if len(read) < len(run):
+            bodies.extend([m.body for m in read])
+            if len(read) < j - i:
                 break  # a byte budget reached, or a message the next read will name
+            if j < total and max_bytes is not None:
+                size += sum(len(part) for m in read for part in m.body)
             i = j
-        return out
+        del givens[len(bodies) :]
+        return givens, bodies
 
     def process(self) -> None:
         """The port's socket is readable: dispatch what arrived (broker thread)."""
@@ -695,9 +695,9 @@ class FlowProducerPort:
             while seq < self._next_seq and seq not in table:
                 seq += 1
             if seq < self._next_seq:
-                got = self._records(seq, n, None)
-                if got:
-                    return _taken(got)
+                givens, bodies = self._records(seq, n, None)
+                if bodies:
+                    return _taken(givens, bodies)
                 # seq's message could not be read back (now a hole): skip it
 
     def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:
