@@ -7,6 +7,9 @@ same run on the same bytes:
 
 - ``anchor``: a raw ``pread`` of the store's segment files, 1 MiB at a time (the bytes a
   range read must touch, with nothing done to them), as records/s.
+- ``anchor per record``: a ``pread`` and a ``crc32`` of each record on its own (the
+  floor of a read costing one syscall and one CRC per record; ACK and HEADER records
+  included, ~1 % more records).
 - ``number``: the port numbering every message for a held query (``prepare_held``
   until it says done: the slices a broker spreads over its loop turns), in-process.
 - ``serve``: the port's records for DATs of 1000 (``HeldView.take``, what a range flow
@@ -36,6 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,7 @@ from zio_spark.codec.records import DAT_BYTES  # noqa: E402
 from zio_spark.pzq.broker import QueueBroker  # noqa: E402
 from zio_spark.pzq.flow_ports import FlowProducerPort  # noqa: E402
 from zio_spark.source.range_client import held_window, read_range  # noqa: E402
+from zio_spark.storage.files import RECORD_HEAD  # noqa: E402
 from zio_spark.storage.store import MessageStore  # noqa: E402
 
 _CHUNK = 1 << 20
@@ -97,6 +102,33 @@ def anchor(folder: Path) -> tuple[float, float]:
         finally:
             os.close(fd)
     assert total > 0
+    return t0.took()
+
+
+def anchor_records(folder: Path) -> tuple[float, float]:
+    """Seconds to pread every record of ``folder`` on its own and crc32 it: the floor of
+    a read that costs one ``pread`` and one CRC per record (framing parsed in Python)."""
+    heads: list[tuple[Path, list[tuple[int, int]]]] = []
+    for path in sorted(folder.glob("seg-*.log")):
+        data = path.read_bytes()
+        spans = []
+        pos = 0
+        while pos + RECORD_HEAD.size <= len(data):
+            length = RECORD_HEAD.unpack_from(data, pos)[0]
+            if length == 0:
+                break
+            spans.append((pos, RECORD_HEAD.size + length))
+            pos += RECORD_HEAD.size + length
+        heads.append((path, spans))
+    t0 = Clock()
+    for path, spans in heads:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for offset, size in spans:
+                record = os.pread(fd, size, offset)
+                zlib.crc32(memoryview(record)[RECORD_HEAD.size :])
+        finally:
+            os.close(fd)
     return t0.took()
 
 
@@ -177,7 +209,7 @@ def main() -> None:
             folder = Path(tempfile.mkdtemp(prefix="bench-qr-"))
             try:
                 fill(folder, n, args.size, sync)
-                times = {"anchor": anchor(folder)}
+                times = {"anchor": anchor(folder), "anchor per record": anchor_records(folder)}
                 times.update(in_process(folder, n, sync, ctx))
                 times.update(e2e(folder, n, sync, ctx))
                 times["anchor after"] = anchor(folder)

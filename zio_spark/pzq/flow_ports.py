@@ -49,13 +49,15 @@ the store instead of memory:
   ``read: "range"`` flow is served ranges and a ``read: "control"`` flow held queries
   and commits. A held query first assigns what the store has ready (up to ``window``
   unacked, durable in the side log before the answer names it), since no taker pulls
-  them; the window is ``[lowest assigned unacked seq, next seq)``. A range's records are
-  read back from the store by their pinned keys (:meth:`MessageStore.read_taken`), not
-  from memory: assignments made for a held query keep no body. A seq whose message is
-  gone from the store (a hole) is never skipped in a range: the range is refused
-  ``not_held``. A commit acks through :meth:`FlowProducerPort.ack`, exactly as a taker's
-  PAY ``ack`` does. The port never renumbers, so its incarnation changes only with a new
-  side log.
+  them, at most :data:`HELD_SLICE` messages per broker loop turn (the answer waits for
+  the last slice; the broker serves its other sockets in between); the window is
+  ``[lowest assigned unacked seq, next seq)``. A range's records are read back from the
+  store by their pinned keys (:meth:`MessageStore.read_taken_run`: neighbouring records
+  in one ``pread``, each CRC-checked), not from memory: assignments made for a held
+  query keep no body. A seq whose message is gone from the store or fails its check (a
+  hole) is never skipped in a range: the range is refused ``not_held``. A commit acks
+  through :meth:`FlowProducerPort.ack`, exactly as a taker's PAY ``ack`` does. The port
+  never renumbers, so its incarnation changes only with a new side log.
 - **Run keys** (CURVE, docs/direct-read.md "Security"): with ``gate`` (the broker's ZAP
   handler: its own from ``curve_allowed_client_keys``, or the application's passed as
   ``QueueBroker(authenticator=...)``), the port does what a bound producer with an

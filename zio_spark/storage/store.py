@@ -27,9 +27,10 @@ through to; :mod:`~zio_spark.storage.store_recovery` replays a folder on open.
 Memory. Per message the index holds a record offset (4 B), a payload length (4 B) and a
 state byte, in per-segment ``array``/``bytearray`` columns: ~9 B per stored message
 however large the bodies, which stay on disk and are read back (``pread``) one at a time
-when delivered. Add the duplicate window (``dedup_window`` ids, ~250 B each with their
-dict entries and body digests) and the requeue/forwarding tables (bounded by what is in
-flight). Recovery keeps at most ~2 windows of ids while it scans.
+when delivered (a run of neighbouring records at a time for the queue's range reads,
+:meth:`MessageStore.read_taken_run`). Add the duplicate window (``dedup_window`` ids,
+~250 B each with their dict entries and body digests) and the requeue/forwarding tables
+(bounded by what is in flight). Recovery keeps at most ~2 windows of ids while it scans.
 
 Group commit. :meth:`MessageStore.put` and :meth:`MessageStore.ack` only buffer. A
 commit writes the buffer with one ``pwrite`` (at the segment's end; segments are
