@@ -453,3 +453,47 @@ def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_m
             assert max(steps) <= slice_ and len(steps) >= more // slice_, steps
         finally:
             port.close()
+
+
+def test_records_mix_bodies_held_for_a_taker_and_read_back_from_the_store(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """The port's records for a DAT come from memory (assigned for a taker) and from the
+    store a run at a time (assigned for a held query), in seq order; a byte budget
+    stops them (at least one record), and a damaged record ends them before it."""
+    with MessageStore(tmp_path / "store", sync=False) as store:
+        for i in range(30):
+            store.put(b"m-%02d" % i, (b"v-%02d" % i,) if i != 7 else (b"a", b"", b"bc"))
+        store.commit()
+        port = FlowProducerPort(store, "tcp://127.0.0.1:*", ctx=ctx, sync=False, linger_ms=0)
+        try:
+            assert port._assign(10, keep_body=False) == 10  # seqs 1..10: a held query's
+            assert port._assign(10) == 10  # 11..20: a taker's, bodies in memory
+            assert port._assign(10, keep_body=False) == 10  # 21..30
+            taken = port._view.take(1, 30)
+            assert taken is not None and taken.first == 1
+            assert taken.keys == [b"m-%02d" % i for i in range(30)]
+            assert taken.values[7] == join_single([b"a", b"", b"bc"])
+            assert [v for i, v in enumerate(taken.values) if i != 7] == [
+                b"v-%02d" % i for i in range(30) if i != 7
+            ]
+            assert taken.headers is not None and dict(taken.headers[7] or {}) == {"zio.frames": "3"}
+            budget = port._view.take(1, 30, max_bytes=20)
+            assert budget is not None and len(budget.values) == 5  # 4-byte values
+            one = port._view.take(9, 30, max_bytes=1)
+            assert one is not None and one.values == [b"v-08"]
+            # Seq 25's record damaged on disk: a DAT stops before it; asked for, a hole.
+            key = port._table[25].key
+            seg = store._index.segments[key >> 32]
+            offset = seg.offsets[key & 0xFFFFFFFF] + 12
+            fd = os.open(seg.path, os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+            finally:
+                os.close(fd)
+            short = port._view.take(18, 30)
+            assert short is not None and short.keys == [b"m-%02d" % i for i in range(17, 24)]
+            assert port._view.take(25, 5) is None and port.counters["lost"] == 1
+            assert 25 not in port._table and port._view.take(26, 5) is not None
+        finally:
+            port.close()
