@@ -14,9 +14,12 @@ is on 127.0.0.1 with a random port; every wait polls with a deadline.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from zio_spark.source.range_client import (
 from zio_spark.storage import flow_log
 from zio_spark.storage.files import frame
 from zio_spark.storage.flow_log import FlowLog
+from zio_spark.storage.store import MessageStore
 
 Sock = zmq.Socket[bytes]
 T = 10.0  # seconds any one wait may last (returns as soon as it can)
@@ -367,3 +371,129 @@ def test_the_side_log_keeps_its_incarnation(tmp_path: Path) -> None:
     fl = FlowLog(path, sync=False)
     assert fl.incarnation != inc and fl.next_seq == 1
     fl.close()
+
+
+def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_meanwhile(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """The held query numbers at most ``held_slice`` store messages per loop turn, so a
+    large window does not stop the broker: a task's range read of messages numbered
+    before is served in full while the numbering is still going on (from the port's
+    state: a turn runs only when a client's message is in, and the task's read needs
+    far fewer turns than the numbering). The test is the port's loop, turn by turn, as
+    the broker's thread runs it (``process`` when the socket is readable, ``pump``)."""
+    slice_, before, more = 50, 100, 2000
+    with MessageStore(tmp_path / "store", sync=False) as store:
+        for i in range(before + more):
+            store.put(b"m-%05d" % i, (b"body-%05d" % i,))
+            if i == before - 1:
+                store.commit()
+        port = FlowProducerPort(
+            store, "tcp://127.0.0.1:*", ctx=ctx, sync=False, held_slice=slice_, linger_ms=0
+        )
+        try:
+            ep, pid, inc = port.endpoint, port.producer_id, port.incarnation
+            while not port.prepare_held():  # what a first held query numbered
+                port.pump()
+            assert port.last_seq == before
+            store.commit()  # the rest becomes ready: the next held query numbers it
+            numbered = [port.last_seq]
+            poller = zmq.Poller()
+            poller.register(port.socket, zmq.POLLIN)
+
+            def turn(wait_ms: int, *, on_input_only: bool = False) -> None:
+                """One loop turn of the broker's thread (``on_input_only``: none
+                unless a client's message came within ``wait_ms``)."""
+                if poller.poll(wait_ms):
+                    port.process()
+                elif on_input_only:
+                    return
+                port.pump()
+                numbered.append(port.last_seq)
+
+            results: dict[str, Any] = {}
+
+            def client(name: str, fn: Callable[[], Any]) -> threading.Thread:
+                def run() -> None:
+                    try:
+                        results[name] = fn()
+                    except BaseException as e:  # the test reports it
+                        results[name] = e
+
+                t = threading.Thread(target=run, name=f"client-{name}", daemon=True)
+                t.start()
+                return t
+
+            def held() -> HeldWindow:
+                with ControlConnection(ep, ctx=ctx, timeout=T) as control:
+                    return control.held()
+
+            a = client("held", held)
+            deadline = time.monotonic() + T
+            while port.last_seq == before:  # A's BOT, then its held query numbering
+                assert time.monotonic() < deadline, "the held query never came"
+                turn(100, on_input_only=True)
+            assert before < port.last_seq <= before + 2 * slice_
+            b = client("range", lambda: _read(ep, pid, inc, 1, before + 1, ctx))
+            while b.is_alive():  # a turn only when the task's (or A's) input is in
+                assert time.monotonic() < deadline, "the range read was not served"
+                turn(100, on_input_only=True)
+                b.join(0.001)
+            rows = results["range"]
+            assert not isinstance(rows, BaseException), rows
+            assert [r[1] for r in rows] == [b"m-%05d" % i for i in range(before)]
+            # Served in full while the held query's numbering was still going on.
+            assert port.last_seq < before + more and a.is_alive() and "held" not in results
+            while a.is_alive():
+                assert time.monotonic() < deadline, "the held query was never answered"
+                turn(1)
+                a.join(0.001)
+            assert results["held"] == HeldWindow(inc, 1, before + more + 1)
+            steps = [y - x for x, y in itertools.pairwise(numbered)]
+            assert max(steps) <= slice_ and len(steps) >= more // slice_, steps
+        finally:
+            port.close()
+
+
+def test_records_mix_bodies_held_for_a_taker_and_read_back_from_the_store(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """The port's records for a DAT come from memory (assigned for a taker) and from the
+    store a run at a time (assigned for a held query), in seq order; a byte budget
+    stops them (at least one record), and a damaged record ends them before it."""
+    with MessageStore(tmp_path / "store", sync=False) as store:
+        for i in range(30):
+            store.put(b"m-%02d" % i, (b"v-%02d" % i,) if i != 7 else (b"a", b"", b"bc"))
+        store.commit()
+        port = FlowProducerPort(store, "tcp://127.0.0.1:*", ctx=ctx, sync=False, linger_ms=0)
+        try:
+            assert port._assign(10, keep_body=False) == 10  # seqs 1..10: a held query's
+            assert port._assign(10) == 10  # 11..20: a taker's, bodies in memory
+            assert port._assign(10, keep_body=False) == 10  # 21..30
+            taken = port._view.take(1, 30)
+            assert taken is not None and taken.first == 1
+            assert taken.keys == [b"m-%02d" % i for i in range(30)]
+            assert taken.values[7] == join_single([b"a", b"", b"bc"])
+            assert [v for i, v in enumerate(taken.values) if i != 7] == [
+                b"v-%02d" % i for i in range(30) if i != 7
+            ]
+            assert taken.headers is not None and dict(taken.headers[7] or {}) == {"zio.frames": "3"}
+            budget = port._view.take(1, 30, max_bytes=20)
+            assert budget is not None and len(budget.values) == 5  # 4-byte values
+            one = port._view.take(9, 30, max_bytes=1)
+            assert one is not None and one.values == [b"v-08"]
+            # Seq 25's record damaged on disk: a DAT stops before it; asked for, a hole.
+            key = port._table[25].key
+            seg = store._index.segments[key >> 32]
+            offset = seg.offsets[key & 0xFFFFFFFF] + 12
+            fd = os.open(seg.path, os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+            finally:
+                os.close(fd)
+            short = port._view.take(18, 30)
+            assert short is not None and short.keys == [b"m-%02d" % i for i in range(17, 24)]
+            assert port._view.take(25, 5) is None and port.counters["lost"] == 1
+            assert 25 not in port._table and port._view.take(26, 5) is not None
+        finally:
+            port.close()

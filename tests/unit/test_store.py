@@ -717,3 +717,68 @@ def test_a_closed_store_says_so(tmp_path: Path) -> None:
         assert isinstance(e.value, StoreError) and isinstance(e.value, StorageClosedError)
         assert e.value.path == str(tmp_path)
     assert st.ack(1) is False and st.release(1) is False
+
+
+def test_read_taken_run_reads_records_side_by_side_at_once_and_checks_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """read_taken_run (the queue's range reads): the same messages as read_taken one by
+    one, with one pread per run of neighbouring records (acks and segment ends between
+    them included); a prefix stops before a record that cannot be given back (damaged,
+    not in flight), which asked for first raises; nothing changes state."""
+    from zio_spark.storage import store_index
+
+    st = MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0)
+    with st:
+        for b in range(6):  # ack records between the puts, and several segments
+            put_many(st, ids(100, f"b{b}-"), b"q" * (150 + b))
+            st.put(f"multi{b}".encode(), [b"", b"two", b"p" * 40])
+            st.commit()
+            if b % 2:
+                m = st.take()
+                assert m is not None and st.ack(m.key)
+        taken = [m for m in iter(lambda: st.take(pin=True), None)]
+        assert len(taken) == 603 and len({m.key >> 32 for m in taken}) >= 2
+        keys = [m.key for m in taken]
+        preads: list[int] = []
+        real_pread = os.pread
+
+        def counting(fd: int, n: int, offset: int) -> bytes:
+            preads.append(n)
+            return real_pread(fd, n, offset)
+
+        monkeypatch.setattr(store_index.os, "pread", counting)
+        got = st.read_taken_run(keys)
+        assert [(g.key, g.message_id, g.body) for g in got] == [
+            (m.key, m.message_id, m.body) for m in taken
+        ]
+        assert len(preads) < 20, preads  # runs, not one read per record
+        # Out of order (a requeued message) still reads right, with more reads.
+        shuffled = keys[300:310] + keys[:5] + keys[200:190:-1]
+        assert [g.key for g in st.read_taken_run(shuffled)] == shuffled
+        # A byte budget: the shortest prefix whose bodies reach it (at least one).
+        some = st.read_taken_run(keys, max_bytes=1000)
+        assert sum(len(p) for g in some for p in g.body) >= 1000
+        assert sum(len(p) for g in some[:-1] for p in g.body) < 1000
+        assert len(st.read_taken_run(keys, max_bytes=1)) == 1
+        # A damaged record in the middle: the records before it, then its own error.
+        seg = st._index.segments[keys[250] >> 32]
+        offset = seg.offsets[keys[250] & 0xFFFFFFFF] + RECORD_HEAD.size + 12
+        fd = os.open(seg.path, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, offset)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+        finally:
+            os.close(fd)
+        assert [g.key for g in st.read_taken_run(keys[240:260])] == keys[240:250]
+        with pytest.raises(StoreError, match="fails its CRC"):
+            st.read_taken_run(keys[250:260])
+        assert [g.key for g in st.read_taken_run(keys[251:260])] == keys[251:260]
+        # A key not in flight (acked): the same, and it is named.
+        assert st.ack(keys[100])
+        assert [g.key for g in st.read_taken_run(keys[95:105])] == keys[95:100]
+        with pytest.raises(StoreError, match=f"{keys[100]:#x} is not in flight"):
+            st.read_taken_run(keys[100:105])
+        assert st.in_flight == 602 and st.messages == 602  # reads change nothing
+    with pytest.raises(StoreClosedError):
+        st.read_taken_run(keys[:3])

@@ -49,13 +49,15 @@ the store instead of memory:
   ``read: "range"`` flow is served ranges and a ``read: "control"`` flow held queries
   and commits. A held query first assigns what the store has ready (up to ``window``
   unacked, durable in the side log before the answer names it), since no taker pulls
-  them; the window is ``[lowest assigned unacked seq, next seq)``. A range's records are
-  read back from the store by their pinned keys (:meth:`MessageStore.read_taken`), not
-  from memory: assignments made for a held query keep no body. A seq whose message is
-  gone from the store (a hole) is never skipped in a range: the range is refused
-  ``not_held``. A commit acks through :meth:`FlowProducerPort.ack`, exactly as a taker's
-  PAY ``ack`` does. The port never renumbers, so its incarnation changes only with a new
-  side log.
+  them, at most :data:`HELD_SLICE` messages per broker loop turn (the answer waits for
+  the last slice; the broker serves its other sockets in between); the window is
+  ``[lowest assigned unacked seq, next seq)``. A range's records are read back from the
+  store by their pinned keys (:meth:`MessageStore.read_taken_run`: neighbouring records
+  in one ``pread``, each CRC-checked), not from memory: assignments made for a held
+  query keep no body. A seq whose message is gone from the store or fails its check (a
+  hole) is never skipped in a range: the range is refused ``not_held``. A commit acks
+  through :meth:`FlowProducerPort.ack`, exactly as a taker's PAY ``ack`` does. The port
+  never renumbers, so its incarnation changes only with a new side log.
 - **Run keys** (CURVE, docs/direct-read.md "Security"): with ``gate`` (the broker's ZAP
   handler: its own from ``curve_allowed_client_keys``, or the application's passed as
   ``QueueBroker(authenticator=...)``), the port does what a bound producer with an
@@ -129,6 +131,7 @@ from zio_spark.transport.port import ServerPort
 __all__ = [
     "DEFAULT_FLOW_WINDOW",
     "FLOW_ZAP_DOMAIN",
+    "HELD_SLICE",
     "LOG_REWRITE_BYTES",
     "FlowConsumerPort",
     "FlowProducerPort",
@@ -141,6 +144,10 @@ log = logging.getLogger("zio_spark.pzq")
 
 DEFAULT_FLOW_WINDOW: Final = 100_000
 """Most messages assigned to the flow producer port and not yet acknowledged."""
+
+HELD_SLICE: Final = 1024
+"""Most messages a held query numbers per broker loop turn (each slice is one side log
+sync): the rest of the loop (PZQ peers, other flows) runs between slices."""
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
@@ -225,25 +232,24 @@ class _StoreView:
         return self._port.next_seq
 
     def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
-        got = self._port._records(first, n, max_bytes)
-        return _taken(got) if got else None
+        givens, bodies = self._port._records(first, n, max_bytes)
+        return _taken(givens, bodies) if bodies else None
 
 
-def _taken(got: list[tuple[_Given, tuple[bytes, ...]]]) -> Taken:
-    """Contiguous assigned messages as the records of one DAT."""
-    values: list[bytes] = []
-    headers: list[Mapping[str, str] | None] = []
-    for _, body in got:
-        value, hdrs = record_from_body(body)
-        values.append(value)
-        headers.append(hdrs)
-    return Taken(
-        got[0][0].seq,
-        values,
-        [g.message_id for g, _ in got],
-        None,
-        headers if any(h is not None for h in headers) else None,
-    )
+def _taken(givens: list[_Given], bodies: list[tuple[bytes, ...]]) -> Taken:
+    """Contiguous assigned messages (``givens``, with their ``bodies``) as the records
+    of one DAT."""
+    headers: list[Mapping[str, str] | None] | None = None
+    try:
+        values = [value for (value,) in bodies]  # one-part bodies: the value as is
+    except ValueError:  # a multi-part body: joined, with its zio.frames header
+        values = []
+        headers = []
+        for body in bodies:
+            value, hdrs = record_from_body(body)
+            values.append(value)
+            headers.append(hdrs)
+    return Taken(givens[0].seq, values, [g.message_id for g in givens], None, headers)
 
 
 class FlowProducerPort:
@@ -264,6 +270,8 @@ class FlowProducerPort:
         Most messages assigned and not yet acknowledged (their bodies are in memory).
     max_take
         Most messages taken from the store per loop turn.
+    held_slice
+        Most messages numbered for held queries per loop turn (:meth:`prepare_held`).
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
     mode, curve, linger_ms
@@ -293,6 +301,7 @@ class FlowProducerPort:
         ctx: zmq.Context[Any],
         window: int = DEFAULT_FLOW_WINDOW,
         max_take: int = 4096,
+        held_slice: int = HELD_SLICE,
         sync: bool = True,
         mode: str | None = None,
         curve: Curve | None = None,
@@ -308,9 +317,14 @@ class FlowProducerPort:
             )
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError("flow_window", window, "an integer >= 1")
+        if isinstance(held_slice, bool) or not isinstance(held_slice, int) or held_slice < 1:
+            raise ConfigError("held_slice", held_slice, "an integer >= 1")
         self.store = store
         self.window = window
         self.max_take = max_take
+        self.held_slice = held_slice
+        self._slice_left = held_slice  # numbering left for held queries this loop turn
+        self._numbering = False  # a held query waits for more numbering
         self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
         self.counters: dict[str, int] = dict.fromkeys(
             ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
@@ -451,12 +465,24 @@ class FlowProducerPort:
         self._low = low
         return low
 
-    def prepare_held(self) -> None:
+    def prepare_held(self) -> bool:
         """Assign what the store has ready (up to ``window`` unacked), so a held answer
-        shows it: in direct mode no taker's credit pulls messages in. Durable in the
-        side log on return; no body is kept (ranges read the store)."""
-        while self._assign(self.window, keep_body=False):
-            pass
+        shows it: in direct mode no taker's credit pulls messages in. At most
+        ``held_slice`` messages per broker loop turn (shared by every held query of the
+        turn), so the other sockets are served between slices. Durable in the side log
+        on return; no body is kept (ranges read the store).
+
+        Returns True once nothing more is ready (or the window is full): the answer may
+        go. False: more may be ready; the flow asks again at its next tick, and
+        :meth:`busy` keeps the loop turning meanwhile."""
+        left = self._slice_left
+        if left > 0:
+            got = self._assign(left, keep_body=False)
+            self._slice_left = left - got
+            if got < min(left, self.max_take):
+                return True  # the store has nothing more ready, or the window is full
+        self._numbering = True
+        return False
 
     def read_held(self, read: Callable[[HeldView], T]) -> T:
         return read(self._view)  # one thread: the broker's (no lock to take)
@@ -467,48 +493,70 @@ class FlowProducerPort:
             self.ack(upto)
         return out
 
-    def _body(self, given: _Given) -> tuple[bytes, ...] | None:
-        """The body of an assigned message: held, or read back from the store. None if
-        the store cannot give it back (the seq becomes a hole, counted as lost)."""
-        if given.body is not None:
-            return given.body
-        try:
-            return self.store.read_taken(given.key).body
-        except StoreError as e:
-            self._table.pop(given.seq, None)
-            self.counters["lost"] += 1
-            log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, e)
-            return None
+    def _lost(self, given: _Given, error: StoreError) -> None:
+        """The store cannot give ``given``'s message back: its seq becomes a hole."""
+        self._table.pop(given.seq, None)
+        self.counters["lost"] += 1
+        log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, error)
 
     def _records(
         self, seq: int, n: int, max_bytes: int | None
-    ) -> list[tuple[_Given, tuple[bytes, ...]]]:
-        """Up to ``n`` contiguous assigned messages from ``seq`` with their bodies,
-        stopping at a hole or once ``max_bytes`` of values were taken (at least one)."""
-        out: list[tuple[_Given, tuple[bytes, ...]]] = []
-        table = self._table
-        size = 0
-        while len(out) < n:
-            given = table.get(seq)
+    ) -> tuple[list[_Given], list[tuple[bytes, ...]]]:
+        """Up to ``n`` contiguous assigned messages from ``seq`` and their bodies (two
+        lists of one length), stopping at a hole or once ``max_bytes`` of values were
+        taken (at least one).
+
+        Bodies not held in memory are read back from the store a run at a time
+        (:meth:`MessageStore.read_taken_run`: one ``pread`` for records side by side,
+        each CRC-checked); a message the store cannot give back ends the lists there,
+        and asked for first it becomes a hole (counted ``lost``), never skipped."""
+        get = self._table.get
+        givens: list[_Given] = []
+        for s in range(seq, seq + n):
+            given = get(s)
             if given is None:
                 break
-            body = self._body(given)
-            if body is None:
+            givens.append(given)
+        bodies: list[tuple[bytes, ...]] = []
+        total = len(givens)
+        size = 0
+        i = 0
+        while i < total and (max_bytes is None or size < max_bytes):
+            given = givens[i]
+            if given.body is not None:  # held for a taker
+                bodies.append(given.body)
+                size += sum(map(len, given.body))
+                i += 1
+                continue
+            j = i + 1
+            while j < total and givens[j].body is None:
+                j += 1
+            try:
+                read = self.store.read_taken_run(
+                    [g.key for g in givens[i:j]], None if max_bytes is None else max_bytes - size
+                )
+            except StoreError as e:
+                self._lost(given, e)
                 break
-            out.append((given, body))
-            size += sum(map(len, body))
-            seq += 1
-            if max_bytes is not None and size >= max_bytes:
-                break
-        return out
+            bodies.extend([m.body for m in read])
+            if len(read) < j - i:
+                break  # a byte budget reached, or a message the next read will name
+            if j < total and max_bytes is not None:
+                size += sum(len(part) for m in read for part in m.body)
+            i = j
+        del givens[len(bodies) :]
+        return givens, bodies
 
     def process(self) -> None:
         """The port's socket is readable: dispatch what arrived (broker thread)."""
         self._server.process()
 
     def pump(self) -> None:
-        """Send what the taker has credit for; keep the side log bounded (broker thread)."""
+        """Send what the taker has credit for, number a slice for pending held queries;
+        keep the side log bounded (broker thread, once per loop turn)."""
+        self._numbering = False  # set again by a held query still waiting (prepare_held)
         self._server.tick()
+        self._slice_left = self.held_slice  # the next turn's numbering budget
         store = self.store
         if (
             self._log.size > LOG_REWRITE_BYTES
@@ -524,6 +572,8 @@ class FlowProducerPort:
         """Whether the next loop turn has work without waiting for input."""
         taker = self._taker
         conn = None if taker is None else taker.conn
+        if self._numbering:
+            return True
         return (
             taker is not None
             and conn is not None
@@ -647,9 +697,9 @@ class FlowProducerPort:
             while seq < self._next_seq and seq not in table:
                 seq += 1
             if seq < self._next_seq:
-                got = self._records(seq, n, None)
-                if got:
-                    return _taken(got)
+                givens, bodies = self._records(seq, n, None)
+                if bodies:
+                    return _taken(givens, bodies)
                 # seq's message could not be read back (now a hole): skip it
 
     def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:

@@ -363,9 +363,10 @@ class ProducerBacklog:
         restart), or None without a folder."""
         return None if self.retention is None else self.retention.incarnation
 
-    def prepare_held(self) -> None:
+    def prepare_held(self) -> bool:
         """Nothing to do: :meth:`append` numbers records as they come, so the window is
         always current (the queue's port numbers store messages lazily instead)."""
+        return True
 
     def read_held(self, read: Callable[[HeldRecords], T]) -> T:
         """``read(records)`` under the lock, for readers that never change them (range

@@ -183,8 +183,10 @@ class RangeSource(Backlog, Protocol):
         no numbering across restarts; the service draws one)."""
         ...
 
-    def prepare_held(self) -> None:
-        """Before a held answer: number what is available, so the window shows it."""
+    def prepare_held(self) -> bool:
+        """Before a held answer: number what is available, so the window shows it.
+        False: not done yet (a source that numbers a slice per loop turn); the answer
+        waits, and the flow asks again at its next tick."""
         ...
 
     def read_held(self, read: Callable[[HeldView], T]) -> T:
@@ -470,8 +472,8 @@ class RangeFlow:
             req = self.giver.request
             if req is None:
                 return
-            if isinstance(self.giver.request, HeldQuery):
-                backlog.prepare_held()
+            if isinstance(req, HeldQuery) and not backlog.prepare_held():
+                return  # numbering goes on at the next loop turn (on_tick asks again)
             if self.control:
                 try:
                     step = backlog.commit_held(self._commit_step)

@@ -27,9 +27,10 @@ through to; :mod:`~zio_spark.storage.store_recovery` replays a folder on open.
 Memory. Per message the index holds a record offset (4 B), a payload length (4 B) and a
 state byte, in per-segment ``array``/``bytearray`` columns: ~9 B per stored message
 however large the bodies, which stay on disk and are read back (``pread``) one at a time
-when delivered. Add the duplicate window (``dedup_window`` ids, ~250 B each with their
-dict entries and body digests) and the requeue/forwarding tables (bounded by what is in
-flight). Recovery keeps at most ~2 windows of ids while it scans.
+when delivered (a run of neighbouring records at a time for the queue's range reads,
+:meth:`MessageStore.read_taken_run`). Add the duplicate window (``dedup_window`` ids,
+~250 B each with their dict entries and body digests) and the requeue/forwarding tables
+(bounded by what is in flight). Recovery keeps at most ~2 windows of ids while it scans.
 
 Group commit. :meth:`MessageStore.put` and :meth:`MessageStore.ack` only buffer. A
 commit writes the buffer with one ``pwrite`` (at the segment's end; segments are
@@ -409,6 +410,28 @@ class MessageStore:
             read back (CRC, short read); the message itself stays as it was.
         """
         return self._index.read_taken(key)
+
+    def read_taken_run(
+        self, keys: Sequence[int], max_bytes: int | None = None
+    ) -> list[StoredMessage]:
+        """Read in-flight messages back from disk, in the order of ``keys``, leaving
+        their state alone: :meth:`read_taken` for many at once. Records that lie close
+        together in one segment (messages taken in store order) come with one ``pread``
+        per run of up to :data:`~zio_spark.storage.store_index.RUN_BYTES`, and every
+        record's length and CRC is checked from that buffer.
+
+        Returns the messages of a prefix of ``keys``: all of them, or fewer when a later
+        key cannot be read back (not in flight, a short read, a failing CRC: the caller
+        reads on from that key and gets its error), or once the bodies read total
+        ``max_bytes`` (at least one message). Nothing is ever skipped.
+
+        Raises
+        ------
+        StoreError
+            If the store is closed, or the *first* key cannot be read back (as
+            :meth:`read_taken`); the messages stay as they were.
+        """
+        return self._index.read_taken_run(keys, max_bytes)
 
     def ack(self, key: int) -> bool:
         """Delete an in-flight message: a tombstone goes into the next commit.
