@@ -1,7 +1,7 @@
 """The package's layers, asserted: each module imports only its own package or layers
 below it, and the layers without I/O import no I/O library.
 
-Layers, lowest first (README "Layout"): ``errors`` < ``options`` < ``protocol`` < ``codec`` <
+Layers, lowest first (README "Layout"): ``errors`` < ``options`` = ``heap`` < ``protocol`` < ``codec`` <
 ``storage`` < ``transport`` < ``source`` = ``sink`` < ``pzq`` < ``spark`` < ``cli``. The
 check reads every module's ``import`` statements with :mod:`ast`, those inside functions
 too, so a lazy import cannot hide an upward edge.
@@ -18,6 +18,7 @@ RANK = {
     "__init__": 0,
     "errors": 0,
     "options": 1,
+    "heap": 1,
     "protocol": 2,
     "codec": 3,
     "storage": 4,

@@ -235,7 +235,13 @@ _U64 = 1 << 64
 _WAL_TIMESTAMP: Final = WAL_SCHEMA.field("timestamp").type
 
 
-def wire_to_wal(batch: pa.RecordBatch, *, origin: int, timestamp_us: int) -> pa.RecordBatch:
+def wire_to_wal(
+    batch: pa.RecordBatch,
+    *,
+    origin: int,
+    timestamp_us: int,
+    memory_pool: pa.MemoryPool | None = None,
+) -> pa.RecordBatch:
     """A decoded Arrow DAT (:data:`WIRE_SCHEMA`, from :func:`decode_batch`) as the
     spool's :data:`~zio_spark.codec.schema.WAL_SCHEMA` columns, each taken by name.
 
@@ -243,7 +249,8 @@ def wire_to_wal(batch: pa.RecordBatch, *, origin: int, timestamp_us: int) -> pa.
     too, a null read as 0; ``origin`` (the DAT's, uint64 on the wire) is stored as its
     int64 two's complement; ``timestamp`` is ``timestamp_us`` (when the receiver took
     the DAT), the same for every record. Records the spool already holds are its to
-    drop (:meth:`~zio_spark.storage.spool.Spool.append_batch`).
+    drop (:meth:`~zio_spark.storage.spool.Spool.append_batch`). The columns made here
+    come from ``memory_pool`` (None: Arrow's default).
 
     Raises
     ------
@@ -263,14 +270,14 @@ def wire_to_wal(batch: pa.RecordBatch, *, origin: int, timestamp_us: int) -> pa.
     signed = origin - _U64 if origin >= 1 << 63 else origin
     granule = batch.column("granule")
     if granule.null_count:
-        granule = pc.fill_null(granule, 0)
+        granule = pc.coalesce(granule, pa.scalar(0, pa.int64()), memory_pool=memory_pool)
     columns = {
         "value": batch.column("value"),
         "key": batch.column("key"),
         "seq": batch.column("seq"),
-        "origin": pa.repeat(pa.scalar(signed, pa.int64()), n),
+        "origin": pa.repeat(pa.scalar(signed, pa.int64()), n, memory_pool=memory_pool),
         "granule": granule,
-        "timestamp": pa.repeat(pa.scalar(timestamp_us, _WAL_TIMESTAMP), n),
+        "timestamp": pa.repeat(pa.scalar(timestamp_us, _WAL_TIMESTAMP), n, memory_pool=memory_pool),
         "headers": batch.column("headers"),
     }
     return pa.RecordBatch.from_arrays(

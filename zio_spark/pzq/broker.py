@@ -99,6 +99,7 @@ from typing import TYPE_CHECKING, Any, Final, TypedDict
 
 import zmq
 
+from zio_spark import heap
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
 from zio_spark.options import QueueOptions
 from zio_spark.protocol.pzq import (
@@ -314,6 +315,7 @@ class QueueBroker:
             options = QueueOptions(Path(store_path), **settings)
         self.options: Final = options
         """The settings, checked (:class:`~zio_spark.options.QueueOptions`)."""
+        heap.tune()  # range reads' runs of records and their DATs (zio_spark.heap)
         self._send_mode = options.send_mode
         self._dedup = options.dedup
         self._dedup_grace = options.dedup_grace

@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from zio_spark import heap
 from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.options import ZreOptions
@@ -272,6 +273,7 @@ class Producer:
         self.max_unacked = max_unacked
         self.max_unacked_bytes = max_unacked_bytes
         self.stats: collections.Counter[str] = collections.Counter()
+        heap.tune()  # the DATs it encodes and sends (zio_spark.heap)
         self._backlog = ProducerBacklog(
             max_unacked=max_unacked,
             max_unacked_bytes=max_unacked_bytes,

@@ -18,6 +18,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from zio_spark import heap
 from zio_spark.errors import TransportError
 from zio_spark.options import SourceOptions
 from zio_spark.source import plan
@@ -107,6 +108,7 @@ class Runtime:
     """The runner-side state of a stream reader (never pickled)."""
 
     def __init__(self, opts: SourceOptions) -> None:
+        heap.tune()  # the receiver's DATs and the spool's segments (zio_spark.heap)
         if not opts.spool_path_given:
             log.warning(
                 "zio source: spool at %s (no spoolPath given); on a cluster set spoolPath to "

@@ -1,0 +1,67 @@
+"""zio_spark.heap: glibc's thresholds set once per process, observed through glibc's own
+count of mmapped blocks (``mallinfo2().hblks``), in fresh processes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zio_spark import heap
+
+_GLIBC = hasattr(ctypes.CDLL(None), "mallinfo2")
+
+# A fresh interpreter: the mmapped blocks glibc holds before and after allocating a
+# 1 MiB bytearray (above glibc's initial 128 KiB mmap threshold), with or without
+# heap.tune() first.
+_PROBE = """
+import ctypes, sys
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+from zio_spark import heap
+tuned = heap.tune() if sys.argv[1] == "tune" else None
+before = libc.mallinfo2().hblks
+block = bytearray(1 << 20)
+after = libc.mallinfo2().hblks
+print(tuned, after - before)
+"""
+
+
+def _probe(mode: str, **env: str) -> tuple[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    return out[0], int(out[1])
+
+
+@pytest.mark.skipif(not _GLIBC, reason="glibc >= 2.33 (mallinfo2) only")
+def test_tuned_a_large_block_comes_from_the_heap_not_a_fresh_mmap() -> None:
+    assert _probe("plain") == ("None", 1)  # glibc's default: a 1 MiB block is mmapped
+    assert _probe("tune") == ("True", 0)  # tuned: from the heap, reused when freed
+    # The escape hatch leaves glibc as it is.
+    assert _probe("tune", ZIO_SPARK_HEAP="default") == ("False", 1)
+
+
+def test_tune_is_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heap, "_tuned_pid", None)
+    monkeypatch.delenv("ZIO_SPARK_HEAP", raising=False)
+    first = heap.tune()
+    assert first == (heap._tuned_pid == os.getpid())
+    if first:
+        # Another pid (a forked worker) sets them again; this one does not.
+        monkeypatch.setenv("ZIO_SPARK_HEAP", "default")
+        assert heap.tune() is True  # already set here: the env var is read once
+        monkeypatch.setattr(heap, "_tuned_pid", os.getpid() + 1)
+        assert heap.tune() is False  # "another process" honours the env var
