@@ -22,6 +22,8 @@
 #    readMode=direct (tests/compat/test_direct.py).
 #    Every test must pass: a skip fails the version. The full suite covers 4.3 (.venv),
 #    so 4.3.0 runs the probes and one stream here, against the wheel.
+# Steps 1-3 of the next version (and the copy of tests/) run in the background while step 4
+# of this one runs: only the first version's preparation is waited for.
 #
 # Output: one line per version, then "matrix: N passed, M failed". Exit non-zero if any
 # version failed. Logs: .cache/matrix/logs/.
@@ -102,30 +104,37 @@ build_dist() {
   built=1
 }
 
-one() {
-  local v=$1 log=$logs/matrix-$v.log t0=$SECONDS run=$cache/run-$v
+# prepare X: everything before the tests (base venv, copy, wheel, pyspark check, precompile,
+# the tests' copy, the notebook's kernel packages), into .cache/matrix/prep-X: "OK <wheel
+# install s> <work folder> <s>" or "FAIL <why>". Its output goes to the version's log. It
+# runs in the background while the previous version's tests run (no two pips at once:
+# the tests install nothing), so only the first version's preparation is waited for.
+prepare() {
+  local v=$1
+  local log=$logs/matrix-$v.log t0=$SECONDS run=$cache/run-$v status=$cache/prep-$v
   : >"$log"
-  build_dist || { result FAIL "$v: python -m build failed (see $logs/build.log)"; return; }
-  base_venv "$v" || { result FAIL "$v: base venv failed (see $logs/base-$v.log)"; return; }
+  rm -f "$status"
+  fail() { echo "FAIL $*" >"$status"; }
+  base_venv "$v" || { fail "$v: base venv failed (see $logs/base-$v.log)"; return; }
   rm -rf "$run"
-  cp -a "$base" "$run" || { result FAIL "$v: cannot copy $base"; return; }
+  cp -a "$base" "$run" || { fail "$v: cannot copy $base"; return; }
   local vpy=$run/bin/python whl before after t1 t_wheel
   whl=$(ls "$cache"/dist/zio_spark-*.whl | head -n 1)
   before=$(snapshot "$vpy")
   t1=$SECONDS
   if ! "$vpy" -m pip install -q --disable-pip-version-check "$whl" >>"$log" 2>&1; then
-    result FAIL "$v: pip install $(basename "$whl") failed (see $log)"
+    fail "$v: pip install $(basename "$whl") failed (see $log)"
     return
   fi
   t_wheel=$((SECONDS - t1))
   after=$(snapshot "$vpy")
   echo "pyspark before the wheel: $before; after: $after" >>"$log"
   if [ "$before" != "$after" ] || [ "${before%% *}" != "$v" ]; then
-    result FAIL "$v: installing the wheel changed pyspark ($before -> $after)"
+    fail "$v: installing the wheel changed pyspark ($before -> $after)"
     return
   fi
   "$vpy" -m zio_spark.cli.precompile >>"$log" 2>&1 \
-    || { result FAIL "$v: python -m zio_spark.cli.precompile failed (see $log)"; return; }
+    || { fail "$v: python -m zio_spark.cli.precompile failed (see $log)"; return; }
   local work
   work=$(mktemp -d)
   cp -r "$root/tests" "$root/notebooks" "$root/pyproject.toml" "$work/"
@@ -134,10 +143,32 @@ one() {
       'import sys, zio_spark; assert zio_spark.__file__.startswith(sys.prefix), zio_spark.__file__') \
       >>"$log" 2>&1; then
     rm -rf "$work"
-    result FAIL "$v: zio_spark does not come from the installed wheel (see $log)"
+    fail "$v: zio_spark does not come from the installed wheel (see $log)"
     return
   fi
-  local k=() line rc
+  if [ -n "${notebook[$v]:-}" ] \
+    && ! "$vpy" -m pip install -q --disable-pip-version-check nbclient nbformat ipykernel \
+      >>"$log" 2>&1; then
+    rm -rf "$work"
+    fail "$v: pip install of the notebook's kernel packages failed (see $log)"
+    return
+  fi
+  echo "OK $t_wheel $work $((SECONDS - t0))" >"$status"
+}
+
+# run_tests X: the contract tests (and the notebook) in the folder prepare X made.
+run_tests() {
+  local v=$1
+  local log=$logs/matrix-$v.log t0=$SECONDS run=$cache/run-$v state
+  state=$(cat "$cache/prep-$v" 2>/dev/null || echo "FAIL $v: its preparation ended without a word")
+  rm -f "$cache/prep-$v"
+  if [ "${state%% *}" != OK ]; then
+    result FAIL "${state#FAIL }"
+    return
+  fi
+  local t_wheel work t_prep
+  read -r _ t_wheel work t_prep <<<"$state"
+  local vpy=$run/bin/python k=() line rc
   [ -n "${only[$v]:-}" ] && k=(-k "${only[$v]}")
   # PYSPARK_PYTHON unset: the tests point Spark's workers at this venv's python.
   (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
@@ -147,9 +178,7 @@ one() {
   local nb_line=""
   if [ $rc -eq 0 ] && [ -n "${notebook[$v]:-}" ]; then
     # The notebook as on serverless: a given Spark Connect session, this pyspark.
-    if "$vpy" -m pip install -q --disable-pip-version-check nbclient nbformat ipykernel \
-        >>"$log" 2>&1 \
-      && (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
+    if (cd "$work" && env -u PYSPARK_PYTHON -u PYSPARK_DRIVER_PYTHON -u PYTHONPATH \
         "$vpy" -m pytest -p no:cacheprovider -q -rs \
         tests/notebooks/test_quickstart.py::test_quickstart_runs_with_a_given_spark_connect_session) \
         >>"$log" 2>&1; then
@@ -161,14 +190,28 @@ one() {
   fi
   rm -rf "$work"
   if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ (skipped|deselected.*skipped)' <<<"$line"; then
-    result OK "$v: wheel installed (${t_wheel} s), pyspark untouched; ${line//=/}${nb_line} ($((SECONDS - t0)) s)"
+    result OK "$v: prepared in ${t_prep} s (wheel installed in ${t_wheel} s), pyspark untouched; ${line//=/}${nb_line} (tests $((SECONDS - t0)) s)"
   else
     tail -n 40 "$log"
-    result FAIL "$v: ${line:-pytest exit $rc} ($((SECONDS - t0)) s; log $log)"
+    result FAIL "$v: ${line:-pytest exit $rc} (tests $((SECONDS - t0)) s; log $log)"
   fi
 }
 
-for v in "${versions[@]}"; do one "$v"; done
+if build_dist; then
+  prepare "${versions[0]}"
+  for i in "${!versions[@]}"; do
+    next=${versions[$((i + 1))]:-}
+    prep_pid=""
+    if [ -n "$next" ]; then
+      prepare "$next" &
+      prep_pid=$!
+    fi
+    run_tests "${versions[$i]}"
+    [ -n "$prep_pid" ] && wait "$prep_pid"
+  done
+else
+  for v in "${versions[@]}"; do result FAIL "$v: python -m build failed (see $logs/build.log)"; done
+fi
 
 echo "== matrix summary"
 for s in "${summary[@]}"; do echo "  $s"; done

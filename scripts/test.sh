@@ -6,8 +6,11 @@
 #   3. the passes: ruff (check + format), mypy strict, pytest (stock pyzmq), the
 #      standalone-cluster test (-m cluster: a master and two workers as separate
 #      processes), then on the draft build with ZIO_REQUIRE_DRAFT=1 (draft tests fail, never
-#      skip): tests/loopback and tests/peers whole, and every Spark test marked
-#      requires_draft (source and sink over real CLIENT/SERVER sockets), then the Spark
+#      skip): the tests of tests/loopback and tests/peers whose code path depends on the
+#      draft API (marked requires_draft: CLIENT/SERVER sockets; or draft_path: a branch taken
+#      only when libzmq has it), and every Spark test marked requires_draft (source and
+#      sink over real CLIENT/SERVER sockets). The other loopback tests run ROUTER/DEALER,
+#      the same code on either build: the main pytest pass has them. Then the Spark
 #      version matrix (scripts/matrix.sh: contract tests on pyspark 4.0, 4.1, 4.2)
 # Every pass runs even when an earlier one failed; a summary line per pass (name, result,
 # seconds) ends the output, and the exit status is non-zero if any pass failed.
@@ -68,7 +71,8 @@ pass "pytest -m cluster" .venv/bin/python -m pytest -p no:cacheprovider -m clust
 draft_dirs=(tests/loopback)
 [ -d tests/peers ] && draft_dirs+=(tests/peers)
 pass "draft: transport+peers" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
-  -p no:cacheprovider "${draft_dirs[@]}"
+  -p no:cacheprovider "${draft_dirs[@]}" \
+  -m "(requires_draft or draft_path) and not fuzz and not chaos and not load and not bench"
 pass "draft: Spark requires_draft" env ZIO_REQUIRE_DRAFT=1 .venv-draft/bin/python -m pytest \
   -p no:cacheprovider -m "requires_draft and not fuzz and not chaos and not load" tests/spark
 pass "matrix (older Spark lines)" bash scripts/matrix.sh

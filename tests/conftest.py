@@ -77,6 +77,22 @@ def ctx() -> Iterator[Any]:
     yield from tracked_context()
 
 
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``sc://`` URL of one Spark Connect server (pyspark's own, 127.0.0.1, a free
+    port) for the whole run, stopped at its end: the Connect tests
+    (tests/spark/test_connect.py) and the notebook's given session (tests/notebooks)
+    share it, as clients of one server do; each starts its own session on it. A server
+    start is a JVM start-up: ~10 s, far more on a busy machine."""
+    from tests.cluster.spark_procs import start_connect_server
+
+    server, url = start_connect_server(tmp_path_factory.mktemp("connect"))
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
 def _unavailable(reason: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI=true but private network namespaces are unavailable: {reason}")

@@ -241,3 +241,4 @@ def test_renumbering_ends_the_control_flow_and_old_commits_are_refused(ctx, clos
         c2.ack(105, old)
     assert p.acked == 100 and p.pending == 10
     assert c2.ack(105, p.incarnation) == HeldWindow(p.incarnation, 106, 111)
+    taker.send_eot(timeout=T)  # ended as a taker does (else closing waits out its echo)

@@ -288,6 +288,9 @@ def test_a_range_flow_is_not_a_restarted_taker(ctx, closing, make_client):
     assert raw.get(T, auto_pay=False) is None  # EOT
     assert raw.peer_eot is not None and "never acknowledges" in raw.peer_eot.attrs["reason"]
     assert p.acked == 0 and p.pending == 10
+    # Both flows ended as a peer does (else closing the producer waits out their echoes).
+    raw.send_eot(timeout=T)  # the echo of the producer's EOT
+    taker.send_eot(timeout=T)
 
 
 # ------------------------------------------------------------------------ refusals

@@ -97,9 +97,15 @@ class RawGiver:
 
     A message arrives as ``[identity, b"", prefix, coord, *payload]``: prefix
     ``b"ZIO" + level + b"FLOW" + label``, coord ``<QQQ`` origin, granule, seqno.
+
+    Our EOT (the receiver's, at its stop) is echoed, as a ZIO peer does, unless the giver
+    ended that flow itself first or ``echo_eot`` is false: a giver that never echoes
+    makes every stop wait out the receiver's whole EOT bound (5 s); the tests of that
+    case say so with ``echo_eot = False``.
     """
 
     origin = 7
+    echo_eot = True
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
@@ -110,6 +116,7 @@ class RawGiver:
         self.eot_echoes = 0
         self.errors: list[BaseException] = []
         self._seqno: dict[bytes, int] = {}
+        self._ended: set[bytes] = set()  # flows we sent an EOT on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -119,6 +126,8 @@ class RawGiver:
     ) -> None:
         seqno = self._seqno.get(ident, 0)
         self._seqno[ident] = seqno + 1
+        if label.get("flow") == "EOT":
+            self._ended.add(ident)
         prefix = b"ZIO0FLOW" + json.dumps(label).encode()
         coord = struct.pack("<QQQ", self.origin, granule, seqno)
         self.sock.send_multipart([ident, b"", prefix, coord, *payload])
@@ -137,6 +146,7 @@ class RawGiver:
                 flow = label["flow"]
                 if flow == "BOT":
                     self._seqno[ident] = 0
+                    self._ended.discard(ident)
                     self.bots.append(label)
                     self.on_bot(ident, label)
                 elif flow == "PAY":
@@ -154,6 +164,8 @@ class RawGiver:
 
     def on_eot(self, ident: bytes, label: dict) -> None:
         self.eot_echoes += 1
+        if self.echo_eot and ident not in self._ended:
+            self.send(ident, {"flow": "EOT"})
 
     def close(self) -> None:
         self._stop.set()
@@ -583,6 +595,8 @@ def test_a_plain_giver_that_leaves_is_not_left_open_for_the_next_runner(ctx, tmp
 class SilentEndGiver(PlainGiver):
     """A plain giver that never ends its flow nor echoes our EOT; ``late`` more records
     come after our EOT."""
+
+    echo_eot = False
 
     def __init__(self, ctx: zmq.Context, values: list[bytes], late: list[bytes]) -> None:
         self.late = late

@@ -86,24 +86,18 @@ def test_quickstart_runs_top_to_bottom(kernel_name: str, tmp_path: Path) -> None
 
 @pytest.mark.timeout(CELL_TIMEOUT * 3 + 240)
 def test_quickstart_runs_with_a_given_spark_connect_session(
-    kernel_name: str, tmp_path: Path
+    kernel_name: str, tmp_path: Path, connect_server: str
 ) -> None:
     """As on Databricks serverless: the kernel already holds a Spark Connect ``spark``
-    (a server from pyspark's own distribution on loopback); the notebook uses it, and
-    leaves it running."""
-    from tests.cluster.spark_procs import start_connect_server
-
-    server, url = start_connect_server(tmp_path / "connect")
-    try:
-        given = (
-            "from pyspark.sql import SparkSession\n"
-            f"spark = SparkSession.builder.remote({url!r}).getOrCreate()"
-        )
-        nb, code = _run_and_check(kernel_name, tmp_path, given=given)
-        assert "(the notebook's session, Spark Connect)" in _session_line(code)
-        assert _text(nb.cells[-1]).endswith("still 3"), "the notebook stopped its given session"
-    finally:
-        server.stop()
+    (a server from pyspark's own distribution on loopback, the run's ``connect_server``);
+    the notebook uses it, and leaves it running."""
+    given = (
+        "from pyspark.sql import SparkSession\n"
+        f"spark = SparkSession.builder.remote({connect_server!r}).getOrCreate()"
+    )
+    nb, code = _run_and_check(kernel_name, tmp_path, given=given)
+    assert "(the notebook's session, Spark Connect)" in _session_line(code)
+    assert _text(nb.cells[-1]).endswith("still 3"), "the notebook stopped its given session"
 
 
 def _text(cell: nbformat.NotebookNode) -> str:

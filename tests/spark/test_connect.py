@@ -2,8 +2,9 @@
 and shared clusters.
 
 One Spark Connect server (pyspark's own ``sbin/start-connect-server.sh``, 127.0.0.1, a
-free port) for the module; the tests talk to it with ``SparkSession.builder.remote``
-only, so every call crosses gRPC: the client builds plans, the server plans and runs
+free port: the run's ``connect_server``, tests/conftest.py); the tests talk to it through
+one ``SparkSession.builder.remote`` session for the module, so every call crosses
+gRPC: the client builds plans, the server plans and runs
 them, and the data source runs in the server's Python workers. Producers and consumers
 live in this process, on loopback.
 
@@ -24,7 +25,6 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.spark_procs import start_connect_server
 from tests.support import (
     check_batch_read,
     check_published,
@@ -44,12 +44,12 @@ _wait = functools.partial(wait_until, interval=0.3)
 
 
 @pytest.fixture(scope="module")
-def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def remote(connect_server: str) -> Iterator[Any]:
     from pyspark.sql import SparkSession
 
     from zio_spark.spark.source import ZioDataSource
 
-    server, url = start_connect_server(tmp_path_factory.mktemp("connect"))
+    url = connect_server
     had_mode = "SPARK_CONNECT_MODE_ENABLED" in os.environ
     session = None
     try:
@@ -68,7 +68,6 @@ def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 session.stop()
         if not had_mode:  # the builder marks the process as a Connect client
             os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
-        server.stop()
 
 
 def test_session_is_spark_connect_and_new_enough(remote: Any) -> None:
