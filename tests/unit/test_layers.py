@@ -1,8 +1,8 @@
 """The package's layers, asserted: each module imports only its own package or layers
 below it, and the layers without I/O import no I/O library.
 
-Layers, lowest first (README "Layout"): ``errors`` < ``options`` = ``heap`` < ``protocol`` < ``codec`` <
-``storage`` < ``transport`` < ``source`` = ``sink`` < ``pzq`` < ``spark`` < ``cli``. The
+Layers, lowest first (README "Layout"): ``errors`` < ``options`` = ``heap`` < ``protocol`` <
+``codec`` < ``storage`` < ``transport`` < ``source`` = ``sink`` < ``pzq`` < ``spark`` < ``cli``. The
 check reads every module's ``import`` statements with :mod:`ast`, those inside functions
 too, so a lazy import cannot hide an upward edge.
 """
