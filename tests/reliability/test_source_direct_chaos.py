@@ -63,7 +63,7 @@ SIZES = {
     # producer rate (records/s each), maxRecordsPerTrigger, test timeout (s). CI:
     # production spans ~24 s, so that the producer kills (drawn on the committed output)
     # come while they still send.
-    "ci": (8_000, 1, 2, 333, 2_500, 240),
+    "ci": (8_000, 1, 2, 333, 2_500, 300),
     "full": (350_000, 5, 4, 5_000, 15_000, 1200),
 }
 
