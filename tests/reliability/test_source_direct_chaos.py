@@ -264,11 +264,11 @@ def check_lost_as_reported(table: pa.Table, chaos: DirectChaos, reports: str) ->
             seqs = rows.get((p, inc), [])
             dup = sorted(s for s, k in collections.Counter(seqs).items() if k > 1)
             assert not dup, f"{p} ({inc}): read twice: {dup[:10]}"
-            gone = spans.get((p, inc), set())
-            both = sorted(gone & set(seqs))
+            gone, read = spans.get((p, inc), set()), set(seqs)
+            both = sorted(gone & read)
             assert not both, f"{p} ({inc}): reported lost yet committed: {both[:10]}"
-            top = max(gone | set(seqs), default=0)
-            gap = [s for s in range(1, top + 1) if s not in gone and s not in set(seqs)]
+            top = max(gone | read, default=0)
+            gap = [s for s in range(1, top + 1) if s not in gone and s not in read]
             assert not gap, f"{p} ({inc}): lost without a report: {gap[:10]} ({len(gap)})"
             tail = open_from.get((p, inc))
             assert tail is None or top < tail, f"{p} ({inc}): rows from {tail} on: {top}"
