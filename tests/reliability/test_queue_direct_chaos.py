@@ -27,7 +27,7 @@ import zmq
 from tests.loopback.test_broker import _start_queue, monitor
 from tests.reliability.chaos_harness import DIRECT_TIMEOUT, SourceChaos, wait_for_a_read
 from tests.reliability.helpers import KillPlan, chaos_rng, size_params, wait_until
-from tests.reliability.test_queue_chaos import Producer
+from tests.reliability.test_queue_chaos import Producer, _reap
 from tests.support import TrackingContext, free_endpoint
 
 SIZES = {
@@ -93,12 +93,7 @@ def test_queue_sigkilled_while_a_direct_query_reads_loses_and_duplicates_nothing
     finally:
         stop.set()
         producer.join(10)
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        _reap(procs)
     run.say(
         f"{n} messages, kills {plan.done} (a range flow open at the kill: {read_open}), "
         f"task retries {retries}, {len(run.of('driver'))} driver run(s)"
