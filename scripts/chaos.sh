@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The reliability (chaos) suite of tests/reliability at full size: 1M records through the
-# source (spool and readMode=direct), the sink and the queue while drivers, producers and
-# the queue are SIGKILLed and restarted, and 200k messages through the queue read with
-# readMode=direct while the queue is SIGKILLed (tests/spark/test_queue_direct.py); the
-# CI-sized versions run in the normal suite. ~15-20 min on 2 cores.
+# source (spool, and readMode=direct from three producers with retention), the sink and
+# the queue while drivers, producers and the queue are SIGKILLed and restarted; three
+# producers without retention killed under a direct query (failOnDataLoss=false: exactly
+# the reported ranges lost); and 200k messages through the queue read with
+# readMode=direct while the queue is SIGKILLed (tasks retried, the query never fails).
+# The CI-sized versions run in the normal suite. ~20-25 min on 2 cores.
 #
 #   bash scripts/chaos.sh                       # a fresh random seed per test (printed)
 #   ZIO_CHAOS_SEED=1234 bash scripts/chaos.sh   # replay the kill moments of a failed run
@@ -17,5 +19,4 @@ cd "$root"
 export SPARK_LOCAL_IP=127.0.0.1
 export PYSPARK_PYTHON="$root/.venv/bin/python"
 export PYSPARK_DRIVER_PYTHON="$root/.venv/bin/python"
-exec .venv/bin/python -m pytest -m chaos tests/reliability tests/spark/test_queue_direct.py \
-  -v -s -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -m chaos tests/reliability -v -s -p no:cacheprovider "$@"

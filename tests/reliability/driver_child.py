@@ -3,16 +3,20 @@
 Usage::
 
     python driver_child.py source ENDPOINT CKPT OUT SPOOL PER_TRIGGER BACKLOG CREDIT [TOPOLOGY]
-    python driver_child.py direct ENDPOINT CKPT OUT PER_TRIGGER MASTER
+    python driver_child.py direct ENDPOINTS CKPT OUT PER_TRIGGER MASTER [FAIL_ON_LOSS [TIMEOUT]]
     python driver_child.py sink ENDPOINT CKPT ROWS_PER_BATCH SEED FAIL_PROB
 
 ``source``: ``readStream.format("zio")`` from one producer -> parquet files in ``OUT``;
 ``TOPOLOGY`` ``connect`` (default: the source connects to the producer at ENDPOINT) or
 ``bind`` (the source binds ENDPOINT and the producer connects as a flow client).
 ``direct``: the same query with ``readMode=direct`` (no spool: tasks read ranges straight
-from the producer at ENDPOINT, the driver acks commits on its control flow), on Spark
-master ``MASTER`` (``local[2,8]``: a task whose range read a producer kill cut short is
-retried; or a standalone cluster's URL).
+from the givers at ENDPOINTS, comma-separated, the driver acks commits on its control
+flows), on Spark master ``MASTER`` (``local[2,8]``: a task whose range read a giver's kill
+cut short is retried; or a standalone cluster's URL), ``failOnDataLoss`` as
+``FAIL_ON_LOSS`` (default ``true``), ``connectTimeout`` as ``TIMEOUT`` (default
+``60s``: a task whose giver was killed under its read fails only after it, as the
+giver's restart never hears from a reader that waits for records); the parquet files hold
+``key`` too (the queue's message ids).
 ``sink``: ``rate-micro-batch`` -> a UDF that fails some tasks (seeded, first attempt only,
 after part of the partition went out) -> ``writeStream.format("zio")``, on
 ``local[2,4]`` so failed tasks are retried.
@@ -80,7 +84,9 @@ def _to_parquet(df, out: str, ckpt: str):
 
 
 def direct_query(argv: list[str]):
-    endpoint, ckpt, out, per_trigger, master = argv
+    endpoint, ckpt, out, per_trigger, master, *rest = argv
+    defaults = ["true", "60s"]  # failOnDataLoss, connectTimeout
+    fail_on_data_loss, timeout = [*rest, *defaults[len(rest) :]]
     extra = {"spark.task.maxFailures": "8"} if not master.startswith("local") else {}
     spark = session(master, "zio-chaos-direct", extra)
     df = (
@@ -88,9 +94,10 @@ def direct_query(argv: list[str]):
         .option("endpoints", endpoint)
         .option("readMode", "direct")
         .option("maxRecordsPerTrigger", per_trigger)
-        .option("connectTimeout", "60s")
+        .option("connectTimeout", timeout)
+        .option("failOnDataLoss", fail_on_data_loss)
         .load()
-        .select("producer", "seq", "value")
+        .select("producer", "seq", "value", "key")
     )
     return _to_parquet(df, out, ckpt)
 

@@ -21,11 +21,13 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
+
+import pytest
 
 from tests.spark.test_sink_driver_kill import Driver
 from tests.support import wait_until
@@ -36,15 +38,28 @@ __all__ = [
     "KillPlan",
     "ParquetProgress",
     "chaos_rng",
+    "check_exactly_once",
     "child_env",
     "committed_parquet",
     "run_with_kills",
     "seq_report",
+    "size_params",
     "wait_until",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
+
+
+def size_params(sizes: dict[str, tuple[Any, ...]], ci_by_default: bool = True) -> list[Any]:
+    """The ``size`` parameters of a chaos test whose ``sizes`` rows end with the test's
+    timeout (s): ``ci`` in the default run (else behind ``-m chaos`` too), ``full``
+    behind ``-m chaos``."""
+    ci = [pytest.mark.timeout(sizes["ci"][-1])] + ([] if ci_by_default else [pytest.mark.chaos])
+    return [
+        pytest.param("ci", marks=ci),
+        pytest.param("full", marks=[pytest.mark.chaos, pytest.mark.timeout(sizes["full"][-1])]),
+    ]
 
 
 def chaos_rng(name: str) -> tuple[int, random.Random]:
@@ -287,13 +302,19 @@ def seq_report(seqs: list[int], n: int) -> str:
     )
 
 
-def check_exactly_once(table: Any, n: int, producer: str) -> None:
+def check_exactly_once(table: Any, counts: Mapping[str, int]) -> None:
     """The source chaos tests' verdict on their output (a pyarrow table with ``seq``,
-    ``value``, ``producer``): records ``1..n`` exactly once, each with its own value
-    (``b"r<seq>"``, as the producer children send them), all of ``producer``."""
+    ``value``, ``producer``): records ``1..n`` of each producer of ``counts`` exactly
+    once, each with its own value (``b"r<seq>"``, as the producer children send them), and
+    no row of another producer."""
+    producers = table.column("producer").to_pylist()
     seqs = table.column("seq").to_pylist()
     values = table.column("value").to_pylist()
-    assert sorted(seqs) == list(range(1, n + 1)), seq_report(seqs, n)
-    bad = [(s, v) for s, v in zip(seqs, values, strict=True) if v != b"r%d" % s]
-    assert not bad, f"{len(bad)} records whose value is not their seq's, e.g. {bad[:3]}"
-    assert set(table.column("producer").to_pylist()) == {producer}
+    assert set(producers) <= set(counts), sorted(set(producers) - set(counts))
+    for p, n in sorted(counts.items()):
+        mine = [(s, v) for q, s, v in zip(producers, seqs, values, strict=True) if q == p]
+        assert sorted(s for s, _ in mine) == list(range(1, n + 1)), (
+            f"{p}: {seq_report([s for s, _ in mine], n)}"
+        )
+        bad = [(s, v) for s, v in mine if v != b"r%d" % s]
+        assert not bad, f"{p}: {len(bad)} records whose value is not their seq's, e.g. {bad[:3]}"

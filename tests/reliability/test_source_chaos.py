@@ -14,25 +14,13 @@ land mid-batch, mid-commit or during the previous restart); the seed is printed.
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-from tests.reliability.helpers import (
-    Child,
-    KillPlan,
-    ParquetProgress,
-    chaos_rng,
-    check_exactly_once,
-    committed_parquet,
-    run_with_kills,
-    seq_report,
-    wait_until,
-)
+from tests.reliability.chaos_harness import SourceChaos, check_kills_hit
+from tests.reliability.helpers import KillPlan, chaos_rng, check_exactly_once, size_params
+from tests.support import free_endpoint
 
 PRODUCER_ID = "chaos-p"
 
@@ -48,20 +36,8 @@ SIZES = {
 }
 
 
-def _free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("topology", ["serve", "bind"])
-@pytest.mark.parametrize(
-    "size",
-    [
-        pytest.param("ci", marks=pytest.mark.timeout(SIZES["ci"][5])),
-        pytest.param("full", marks=[pytest.mark.chaos, pytest.mark.timeout(SIZES["full"][5])]),
-    ],
-)
+@pytest.mark.parametrize("size", size_params(SIZES))
 def test_source_driver_and_producer_kills_exactly_once(
     tmp_path: Path, size: str, topology: str
 ) -> None:
@@ -73,88 +49,41 @@ def test_source_driver_and_producer_kills_exactly_once(
     # Up to 40 % of the output: the producer runs ahead by up to the backlog, and its
     # kills should come while it still has records to send.
     producer_plan = KillPlan.draw(rng, "producer", producer_kills, n, max_delay=delay, upto=0.4)
-    out, ckpt, spool = tmp_path / "out", tmp_path / "ckpt", tmp_path / "spool"
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    children: list[Child] = []
+    spool = tmp_path / "spool"
+    with SourceChaos(tmp_path, f"source/{size}/{topology}") as run:
 
-    def start_producer(where: str) -> Child:
-        args = [where, PRODUCER_ID, n, rate, "connect" if topology == "bind" else "bind"]
-        p = Child("producer_child.py", args, logs / f"producer-{len(children)}")
-        children.append(p)
-        return p
+        def start_producer() -> None:
+            mode = "connect" if topology == "bind" else "bind"
+            run.spawn("producer", "producer_child.py", [endpoint, PRODUCER_ID, n, rate, mode])
 
-    def start_driver() -> Child:
-        backlog = backlog_batches * per_trigger
-        args = ["source", endpoint, ckpt, out, spool, per_trigger, backlog, backlog // 600]
-        args.append("bind" if topology == "bind" else "connect")
-        d = Child("driver_child.py", args, logs / f"driver-{len(children)}")
-        children.append(d)
-        return d
+        def start_driver() -> None:
+            backlog = backlog_batches * per_trigger
+            args = ["source", endpoint, run.ckpt, run.out, spool, per_trigger, backlog]
+            args += [backlog // 600, "bind" if topology == "bind" else "connect"]
+            run.spawn("driver", "driver_child.py", args)
 
-    t0 = time.monotonic()
-    try:
         if topology == "bind":  # the source binds a fixed endpoint, across its restarts
-            endpoint = f"tcp://127.0.0.1:{_free_tcp_port()}"
-            driver = start_driver()
-            wait_until(driver.started, 120, "the first driver's query to start")
-            producer = start_producer(endpoint)
-        else:
-            producer = start_producer("tcp://127.0.0.1:*")
-            endpoint = wait_until(lambda: producer.line("ENDPOINT"), 30, "the producer's endpoint")
-            driver = start_driver()
-            wait_until(driver.started, 120, "the first driver's query to start")
-        current = {"driver": driver, "producer": producer}
+            endpoint = free_endpoint()
+            start_driver()
+            run.started(run.current["driver"])
+            start_producer()
+        else:  # the producer binds a port of its own, kept across its restarts
+            endpoint = "tcp://127.0.0.1:*"
+            start_producer()
+            endpoint = run.endpoint(run.current["producer"])
+            start_driver()
+            run.started(run.current["driver"])
+        plans = {
+            "driver": (driver_plan, run.restarter("driver", start_driver)),
+            "producer": (producer_plan, run.restarter("producer", start_producer)),
+        }
+        run.run(n, plans, timeout, counts={PRODUCER_ID: n})
+        resumes = [int(r) for r in run.lines("producer", "RESUME")]
+        table = run.finish()
 
-        def kill_driver() -> None:
-            current["driver"].kill()
-            current["driver"] = start_driver()
-
-        def kill_producer() -> None:
-            current["producer"].kill()
-            current["producer"] = start_producer(endpoint)
-
-        committed = ParquetProgress(out)
-
-        def progress() -> int:
-            for c in current.values():  # neither the query nor the producer failed
-                assert c.proc.poll() is None, c.output()
-            return committed()
-
-        try:
-            took = run_with_kills(
-                progress,
-                n,
-                {"driver": (driver_plan, kill_driver), "producer": (producer_plan, kill_producer)},
-                timeout - 60,
-                f"{n} committed rows",
-            )
-        except AssertionError as e:
-            got = _read(out).column("seq").to_pylist()
-            raise AssertionError(f"{e}\n{seq_report(got, n)}") from e
-        producers = [c for c in children if c.log.name.startswith("producer")]
-        resumes = [int(r) for c in producers for r in c.lines("RESUME")]
-        for c in current.values():
-            assert c.proc.poll() is None, c.output()
-        current["driver"].stop()
-        orphans = committed.orphans()
-        table = _read(out)
-    finally:
-        for c in children:
-            c.stop(grace=5.0)
-
-    print(
-        f"source/{size}/{topology}: {n} records, driver kills {driver_plan.done}, producer kills "
-        f"{producer_plan.done}, producer resumes {resumes}, {orphans} uncommitted parquet "
-        f"files ignored, {took:.1f} s to all committed, {time.monotonic() - t0:.1f} s total"
+    run.say(
+        f"{n} records, driver kills {driver_plan.done}, producer kills {producer_plan.done}, "
+        f"producer resumes {resumes}"
     )
-    check_exactly_once(table, n, PRODUCER_ID)
-    for plan in (driver_plan, producer_plan):
-        # Each kill hit a running stream (else the restart had nothing left to prove).
-        assert [p < n for _, p in plan.done] == [True] * len(plan.targets), plan
-
-
-def _read(out: Path) -> pa.Table:
-    """Every committed row of the parquet sink (files of uncommitted batches left out)."""
-    parts = [pq.read_table(f, columns=["producer", "seq", "value"]) for f in committed_parquet(out)]
-    return pa.concat_tables(parts) if parts else pa.table({"producer": [], "seq": [], "value": []})
+    check_exactly_once(table, {PRODUCER_ID: n})
+    check_kills_hit((driver_plan, producer_plan), n)
