@@ -574,3 +574,33 @@ def test_readers_whose_flows_outlived_a_killed_producer_are_told_at_once(ctx, tm
         for proc in procs:
             proc.kill()
             proc.wait(T)
+
+
+def test_a_reader_waiting_for_records_fails_at_once_when_its_producer_dies(ctx, tmp_path):
+    """A task's range flow cut mid-read by the producer's death (SIGKILL, nothing
+    restarted): the reader waits for DATs that cannot come. It watches its connection and
+    fails as soon as it drops, naming what it was waiting for, instead of after its whole
+    timeout (600 s here: the test's own time limit ends far sooner), so Spark retries the
+    task at once."""
+    proc, endpoint = _killable("tcp://127.0.0.1:*", tmp_path / "retention")
+    try:
+        # One record per DAT, one DAT of credit: the rest of the range stays unsent.
+        reader = RangeConnection(endpoint, ctx=ctx, timeout=600.0, credit=1, batch=1)
+        try:
+            window = reader.held(P)
+            batches = reader.read(P, window.incarnation, 1, 101)
+            assert next(batches).column("seq").to_pylist() == [1]
+            proc.kill()
+            proc.wait(T)
+            got = 1
+            with pytest.raises(TransportError) as e:
+                for batch in batches:  # at most what was in flight at the kill
+                    got += batch.num_rows
+            assert got < 100
+            assert "connection to the producer dropped" in str(e.value), e.value
+            assert "records [1, 101)" in str(e.value)
+        finally:
+            reader.close()
+    finally:
+        proc.kill()
+        proc.wait(T)

@@ -47,7 +47,9 @@ with one context.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -94,6 +96,11 @@ log = logging.getLogger("zio_spark.transport")
 DEFAULT_CREDIT = 64
 """DATs in flight per range flow (the giver may lower it)."""
 _EOT_WAIT = 2.0  # seconds, at most, for the echo of our EOT when the flow ends
+# A range flow lives and dies with its connection: the giver keeps a flow by the
+# connection it came on, so once that drops (the producer killed or restarted, a
+# network cut) no DAT of it can come. A reader waiting for records watches for it.
+_DROP_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+_MONITORS = itertools.count()  # unique inproc addresses of the drops monitors
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 for _event in HANDSHAKE_FAILED:
     _HANDSHAKE_EVENTS |= _event
@@ -183,6 +190,9 @@ class RangeConnection:
         credit = self._CREDIT if credit is None else credit
         self.endpoint = endpoint
         self.timeout = timeout
+        # The connection's monitor (drops only), made by read() once the flow is open
+        # (the CURVE handshake's is gone by then): it waits on it beside the socket.
+        self._drops: zmq.Socket[bytes] | None = None
         self.port = ClientPort(
             ctx or zmq.Context.instance(),
             mode=mode,
@@ -314,7 +324,47 @@ class RangeConnection:
         try:
             self._end()
         finally:
+            self._unwatch()
             self.port.close(0)
+
+    def _unwatch(self) -> None:
+        drops, self._drops = self._drops, None
+        if drops is not None:
+            self.port.socket.disable_monitor()
+            drops.close(0)
+
+    def _await_data(self, what: str) -> None:
+        """Wait until a message is there to read, within ``timeout``.
+
+        Raises
+        ------
+        TransportError
+            If the connection to the giver drops first (a range flow cannot outlive it:
+            the task fails now, and Spark's retry reads the range from the producer
+            once it is back), or nothing comes within ``timeout``.
+        """
+        drops, sock = self._drops, self.port.socket
+        assert drops is not None  # read() watches before it asks
+        deadline = time.monotonic() + self.timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(drops, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return  # _next_dat's own wait says what timed out
+            ready = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in ready:
+                return
+            if drops in ready:
+                event = recv_monitor_message(drops)
+                if int(event["event"]) & _DROP_EVENTS:
+                    raise TransportError(
+                        f"range reader: the connection to the producer dropped while {what} "
+                        "was awaited (it stopped or restarted, or the network cut it): the "
+                        "flow is gone with it; the task fails now so that Spark retries it",
+                        endpoint=self.endpoint,
+                    )
 
     def _end(self) -> None:
         ep = self.ep
@@ -325,7 +375,11 @@ class RangeConnection:
         except (TransportError, ProtocolError) as e:
             log.info("range reader %s: no clean end of the flow: %s", self.endpoint, e)
 
-    def _next_dat(self, what: str) -> tuple[dict[str, Any], tuple[bytes, ...]]:
+    def _next_dat(
+        self, what: str, *, watch: bool = False
+    ) -> tuple[dict[str, Any], tuple[bytes, ...]]:
+        if watch:
+            self._await_data(what)
         try:
             data = self.ep.get(self.timeout, auto_pay=False)
         except TransportError as e:
@@ -393,9 +447,17 @@ class RangeConnection:
             incarnation...).
         """
         reader = self.reader
+        if self._drops is None:  # before asking: a drop from now on is seen
+            # An address of its own: pyzmq's default one is named by the socket's fd,
+            # and libzmq lets go of a stopped monitor's address only later (its reaper
+            # thread), so a second monitor on this socket (after the CURVE handshake's)
+            # or on a socket reusing the fd could find it still taken.
+            self._drops = self.port.socket.get_monitor_socket(
+                _DROP_EVENTS, addr=f"inproc://zio-range-drops-{os.getpid()}-{next(_MONITORS)}"
+            )
         self.ep.channel.send(reader.send_request(self.ep.flow, producer, incarnation, start, end))
         while True:
-            attrs, payload = self._next_dat(f"records [{start}, {end}) of {producer!r}")
+            attrs, payload = self._next_dat(f"records [{start}, {end}) of {producer!r}", watch=True)
             reply = reader.on_dat(attrs)
             if reply is None:
                 if len(payload) != 1:
