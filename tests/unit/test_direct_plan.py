@@ -281,3 +281,17 @@ def test_batches_are_joined_without_concat_batches_too(monkeypatch: pytest.Monke
     assert source._concat(parts).equals(joined)
     assert joined.num_rows == 6 and joined.column("seq").to_pylist() == list(range(1, 7))
     assert source._concat(parts[:1]) is parts[0]
+
+
+def test_direct_mode_cuts_larger_partitions_unless_told() -> None:
+    """Each direct task costs a range flow and a worker task's setup: the direct mode's
+    default maxRecordsPerPartition is larger; one given is kept, the spool's is not moved."""
+    from zio_spark.options import DIRECT_RECORDS_PER_PARTITION
+
+    direct = parse_source_options({"endpoints": "tcp://h:1", "readMode": "direct"})
+    assert direct.max_records_per_partition == DIRECT_RECORDS_PER_PARTITION == 500_000
+    given = parse_source_options(
+        {"endpoints": "tcp://h:1", "readMode": "direct", "maxRecordsPerPartition": "1000"}
+    )
+    assert given.max_records_per_partition == 1000
+    assert parse_source_options({"endpoints": "tcp://h:1"}).max_records_per_partition == 250_000
