@@ -418,3 +418,13 @@ def stop_producer_child(child: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait(timeout=30)
+
+
+def flip_byte(path: str | os.PathLike[str], offset: int) -> None:
+    """Invert one byte of a file in place (a damaged record for integrity checks)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+    finally:
+        os.close(fd)

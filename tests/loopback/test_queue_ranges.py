@@ -34,7 +34,7 @@ from test_broker import (  # the queue_process fixture is shared by importing it
 )
 from test_flow_ports import _produce
 
-from tests.support import free_endpoint
+from tests.support import flip_byte, free_endpoint
 from zio_spark.errors import DataLossError, TransportError
 from zio_spark.protocol.message import join_single
 from zio_spark.pzq.broker import QueueBroker
@@ -327,12 +327,7 @@ def test_a_store_record_lost_under_a_range_refuses_the_range(
     key = port._table[12].key
     seg = port.store._index.segments[key >> 32]
     offset = seg.offsets[key & 0xFFFFFFFF] + 12
-    fd = os.open(seg.path, os.O_RDWR)
-    try:
-        byte = os.pread(fd, 1, offset)
-        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
-    finally:
-        os.close(fd)
+    flip_byte(seg.path, offset)
     with pytest.raises(DataLossError, match=r"\[1, 21\)"):
         _read(ep, pid, inc, 1, 21, ctx)
     # What lies on either side of the hole is still served as before.

@@ -18,30 +18,18 @@ from typing import Any
 import pytest
 import zmq
 
+from tests.loopback.test_range_curve import Keys
 from tests.support import wait_until
 from zio_spark.errors import TransportError
 from zio_spark.options import Curve
 from zio_spark.protocol.flow import Direction, Role
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import ControlConnection, RangeConnection, read_range
-from zio_spark.transport.curve import client_curve
 from zio_spark.transport.flow_endpoint import FlowEndpoint, FlowRejected
 from zio_spark.transport.port import ClientPort
 
 T = 30.0  # seconds any one wait may last
 P = "p1"
-
-
-class Keys:
-    """A server key pair and client key pairs (Z85 bytes), drawn per test."""
-
-    def __init__(self) -> None:
-        self.server_public, self.server_secret = zmq.curve_keypair()
-        self.driver = zmq.curve_keypair()  # (public, secret): on the allow-list
-        self.run = zmq.curve_keypair()  # the query run's pair: leased by admit
-
-    def curve(self, pair: tuple[bytes, bytes]) -> Curve:
-        return client_curve(self.server_public, pair[1], pair[0])
 
 
 @pytest.fixture

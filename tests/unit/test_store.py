@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import flip_byte
 from zio_spark.errors import ConfigError, StorageClosedError
 from zio_spark.storage import store as store_mod
 from zio_spark.storage import store_format
@@ -764,12 +765,7 @@ def test_read_taken_run_reads_records_side_by_side_at_once_and_checks_each(
         # A damaged record in the middle: the records before it, then its own error.
         seg = st._index.segments[keys[250] >> 32]
         offset = seg.offsets[keys[250] & 0xFFFFFFFF] + RECORD_HEAD.size + 12
-        fd = os.open(seg.path, os.O_RDWR)
-        try:
-            byte = os.pread(fd, 1, offset)
-            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
-        finally:
-            os.close(fd)
+        flip_byte(seg.path, offset)
         assert [g.key for g in st.read_taken_run(keys[240:260])] == keys[240:250]
         with pytest.raises(StoreError, match="fails its CRC"):
             st.read_taken_run(keys[250:260])
