@@ -18,6 +18,8 @@ class LateGiver(rt.PlainGiver):
     """A plain giver that keeps its flow open after its values; on our EOT it sends
     ``late`` records it had in flight, then echoes the EOT (confirming them all)."""
 
+    echo_eot = False  # it echoes itself, after its late records
+
     def __init__(self, ctx: zmq.Context, values: list[bytes], late: list[bytes]) -> None:
         self.late = late
         super().__init__(ctx, values, credit=50)
