@@ -101,6 +101,7 @@ _EOT_WAIT = 2.0  # seconds, at most, for the echo of our EOT when the flow ends
 # network cut) no DAT of it can come. A reader waiting for records watches for it.
 _DROP_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _MONITORS = itertools.count()  # unique inproc addresses of the drops monitors
+_AFTER_WATCH = 1.0  # seconds to read a message the socket already holds
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED
 for _event in HANDSHAKE_FAILED:
     _HANDSHAKE_EVENTS |= _event
@@ -333,8 +334,9 @@ class RangeConnection:
             self.port.socket.disable_monitor()
             drops.close(0)
 
-    def _await_data(self, what: str) -> None:
-        """Wait until a message is there to read, within ``timeout``.
+    def _await_data(self, what: str) -> bool:
+        """Wait until a message is there to read, within ``timeout``: whether one is
+        (False: the time ran out).
 
         Raises
         ------
@@ -352,10 +354,10 @@ class RangeConnection:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return  # _next_dat's own wait says what timed out
+                return False
             ready = dict(poller.poll(max(1, int(left * 1000))))
             if sock in ready:
-                return
+                return True
             if drops in ready:
                 event = recv_monitor_message(drops)
                 if int(event["event"]) & _DROP_EVENTS:
@@ -378,10 +380,13 @@ class RangeConnection:
     def _next_dat(
         self, what: str, *, watch: bool = False
     ) -> tuple[dict[str, Any], tuple[bytes, ...]]:
+        wait = self.timeout
         if watch:
-            self._await_data(what)
+            # The wait was _await_data's (one timeout, not two): a message is there, or
+            # the time ran out and get() only confirms it.
+            wait = min(self.timeout, _AFTER_WATCH) if self._await_data(what) else 0.001
         try:
-            data = self.ep.get(self.timeout, auto_pay=False)
+            data = self.ep.get(wait, auto_pay=False)
         except TransportError as e:
             if self.port.closed:
                 raise
