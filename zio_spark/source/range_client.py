@@ -194,6 +194,7 @@ class RangeConnection:
         # The connection's monitor (drops only), made by read() once the flow is open
         # (the CURVE handshake's is gone by then): it waits on it beside the socket.
         self._drops: zmq.Socket[bytes] | None = None
+        self._watch = zmq.Poller()  # the socket and, once made, its drops monitor
         self.port = ClientPort(
             ctx or zmq.Context.instance(),
             mode=mode,
@@ -343,30 +344,22 @@ class RangeConnection:
         TransportError
             If the connection to the giver drops first (a range flow cannot outlive it:
             the task fails now, and Spark's retry reads the range from the producer
-            once it is back), or nothing comes within ``timeout``.
+            once it is back).
         """
-        drops, sock = self._drops, self.port.socket
+        drops = self._drops
         assert drops is not None  # read() watches before it asks
-        deadline = time.monotonic() + self.timeout
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(drops, zmq.POLLIN)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            ready = dict(poller.poll(max(1, int(left * 1000))))
-            if sock in ready:
-                return True
-            if drops in ready:
-                event = recv_monitor_message(drops)
-                if int(event["event"]) & _DROP_EVENTS:
-                    raise TransportError(
-                        f"range reader: the connection to the producer dropped while {what} "
-                        "was awaited (it stopped or restarted, or the network cut it): the "
-                        "flow is gone with it; the task fails now so that Spark retries it",
-                        endpoint=self.endpoint,
-                    )
+        ready = dict(self._watch.poll(max(1, int(self.timeout * 1000))))
+        if self.port.socket in ready:  # what came before a drop is read first
+            return True
+        if drops in ready:  # the monitor reports drops only (_DROP_EVENTS)
+            recv_monitor_message(drops)
+            raise TransportError(
+                f"range reader: the connection to the producer dropped while {what} "
+                "was awaited (it stopped or restarted, or the network cut it): the "
+                "flow is gone with it; the task fails now so that Spark retries it",
+                endpoint=self.endpoint,
+            )
+        return False
 
     def _end(self) -> None:
         ep = self.ep
@@ -460,6 +453,8 @@ class RangeConnection:
             self._drops = self.port.socket.get_monitor_socket(
                 _DROP_EVENTS, addr=f"inproc://zio-range-drops-{os.getpid()}-{next(_MONITORS)}"
             )
+            self._watch.register(self.port.socket, zmq.POLLIN)
+            self._watch.register(self._drops, zmq.POLLIN)
         self.ep.channel.send(reader.send_request(self.ep.flow, producer, incarnation, start, end))
         while True:
             attrs, payload = self._next_dat(f"records [{start}, {end}) of {producer!r}", watch=True)
