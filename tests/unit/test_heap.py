@@ -65,3 +65,54 @@ def test_tune_is_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
         assert heap.tune() is True  # already set here: the env var is read once
         monkeypatch.setattr(heap, "_tuned_pid", os.getpid() + 1)
         assert heap.tune() is False  # "another process" honours the env var
+
+
+# A fresh interpreter: how many objects the collector's permanent generation holds
+# after heap.freeze_gc() (twice, then in a forked child), and whether a full collection
+# still visits the objects that existed before.
+_FREEZE_PROBE = """
+import gc, os, sys
+from zio_spark import heap
+keep = [[i] for i in range(10_000)]  # tracked objects that outlive the "task"
+first = heap.freeze_gc()
+frozen = gc.get_freeze_count()
+again = heap.freeze_gc()
+same = gc.get_freeze_count() == frozen
+after = [[i] for i in range(10)]
+# Collections skip the frozen ones: only what was made after is tracked in generations.
+tracked = len(gc.get_objects())
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    more = [[i] for i in range(1000)]
+    os.write(w, str(heap.freeze_gc() and gc.get_freeze_count() >= frozen + 1000).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+child = os.read(r, 16).decode()
+print(first, frozen >= 10_000, again, same, tracked < 5_000, child)
+"""
+
+
+def test_freeze_gc_once_per_process_and_again_in_a_forked_child() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREEZE_PROBE],
+        env={k: v for k, v in os.environ.items() if k != "ZIO_SPARK_GC"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert out == ["True", "True", "True", "True", "True", "True"]
+
+
+def test_freeze_gc_escape_hatch_leaves_the_collector_as_it_is() -> None:
+    probe = "import gc; from zio_spark import heap; print(heap.freeze_gc(), gc.get_freeze_count())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "ZIO_SPARK_GC": "default"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert out == ["False", "0"]

@@ -712,6 +712,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
 
 def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     heap.tune()  # the worker's large buffers reused, not faulted in (zio_spark.heap)
+    heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
     # No partitions planned (nothing arrived): PySpark still runs one task, with a bare
     # InputPartition(None). It reads nothing.
     if isinstance(partition, DirectPartition):
