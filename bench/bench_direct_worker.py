@@ -100,9 +100,11 @@ class _Reader(DataSourceReader):  # type: ignore[misc]
         ]
 
     def read(self, partition: InputPartition) -> Any:
+        from zio_spark import heap
         from zio_spark.spark.source import DirectPartition, _read_any
 
         if isinstance(partition, DirectPartition):
+            heap.freeze_gc()  # as the source's read() does
             return _read_any(partition)
         import bench_steady
 

@@ -28,7 +28,9 @@ default) runs ``gc.collect()`` after every task, and a full collection visits ev
 object the process tracks: PySpark, pandas, pyarrow, pyzmq and zio-spark's modules,
 ~85k objects, 25 ms on a quiet core and 40-65 ms in a loaded worker (profiled in a
 steady query: 28 % of the workers' CPU, for the synthetic source as for ours). It calls
-``gc.freeze()`` once per process, at a task's start: what exists then (the modules,
+``gc.freeze()`` once per process, where a task enters zio-spark (the source's readers'
+``read``, the sink's writers' ``write``; never in a process that only calls their
+helpers, such as a test's): what exists then (the modules,
 almost all of it) moves to the collector's permanent generation, which collections
 skip. Those objects are still freed when nothing refers to them; only a reference cycle
 among them that becomes garbage later is never collected (a one-time cost, the size

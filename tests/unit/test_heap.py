@@ -7,6 +7,7 @@ import ctypes
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,33 @@ def test_freeze_gc_escape_hatch_leaves_the_collector_as_it_is() -> None:
         check=True,
     ).stdout.split()
     assert out == ["False", "0"]
+
+
+def test_the_sources_and_sinks_task_entry_points_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark's workers enter zio-spark through the readers' read() and the writers'
+    write(): each freezes the worker's objects first (tests call _read_any and
+    write_partition directly, and their process is left alone)."""
+    from pyspark.sql.datasource import InputPartition
+
+    from zio_spark.spark import sink, source
+
+    calls: list[str] = []
+
+    def freeze() -> bool:
+        calls.append("freeze")
+        return True
+
+    monkeypatch.setattr(heap, "freeze_gc", freeze)
+    readers: tuple[type[Any], ...] = (source.ZioStreamReader, source.ZioBatchReader)
+    for cls in readers:
+        reader = object.__new__(cls)
+        assert list(reader.read(InputPartition(None))) == []  # a task with nothing planned
+    monkeypatch.setattr(sink, "_task_ids", lambda: (0, 0, "7", None))
+    monkeypatch.setattr(sink, "write_partition", lambda *a, **k: "sent")
+    writers: tuple[type[Any], ...] = (sink.ZioStreamWriter, sink.ZioBatchWriter)
+    for wcls in writers:
+        writer = object.__new__(wcls)
+        writer.opts = writer.cols = writer.batch_id = None
+        writer.targets = [("tcp://127.0.0.1:1", None)]
+        assert writer.write(iter(())) == "sent"
+    assert calls == ["freeze"] * 4

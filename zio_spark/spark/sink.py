@@ -108,6 +108,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from zio_spark import heap
 from zio_spark.codec.records import encode_payload
 from zio_spark.codec.schema import SINK_SCHEMA
 from zio_spark.errors import InputColumnsError, ZioSparkError
@@ -464,6 +465,7 @@ class ZioStreamWriter(*_STREAM_WRITER_BASES):  # type: ignore[misc]
         self.targets = driver().targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
+        heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
         partition, attempt, batch_text, query = _task_ids()
         if batch_text is None:  # pragma: no cover - Spark always sets it for streams
             raise ZioSparkError("no streaming.sql.batchId in this task's local properties")
@@ -495,6 +497,7 @@ class ZioBatchWriter(DataSourceArrowWriter):  # type: ignore[misc]
         self.targets = driver().targets(opts)
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> ZioCommitMessage:
+        heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
         partition, attempt, _, _ = _task_ids()
         return write_partition(
             self.opts,

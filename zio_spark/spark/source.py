@@ -647,6 +647,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
         return _read_any(partition)
 
     def commit(self, end: dict[str, Any]) -> None:
@@ -707,12 +708,12 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
         return _read_any(partition)
 
 
 def _read_any(partition: InputPartition) -> Iterator[pa.RecordBatch]:
     heap.tune()  # the worker's large buffers reused, not faulted in (zio_spark.heap)
-    heap.freeze_gc()  # the worker's gc.collect() after each task skips the modules
     # No partitions planned (nothing arrived): PySpark still runs one task, with a bare
     # InputPartition(None). It reads nothing.
     if isinstance(partition, DirectPartition):
