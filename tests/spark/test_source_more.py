@@ -104,6 +104,37 @@ def test_max_records_per_trigger_and_user_schema(spark, producers, tmp_path):
     assert [r.get("segmentRequests", 0) for r in reports] == [0] * len(reports)
 
 
+def test_max_records_per_trigger_is_shared_fairly_by_the_producers(spark, producers, tmp_path):
+    """readMode=spool: a busy producer first in id order does not fill every batch of
+    maxRecordsPerTrigger while another waits (in id order "a-busy" took the first four
+    batches and "b-small" waited for the last); shared, "b-small" is in the first."""
+    busy, small = producers("a-busy"), producers("b-small")
+    busy.send_many([f"a{i}".encode() for i in range(2000)])
+    small.send_many([f"b{i}".encode() for i in range(200)])
+    batches: dict[int, list] = {}
+    q = (
+        _stream(spark, f"{busy.endpoint},{small.endpoint}", tmp_path, maxRecordsPerTrigger=500)
+        .load()
+        .writeStream.foreachBatch(
+            lambda b, i: batches.__setitem__(i, b.select("producer", "seq").collect())
+        )
+        .option("checkpointLocation", str(tmp_path / "ckpt"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    q.awaitTermination(120)
+    assert q.exception() is None
+    # The run's target is what both held when it started (they state their positions).
+    sizes = [
+        (sum(r.producer == "a-busy" for r in rows), sum(r.producer == "b-small" for r in rows))
+        for _, rows in sorted(batches.items())
+    ]
+    assert sizes == [(300, 200), (500, 0), (500, 0), (500, 0), (200, 0)], sizes
+    rows = [r for _, b in sorted(batches.items()) for r in b]
+    for pid, n in (("a-busy", 2000), ("b-small", 200)):
+        assert sorted(r.seq for r in rows if r.producer == pid) == list(range(1, n + 1))
+
+
 def test_remote_spool_access_fetches_through_segment_server(spark, producers, tmp_path):
     prod = producers("far")
     got: list[int] = []

@@ -18,6 +18,7 @@ from zio_spark.errors import ConfigError
 from zio_spark.options import parse_source_options
 from zio_spark.source import runtime as runtime_mod
 from zio_spark.source.sealer import Sealer
+from zio_spark.spark.compat import ReadMaxRows
 from zio_spark.storage.spool import Record, Spool
 
 # -- partitions ---------------------------------------------------------------------------
@@ -61,6 +62,49 @@ def test_a_producer_range_is_read_as_several_partitions_each_record_once(produce
         assert values == [b"v%d" % i for i in range(n)]
     finally:
         reader.stop()
+
+
+def test_a_batch_replayed_after_a_restart_reads_its_logged_ends_not_a_new_split(
+    producers, tmp_path
+):
+    """maxRecordsPerTrigger's fair split is made once, by ``latestOffset``. A batch
+    planned before the runner went is re-run by Spark from its offsets log (start and
+    end), and ``partitions`` cuts it from those ends alone: the same ranges and records,
+    though a split made now (more records wait) would give other ends."""
+    busy, small = producers("a-busy"), producers("b-small")
+    busy.send_many([b"a%d" % i for i in range(2000)])
+    small.send_many([b"b%d" % i for i in range(200)])
+    endpoints = f"{busy.endpoint},{small.endpoint}"
+    first = runner_reader(endpoints, tmp_path)
+    try:
+        start = first.initialOffset()
+        wait_until(
+            lambda: first._rt.spool.backlog() == {"a-busy": 2000, "b-small": 200},
+            what="both producers' records in the spool",
+        )
+        end = first.latestOffset(start, ReadMaxRows(500))
+        assert end == {"a-busy": 301, "b-small": 201}  # 200 (all b has), 300 of a
+        planned = [p.ranges for p in first.partitions(start, end)]
+    finally:
+        first.stop()  # the runner goes with the batch planned, not committed
+    small.send_many([b"b%d" % i for i in range(200, 500)])
+    second = runner_reader(endpoints, tmp_path)
+    try:
+        assert second.initialOffset() == start
+        wait_until(
+            lambda: second._rt.spool.backlog() == {"a-busy": 2000, "b-small": 500},
+            what="the small producer's later records in the spool",
+        )
+        parts = second.partitions(start, end)  # Spark's replay: the logged offsets
+        assert [p.ranges for p in parts] == planned
+        values = [v for p in parts for b in second.read(p) for v in b.column(1).to_pylist()]
+        assert sorted(values) == sorted(
+            [b"a%d" % i for i in range(300)] + [b"b%d" % i for i in range(200)]
+        )
+        # A new split would differ (250 each now): only a new batch is split again.
+        assert second.latestOffset(start, ReadMaxRows(500)) == {"a-busy": 251, "b-small": 251}
+    finally:
+        second.stop()
 
 
 # -- background sealing -------------------------------------------------------------------

@@ -130,15 +130,32 @@ def test_latest_end_never_goes_below_the_start_or_the_base():
     assert plan.latest_end({}, {"a": 1}, {"a": 6}) == {"a": 6}
 
 
-def test_max_records_per_trigger_takes_in_producer_id_order_from_each_base():
+def test_max_records_per_trigger_is_shared_fairly_from_each_base():
     start = {"a": 11}
-    ends = {"a": 41, "b": 21, "c": 5}
+    ends = {"a": 41, "b": 21, "c": 5}  # waiting: a 30 (from 11), b 20 (from 1), c none
     committed = {"b": 1, "c": 5}
     assert plan.latest_end(start, ends, committed, 50) == {"a": 41, "b": 21, "c": 5}
-    assert plan.latest_end(start, ends, committed, 35) == {"a": 41, "b": 6, "c": 5}
-    assert plan.latest_end(start, ends, committed, 30) == {"a": 41, "b": 1, "c": 5}
-    assert plan.latest_end(start, ends, committed, 10) == {"a": 21, "b": 1, "c": 5}
+    # 35 over a and b: 17 each, the odd record to the first in id order.
+    assert plan.latest_end(start, ends, committed, 35) == {"a": 29, "b": 18, "c": 5}
+    assert plan.latest_end(start, ends, committed, 30) == {"a": 26, "b": 16, "c": 5}
+    assert plan.latest_end(start, ends, committed, 10) == {"a": 16, "b": 6, "c": 5}
+    assert plan.latest_end(start, ends, committed, 1) == {"a": 12, "b": 1, "c": 5}
     assert plan.latest_end(start, ends, committed, 0) == {"a": 11, "b": 1, "c": 5}
+
+
+def test_a_busy_first_producer_does_not_fill_every_trigger():
+    """The spool mode's budget in producer id order gave "a" (a backlog of 10,000) every
+    batch of 100 until it was drained; shared, "b" is read from the first batch on."""
+    ends, committed = {"a": 10_001, "b": 151}, {"a": 1, "b": 1}
+    start: dict[str, int] = {}
+    sizes = []
+    while start != ends:
+        end = plan.latest_end(start, ends, committed, 100)
+        sizes.append((end["a"] - start.get("a", 1), end["b"] - start.get("b", 1)))
+        start = end
+    assert sizes[:4] == [(50, 50), (50, 50), (50, 50), (100, 0)]
+    assert sum(a for a, _ in sizes) == 10_000 and sum(b for _, b in sizes) == 150
+    assert len(sizes) == 102  # the budget used in full: 10,150 records in batches of 100
 
 
 _OFFSETS = st.dictionaries(st.sampled_from("abcde"), st.integers(0, 1000), max_size=5)
@@ -163,6 +180,25 @@ def test_latest_end_properties(start, ends, committed, max_rows):
         assert taken <= max_rows
         assert taken == min(max_rows, sum(unlimited[p] - bases[p] for p in out))
         assert all(out[p] <= unlimited[p] for p in out)
+        # Shared fairly: a producer cut short got at least as much as any other (but
+        # for one odd record), so none is starved while it has records waiting and the
+        # budget reaches it: with as many records as producers waiting, each gets one.
+        got = {p: out[p] - bases[p] for p in out}
+        want = {p: max(0, unlimited[p] - bases[p]) for p in out}
+        for p in out:
+            if got[p] < want[p]:
+                assert all(got[q] <= got[p] + 1 for q in out), (got, want)
+        hungry = [p for p in out if want[p] > 0]
+        if max_rows >= len(hungry):
+            assert all(got[p] >= 1 for p in hungry), (got, want)
+    # Deterministic: the same inputs in another mapping order give the same ends.
+    again = plan.latest_end(
+        dict(reversed(start.items())),
+        dict(reversed(ends.items())),
+        dict(reversed(committed.items())),
+        max_rows,
+    )
+    assert again == out
 
 
 # -- take_rows ---------------------------------------------------------------------------

@@ -6,14 +6,16 @@ batch start Spark gave for it, else the spool's committed offset (sequence numbe
 start at 1). The stream reader (:mod:`zio_spark.spark.source`) asks here:
 
 - which end offsets to plan (:func:`latest_end`): never below the start Spark gave nor
-  below the base, within a ``maxRecordsPerTrigger`` budget (:func:`take_rows`);
+  below the base, within a ``maxRecordsPerTrigger`` budget shared fairly by the
+  producers (:func:`fair_rows`, the same split in both read modes);
 - whether records waiting make a batch of their own during an availableNow run before
   the producers are done (:func:`is_step`);
 - how a batch's ranges are cut into Spark partitions (:func:`partition_ranges`,
   :func:`pieces`, :func:`pack`).
 
-The batch reader uses :func:`take_rows` for ``maxRecords`` and :func:`extend_plain`
-for the plain givers' records that arrived until their flows ended.
+The batch reader uses :func:`take_rows` (producer id order) for ``maxRecords`` and
+:func:`extend_plain` for the plain givers' records that arrived until their flows
+ended: one read, not a trigger after trigger (see ``runtime.batch_receive``).
 
 Whether an availableNow run has all the producers held when it started is decided by
 :class:`Completeness` from a :class:`RunView` (one look at the receiver and the spool,
@@ -78,6 +80,10 @@ def take_rows(
 
     ``starts`` must hold every producer of ``ends``. A range already empty (end at or
     below its start) takes nothing and its end is set to its start.
+
+    Only the batch reader's ``maxRecords`` uses it (one read: a producer cut here is
+    not starved trigger after trigger); a streaming trigger's budget is
+    :func:`fair_rows`.
     """
     out: dict[str, int] = {}
     for p in sorted(ends):
@@ -100,11 +106,15 @@ def latest_end(
     availableNow target, ``committed`` the spool's committed offsets. Every producer of
     ``start`` or ``ends`` gets an end no lower than its start offset, its base and what
     is stored; with ``max_rows`` (``maxRecordsPerTrigger``) the batch holds at most that
-    many records, taken in producer id order from each base. Keys are sorted.
+    many records from the bases, shared fairly by the producers with records waiting
+    (:func:`fair_rows`: a busy producer never fills the batch while another waits).
+    A pure function of its arguments: the same start, ends and budget give the same
+    split (a batch Spark replays after a restart comes from its offsets log, ends
+    included, and is never planned again). Keys are sorted.
     """
     bases, out = wanted_ends(start, ends, committed)
     if max_rows is not None:
-        out, _ = take_rows(bases, out, max_rows)
+        out = fair_rows(bases, out, max_rows)
     return sorted_offsets(out)
 
 
@@ -127,8 +137,10 @@ def fair_rows(starts: Mapping[str, int], ends: Mapping[str, int], budget: int) -
     does not divide evenly gives the odd records one each, in producer id order.
 
     Unlike :func:`take_rows` (producer id order, which a busy first producer can fill
-    trigger after trigger) no producer waits behind another: the direct mode's one
-    budget over its direct producers and the givers it reads through the spool.
+    trigger after trigger) no producer waits behind another: the ``maxRecordsPerTrigger``
+    budget of both read modes (the spool mode's :func:`latest_end`, the direct mode's
+    one budget over its direct producers and the givers it reads through the spool).
+    Deterministic: no clock, no mapping order (producers are taken sorted).
     ``starts`` must hold every producer of ``ends``; a range already empty keeps
     nothing and its end is set to its start.
     """

@@ -412,6 +412,11 @@ def batch_receive(opts: SourceOptions) -> tuple[str, dict[str, tuple[int, int]]]
         committed = spool.committed()
         starts = {p: plan.base(p, {}, committed) for p in ends}
         if budget is not None:
+            # maxRecords keeps producer id order (plan.take_rows), not a stream's fair
+            # split (plan.fair_rows): this is one read, so no producer waits behind a
+            # busy one trigger after trigger (what is not acked below, an ack-capable
+            # producer keeps for the next read), and the budget left is what
+            # _take_plain gives the plain givers' later records in the same order.
             ends, budget = plan.take_rows(starts, ends, budget)
         # The records stay in this private spool for read(); only the producers hear
         # that they are safe (an ack), so ack-capable ones can forget them. Acks go

@@ -516,7 +516,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         bases, ends = self._spool_wanted(start)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         if max_rows is not None:
-            ends, _ = plan.take_rows(bases, ends, max_rows)
+            # Shared fairly (the direct mode's split): a busy first producer in id
+            # order does not fill every batch while the others wait.
+            ends = plan.fair_rows(bases, ends, max_rows)
         return plan.sorted_offsets(ends)
 
     def _spool_wanted(self, start: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
