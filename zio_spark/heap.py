@@ -55,8 +55,19 @@ TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-_tuned_pid: int | None = None
-_frozen_pid: int | None = None
+# What was set in which process: "heap" (tune) and "gc" (freeze_gc) by the pid that set
+# it (a forked child sets it again).
+_done: dict[str, int] = {}
+
+
+def _settled(what: str, env: str) -> bool | None:
+    """True if ``what`` is set in this process already, False if the environment
+    variable ``env`` says ``default`` (leave it), None if it is to be set now."""
+    if _done.get(what) == os.getpid():
+        return True
+    if os.environ.get(env, "").strip().lower() == "default":
+        return False
+    return None
 
 
 def tune() -> bool:
@@ -66,12 +77,9 @@ def tune() -> bool:
     Returns whether they are set: False with ``ZIO_SPARK_HEAP=default``, on a C
     library without glibc's ``mallopt``, or if glibc refused a value.
     """
-    global _tuned_pid
-    pid = os.getpid()
-    if _tuned_pid == pid:
-        return True
-    if os.environ.get("ZIO_SPARK_HEAP", "").strip().lower() == "default":
-        return False
+    settled = _settled("heap", "ZIO_SPARK_HEAP")
+    if settled is not None:
+        return settled
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and macOS have no such symbol
@@ -85,7 +93,7 @@ def tune() -> bool:
     if not ok:  # pragma: no cover - glibc accepts both values
         log.info("zio_spark.heap: glibc refused mallopt; its defaults stay")
         return False
-    _tuned_pid = pid
+    _done["heap"] = os.getpid()
     return True
 
 
@@ -95,12 +103,9 @@ def freeze_gc() -> bool:
 
     Returns whether it froze them (now or earlier): False with ``ZIO_SPARK_GC=default``.
     """
-    global _frozen_pid
-    pid = os.getpid()
-    if _frozen_pid == pid:
-        return True
-    if os.environ.get("ZIO_SPARK_GC", "").strip().lower() == "default":
-        return False
+    settled = _settled("gc", "ZIO_SPARK_GC")
+    if settled is not None:
+        return settled
     gc.freeze()
-    _frozen_pid = pid
+    _done["gc"] = os.getpid()
     return True
