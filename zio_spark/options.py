@@ -657,11 +657,12 @@ def _curve(opts: dict[str, Any]) -> Curve | None:
     return Curve(opts["curveServerKey"], opts["curvePublicKey"], opts["curveSecretKey"])
 
 
-# readMode=direct's default maxRecordsPerPartition: each of its tasks opens a range flow
-# to a producer and Spark sets up a Python worker's task, ~40 ms of the workers' CPU
-# all told; with 250,000 records a task, the workers spent 0.34 CPU-s per million rows,
-# with 500,000 0.26 (bench/README.md). A producer's batch still spreads over several
-# tasks once it passes this.
+# readMode=direct's default maxRecordsPerPartition: each task opens a range flow to a
+# producer (~1 CPU-ms) and costs Spark a task; with 250,000 records a task, the workers
+# spent 0.34 CPU-s per million rows, with 500,000 0.26 (bench/README.md; most of the
+# difference was PySpark's gc.collect() after each task, 40-65 ms, which
+# heap.freeze_gc has since cut to what the task made). A producer's batch still spreads
+# over several tasks once it passes this.
 DIRECT_RECORDS_PER_PARTITION = 500_000
 
 
