@@ -392,6 +392,8 @@ def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_m
                 port.pump()
             assert port.last_seq == before
             store.commit()  # the rest becomes ready: the next held query numbers it
+            log_path = store.path / "flow-producer.log"
+            log_size = log_path.stat().st_size
             numbered = [port.last_seq]
             poller = zmq.Poller()
             poller.register(port.socket, zmq.POLLIN)
@@ -404,7 +406,7 @@ def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_m
                 elif on_input_only:
                     return
                 port.pump()
-                numbered.append(port.last_seq)
+                numbered.append(port.numbered)
 
             results: dict[str, Any] = {}
 
@@ -425,10 +427,10 @@ def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_m
 
             a = client("held", held)
             deadline = time.monotonic() + T
-            while port.last_seq == before:  # A's BOT, then its held query numbering
+            while port.numbered == before:  # A's BOT, then its held query numbering
                 assert time.monotonic() < deadline, "the held query never came"
                 turn(100, on_input_only=True)
-            assert before < port.last_seq <= before + 2 * slice_
+            assert before < port.numbered <= before + 2 * slice_
             b = client("range", lambda: _read(ep, pid, inc, 1, before + 1, ctx))
             while b.is_alive():  # a turn only when the task's (or A's) input is in
                 assert time.monotonic() < deadline, "the range read was not served"
@@ -438,12 +440,20 @@ def test_a_held_query_numbers_a_slice_per_loop_turn_and_other_flows_are_served_m
             assert not isinstance(rows, BaseException), rows
             assert [r[1] for r in rows] == [b"m-%05d" % i for i in range(before)]
             # Served in full while the held query's numbering was still going on.
-            assert port.last_seq < before + more and a.is_alive() and "held" not in results
+            assert port.numbered < before + more and a.is_alive() and "held" not in results
+            # What the slices numbered so far is shown to nobody (the window still ends
+            # at the last answer's) and not yet in the side log: one sync at the end.
+            assert port.numbered > before and (port.last_seq, port.next_seq) == (
+                before,
+                before + 1,
+            )
+            assert log_path.stat().st_size == log_size
             while a.is_alive():
                 assert time.monotonic() < deadline, "the held query was never answered"
                 turn(1)
                 a.join(0.001)
             assert results["held"] == HeldWindow(inc, 1, before + more + 1)
+            assert FlowLog(log_path, sync=False).next_seq == before + more + 1
             steps = [y - x for x, y in itertools.pairwise(numbered)]
             assert max(steps) <= slice_ and len(steps) >= more // slice_, steps
         finally:
@@ -583,3 +593,35 @@ def test_range_flows_send_a_budget_of_dats_per_loop_turn_while_the_queue_serves_
     # (one turn more: the count is read from this thread, between two of the loop's)
     assert max(d for _, d in latencies) <= 13 * 2 * budget < n // 2 // batch, latencies
     assert port.range_stats["range_turns_deferred"] > 0
+
+
+def test_a_held_query_numbers_without_reading_and_a_damaged_record_is_caught_by_the_read(
+    ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """A held query numbers store messages without reading their records
+    (``take_keys``): a record damaged on disk before it is numbered gets its seq, and
+    the range read's check (length, CRC) catches it before anything of it is served:
+    a DAT stops before it, asked for first it is a hole (``lost``, the range refused
+    at the task: test_a_store_record_lost_under_a_range_refuses_the_range), and the
+    store drops it as take() drops a record it cannot read. The records on either
+    side are served unchanged."""
+    with MessageStore(tmp_path / "store", sync=False) as store:
+        keys = [store.put(b"m-%02d" % i, (b"v-%02d" % i,)) for i in range(20)]
+        store.commit()
+        key = keys[11]
+        assert key is not None
+        seg = store._index.segments[key >> 32]
+        flip_byte(seg.path, seg.offsets[key & 0xFFFFFFFF] + 12)  # seq 12's record
+        port = FlowProducerPort(store, "tcp://127.0.0.1:*", ctx=ctx, sync=False, linger_ms=0)
+        try:
+            assert port.prepare_held() and (port.held_first, port.next_seq) == (1, 21)
+            assert port.counters["lost"] == 0 and port._table[12].key == key
+            taken = port._view.take(1, 20)
+            assert taken is not None and taken.keys == [b"m-%02d" % i for i in range(11)]
+            assert port._view.take(12, 5) is None and port.counters["lost"] == 1
+            assert 12 not in port._table and store.messages == store.in_flight == 19
+            after = port._view.take(13, 20)
+            assert after is not None and after.first == 13
+            assert after.values == [b"v-%02d" % i for i in range(12, 20)]
+        finally:
+            port.close()
