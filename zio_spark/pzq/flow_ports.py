@@ -50,11 +50,16 @@ the store instead of memory:
   and commits. A held query first assigns what the store has ready (up to ``window``
   unacked, durable in the side log before the answer names it), since no taker pulls
   them, at most :data:`HELD_SLICE` messages per broker loop turn (the answer waits for
-  the last slice; the broker serves its other sockets in between); the window is
-  ``[lowest assigned unacked seq, next seq)``. A range's records are read back from the
-  store by their pinned keys (:meth:`MessageStore.read_taken_run`: neighbouring records
-  in one ``pread``, each CRC-checked), not from memory: assignments made for a held
-  query keep no body. A seq whose message is gone from the store or fails its check (a
+  the last slice; the broker serves its other sockets in between). The numbering reads
+  no record (:meth:`MessageStore.take_keys`) and syncs the side log once, with its last
+  slice: until then what it numbered is shown to nobody (the window ends before it; a
+  taker's flow syncs first). The window is ``[lowest assigned unacked seq, next
+  durable seq)``. A range's records are read back from the store by their pinned keys
+  (:meth:`MessageStore.read_taken_run`: neighbouring records in one ``pread``, each
+  checked, length and CRC, before it is used: where a record damaged on disk is
+  caught), not from memory: assignments made for a held query keep no body. Each range
+  flow sends at most :data:`RANGE_TURN_DATS` DATs per loop turn, the rest in the next
+  turns. A seq whose message is gone from the store or fails its check (a
   hole) is never skipped in a range: the range is refused ``not_held``. A commit acks
   through :meth:`FlowProducerPort.ack`, exactly as a taker's PAY ``ack`` does. The port
   never renumbers, so its incarnation changes only with a new side log.
