@@ -152,8 +152,9 @@ DEFAULT_FLOW_WINDOW: Final = 100_000
 """Most messages assigned to the flow producer port and not yet acknowledged."""
 
 HELD_SLICE: Final = 1024
-"""Most messages a held query numbers per broker loop turn (each slice is one side log
-sync): the rest of the loop (PZQ peers, other flows) runs between slices."""
+"""Most messages a held query numbers per broker loop turn (keys only, nothing read; one
+side-log sync after the last slice): the rest of the loop (PZQ peers, other flows) runs
+between slices."""
 
 RANGE_TURN_DATS: Final = 4
 """Most DATs a range flow sends per broker loop turn (~2.5 ms each at 1000 records of
@@ -532,7 +533,7 @@ class FlowProducerPort:
 
     def _lost(self, given: _Given, error: StoreError) -> None:
         """The store cannot give ``given``'s message back: its seq becomes a hole, and
-        its record (damaged: it failed its check) is dropped from the store, as
+        its record (if still there: it failed its check) is dropped from the store, as
         :meth:`MessageStore.take` drops one it cannot read (else its pin would keep
         its segment forever)."""
         self._table.pop(given.seq, None)
