@@ -19,6 +19,11 @@ same run on the same bytes:
   process (its side log removed first, so it numbers afresh): the driver's held query,
   then ``read_range`` of every message over loopback (a task's read: the broker's
   thread, ZeroMQ and the reader's Arrow decoding, on the same cores), read twice.
+  ``longest turn``: the broker's longest loop turn of its flow ports (``process`` and
+  ``pump`` of one turn: where range DATs are sent) while those two reads run, in ms of
+  the broker thread's CPU (and wall): how long the queue's other sockets can wait
+  (after a warm-up DAT encoding: the first one imports pandas, once per process), and
+  the median turn's.
 
 Each case in records/s (wall) and records per CPU-second of this process (every
 thread: the broker's too; the steadier figure on a shared box); ratios are ours / the
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -51,7 +57,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import fmt_spread, machine, md_table, ratio_spread, spread, write_json  # noqa: E402
 
-from zio_spark.codec.records import DAT_BYTES  # noqa: E402
+from zio_spark.codec.records import DAT_BYTES, encode_records  # noqa: E402
 from zio_spark.pzq.broker import QueueBroker  # noqa: E402
 from zio_spark.pzq.flow_ports import FlowProducerPort  # noqa: E402
 from zio_spark.source.range_client import held_window, read_range  # noqa: E402
@@ -163,13 +169,56 @@ def in_process(
     return out
 
 
-def e2e(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, tuple[float, float]]:
-    """Seconds for a held query and two range reads of every message, over loopback."""
+class TurnWatch:
+    """The longest loop turn of a broker's flow ports: ``process`` (PAYs in: a range
+    flow's credit) and ``pump`` (ticks) of one turn, timed in the broker's thread, in
+    that thread's CPU seconds and in wall seconds. Wraps the two methods on the
+    instance (the loop looks them up every turn)."""
+
+    def __init__(self, flows: Any) -> None:
+        self.cpu = self.wall = 0.0
+        self.turns = 0
+        self.cpus: list[float] = []  # every turn's CPU seconds
+        self._cpu = self._wall = 0.0  # this turn's so far (process before pump)
+        self.on = False
+        process, pump = flows.process, flows.pump
+
+        def timed_process(store: Any) -> None:
+            c, w = time.thread_time(), time.perf_counter()
+            process(store)
+            self._cpu += time.thread_time() - c
+            self._wall += time.perf_counter() - w
+
+        def timed_pump(store: Any) -> None:
+            c, w = time.thread_time(), time.perf_counter()
+            pump(store)
+            cpu = self._cpu + time.thread_time() - c
+            wall = self._wall + time.perf_counter() - w
+            self._cpu = self._wall = 0.0
+            if self.on:
+                self.turns += 1
+                self.cpus.append(cpu)
+                self.cpu = max(self.cpu, cpu)
+                self.wall = max(self.wall, wall)
+
+        flows.process, flows.pump = timed_process, timed_pump
+
+
+def e2e(
+    folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]
+) -> tuple[dict[str, tuple[float, float]], TurnWatch]:
+    """Seconds for a held query and two range reads of every message, over loopback,
+    and the longest loop turn of the flow ports during the reads."""
     (folder / "flow-producer.log").unlink()  # number afresh: nothing held in memory
+    # The first DAT's encoding imports pandas (pyarrow, for numpy input): ~0.25 s once
+    # per process, which would be the broker's longest turn; done here beforehand, so
+    # the turns measured are the steady ones.
+    encode_records(1, [b"warm"], None)
     out: dict[str, tuple[float, float]] = {}
     broker = QueueBroker(
         folder, flow_producer="tcp://127.0.0.1:*", context=ctx, linger_ms=0, sync=sync
     ).start()
+    watch = TurnWatch(broker._flows)
     try:
         ep = broker.endpoints["flow_producer"]
         pid = f"queue:{broker.queue_id.decode()}"
@@ -178,6 +227,7 @@ def e2e(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, tu
         out["e2e held"] = t0.took()
         if (held.first, held.end) != (1, n + 1):
             raise SystemExit(f"held window [{held.first}, {held.end}), wanted [1, {n + 1})")
+        watch.on = True
         for name in ("e2e range", "e2e range again"):
             t0 = Clock()
             rows = sum(
@@ -187,9 +237,10 @@ def e2e(folder: Path, n: int, sync: bool, ctx: zmq.Context[Any]) -> dict[str, tu
             out[name] = t0.took()
             if rows != n:
                 raise SystemExit(f"read {rows} of {n} rows")
+        watch.on = False
     finally:
         broker.stop()
-    return out
+    return out, watch
 
 
 def main() -> None:
@@ -203,6 +254,7 @@ def main() -> None:
     n, sync = args.messages, not args.no_sync
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    turns: dict[str, list[float]] = {"cpu_ms": [], "wall_ms": [], "median_cpu_ms": [], "turns": []}
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         for _ in range(args.repeat):
@@ -211,7 +263,12 @@ def main() -> None:
                 fill(folder, n, args.size, sync)
                 times = {"anchor": anchor(folder), "anchor per record": anchor_records(folder)}
                 times.update(in_process(folder, n, sync, ctx))
-                times.update(e2e(folder, n, sync, ctx))
+                got, watch = e2e(folder, n, sync, ctx)
+                times.update(got)
+                turns["cpu_ms"].append(watch.cpu * 1e3)
+                turns["wall_ms"].append(watch.wall * 1e3)
+                turns["turns"].append(watch.turns)
+                turns["median_cpu_ms"].append(statistics.median(watch.cpus) * 1e3)
                 times["anchor after"] = anchor(folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -234,6 +291,7 @@ def main() -> None:
         "records_per_cpu_s": {k: spread(v) for k, v in cpu.items()},
         "ratio_to_anchor": {k: ratio_spread(v, both(wall)) for k, v in wall.items()},
         "cpu_ratio_to_anchor": {k: ratio_spread(v, both(cpu)) for k, v in cpu.items()},
+        "longest_turn_during_ranges": {k: spread(v) for k, v in turns.items()},
     }
     path = write_json(args.out, "queue_ranges.json", result)
     rows = [
@@ -246,6 +304,13 @@ def main() -> None:
         for k, v in wall.items()
     ]
     print(md_table(("case", "records/s", "records per CPU-s", "CPU ratio to the raw pread"), rows))
+    print(
+        "longest flow-port loop turn during the range reads: "
+        f"{fmt_spread(spread(turns['cpu_ms']), ' ms CPU')}, "
+        f"{fmt_spread(spread(turns['wall_ms']), ' ms wall')} "
+        f"(over {fmt_spread(spread(turns['turns']), ' turns')}; the median turn "
+        f"{fmt_spread(spread(turns['median_cpu_ms']), ' ms CPU', digits=1)})"
+    )
     print(f"({n} messages of {args.size} B, sync {sync}; load {os.getloadavg()[0]:.1f}; {path})")
 
 

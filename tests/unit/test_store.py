@@ -778,3 +778,56 @@ def test_read_taken_run_reads_records_side_by_side_at_once_and_checks_each(
         assert st.in_flight == 602 and st.messages == 602  # reads change nothing
     with pytest.raises(StoreClosedError):
         st.read_taken_run(keys[:3])
+
+
+def test_take_keys_hands_out_in_takes_order_pinned_and_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """take_keys (the queue's held numbering): the keys take(pin=True) would hand out,
+    in its order (requeued first, then oldest first, across segments, none past the
+    durable end), pinned (as take(pin=True): compaction leaves them), in flight, without one
+    pread: a record damaged on disk is handed out and caught by read_taken_run."""
+    from zio_spark.storage import store_index
+
+    st = MessageStore(tmp_path, segment_bytes=SMALL, compact_ratio=0.9)
+    with st:
+        for i in range(0, 900, 100):  # a new segment once a commit passes SMALL
+            put_many(st, ids(900)[i : i + 100])
+            st.commit()
+        st.put(b"not-durable", [b"x"])  # buffered: never handed out
+        first = st.take()
+        assert first is not None and st.release(first.key)  # requeued: comes first
+        reads: list[int] = []
+        real_pread = os.pread
+
+        def counting(fd: int, n: int, offset: int) -> bytes:
+            reads.append(n)
+            return real_pread(fd, n, offset)
+
+        monkeypatch.setattr(store_index.os, "pread", counting)
+        keys = st.take_keys(500) + st.take_keys(1000)
+        assert not reads  # nothing read
+        monkeypatch.undo()
+        assert len(keys) == 900 and len({k >> 32 for k in keys}) >= 2
+        assert keys[0] == first.key and keys[1:] == sorted(keys[1:])
+        assert st.take_keys(10) == [] and st.take() is None
+        assert st.in_flight == 900 and st.messages == 900
+        got = st.read_taken_run(keys)
+        assert [g.message_id for g in got] == [first.message_id] + [
+            m for m in ids(900) if m != first.message_id
+        ]
+        # Pinned as take(pin=True) pins (compaction never moves them); acks unpin.
+        assert st._index.pinned == set(keys)
+        for k in keys[1:800]:
+            assert st.ack(k)
+        st.commit()
+        assert st._index.pinned == {keys[0], *keys[800:]}
+        assert [g.key for g in st.read_taken_run(keys[800:])] == keys[800:]
+        # Damaged on disk after being handed out unread: the read names it.
+        seg = st._index.segments[keys[850] >> 32]
+        flip_byte(seg.path, seg.offsets[keys[850] & 0xFFFFFFFF] + RECORD_HEAD.size + 12)
+        assert [g.key for g in st.read_taken_run(keys[840:860])] == keys[840:850]
+        with pytest.raises(StoreError, match="fails its CRC"):
+            st.read_taken_run(keys[850:860])
+    with pytest.raises(StoreClosedError):
+        st.take_keys(1)

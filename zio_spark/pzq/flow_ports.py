@@ -50,11 +50,16 @@ the store instead of memory:
   and commits. A held query first assigns what the store has ready (up to ``window``
   unacked, durable in the side log before the answer names it), since no taker pulls
   them, at most :data:`HELD_SLICE` messages per broker loop turn (the answer waits for
-  the last slice; the broker serves its other sockets in between); the window is
-  ``[lowest assigned unacked seq, next seq)``. A range's records are read back from the
-  store by their pinned keys (:meth:`MessageStore.read_taken_run`: neighbouring records
-  in one ``pread``, each CRC-checked), not from memory: assignments made for a held
-  query keep no body. A seq whose message is gone from the store or fails its check (a
+  the last slice; the broker serves its other sockets in between). The numbering reads
+  no record (:meth:`MessageStore.take_keys`) and syncs the side log once, with its last
+  slice: until then what it numbered is shown to nobody (the window ends before it; a
+  taker's flow syncs first). The window is ``[lowest assigned unacked seq, next
+  durable seq)``. A range's records are read back from the store by their pinned keys
+  (:meth:`MessageStore.read_taken_run`: neighbouring records in one ``pread``, each
+  checked, length and CRC, before it is used: where a record damaged on disk is
+  caught), not from memory: assignments made for a held query keep no body. Each range
+  flow sends at most :data:`RANGE_TURN_DATS` DATs per loop turn, the rest in the next
+  turns. A seq whose message is gone from the store or fails its check (a
   hole) is never skipped in a range: the range is refused ``not_held``. A commit acks
   through :meth:`FlowProducerPort.ack`, exactly as a taker's PAY ``ack`` does. The port
   never renumbers, so its incarnation changes only with a new side log.
@@ -133,6 +138,7 @@ __all__ = [
     "FLOW_ZAP_DOMAIN",
     "HELD_SLICE",
     "LOG_REWRITE_BYTES",
+    "RANGE_TURN_DATS",
     "FlowConsumerPort",
     "FlowProducerPort",
     "QueueFlows",
@@ -146,8 +152,15 @@ DEFAULT_FLOW_WINDOW: Final = 100_000
 """Most messages assigned to the flow producer port and not yet acknowledged."""
 
 HELD_SLICE: Final = 1024
-"""Most messages a held query numbers per broker loop turn (each slice is one side log
-sync): the rest of the loop (PZQ peers, other flows) runs between slices."""
+"""Most messages a held query numbers per broker loop turn (keys only, nothing read; one
+side-log sync after the last slice): the rest of the loop (PZQ peers, other flows) runs
+between slices."""
+
+RANGE_TURN_DATS: Final = 4
+"""Most DATs a range flow sends per broker loop turn (~2.5 ms each at 1000 records of
+100 bytes): a range paid for in one PAY is sent over several turns, so the rest of the
+loop (PZQ peers, other flows) runs in between, and every range flow with credit sends
+every turn."""
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
@@ -210,8 +223,8 @@ def _check_endpoint(option: str, value: object) -> str:
 class _Given:
     seq: int
     key: int
-    message_id: bytes
-    body: tuple[bytes, ...] | None  # None: read it back from the store (read_taken)
+    message_id: bytes | None  # None: not read yet (a held query's: comes with the body)
+    body: tuple[bytes, ...] | None  # None: read it back from the store (read_taken_run)
 
 
 class _StoreView:
@@ -232,13 +245,13 @@ class _StoreView:
         return self._port.next_seq
 
     def take(self, first: int, n: int, max_bytes: int | None = None) -> Taken | None:
-        givens, bodies = self._port._records(first, n, max_bytes)
-        return _taken(givens, bodies) if bodies else None
+        seq, ids, bodies = self._port._records(first, n, max_bytes)
+        return _taken(seq, ids, bodies) if bodies else None
 
 
-def _taken(givens: list[_Given], bodies: list[tuple[bytes, ...]]) -> Taken:
-    """Contiguous assigned messages (``givens``, with their ``bodies``) as the records
-    of one DAT."""
+def _taken(first: int, ids: list[bytes | None], bodies: list[tuple[bytes, ...]]) -> Taken:
+    """Contiguous assigned messages from seq ``first`` (their PZQ ``ids`` and
+    ``bodies``) as the records of one DAT."""
     headers: list[Mapping[str, str] | None] | None = None
     try:
         values = [value for (value,) in bodies]  # one-part bodies: the value as is
@@ -249,7 +262,7 @@ def _taken(givens: list[_Given], bodies: list[tuple[bytes, ...]]) -> Taken:
             value, hdrs = record_from_body(body)
             values.append(value)
             headers.append(hdrs)
-    return Taken(givens[0].seq, values, [g.message_id for g in givens], None, headers)
+    return Taken(first, values, ids, None, headers)
 
 
 class FlowProducerPort:
@@ -272,6 +285,8 @@ class FlowProducerPort:
         Most messages taken from the store per loop turn.
     held_slice
         Most messages numbered for held queries per loop turn (:meth:`prepare_held`).
+    range_turn_dats
+        Most DATs each range flow sends per loop turn (:data:`RANGE_TURN_DATS`).
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
     mode, curve, linger_ms
@@ -302,6 +317,7 @@ class FlowProducerPort:
         window: int = DEFAULT_FLOW_WINDOW,
         max_take: int = 4096,
         held_slice: int = HELD_SLICE,
+        range_turn_dats: int = RANGE_TURN_DATS,
         sync: bool = True,
         mode: str | None = None,
         curve: Curve | None = None,
@@ -325,6 +341,7 @@ class FlowProducerPort:
         self.held_slice = held_slice
         self._slice_left = held_slice  # numbering left for held queries this loop turn
         self._numbering = False  # a held query waits for more numbering
+        self._ranges_waiting = False  # a range flow has DATs left for the next turn
         self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
         self.counters: dict[str, int] = dict.fromkeys(
             ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
@@ -338,6 +355,7 @@ class FlowProducerPort:
         self._log = FlowLog(store.path / _LOG_NAME, sync=sync)
         try:
             self._next_seq = self._log.next_seq
+            self._durable_next = self._next_seq  # seqs from here on: not in the side log yet
             self._acked = self._log.acked
             self._sent_max = self._next_seq - 1  # seqs above were never sent to anybody
             self._reclaim(self._log.assigned)
@@ -374,7 +392,10 @@ class FlowProducerPort:
         )
         # Range and control flows (direct reads) next to the taker's; the incarnation
         # is the side log's (kept_incarnation).
-        self.ranges = RangeService(self, policy, stats=self.range_stats, gate=gate)
+        # Range DATs go out range_turn_dats per flow and loop turn (pump starts a turn).
+        self.ranges = RangeService(
+            self, policy, stats=self.range_stats, gate=gate, turn_dats=range_turn_dats
+        )
         # Driven inline by the broker's loop: process() and tick(), no thread of its own.
         self._server = FlowServer(
             port,
@@ -432,7 +453,14 @@ class FlowProducerPort:
 
     @property
     def next_seq(self) -> int:
-        return self._next_seq
+        """The held window's end: the first seq not durable in the side log (numbered
+        ones beyond it are shown to nobody: :meth:`_sync_numbering`)."""
+        return self._durable_next
+
+    @property
+    def numbered(self) -> int:
+        """The last seq numbered, durable in the side log or not yet."""
+        return self._next_seq - 1
 
     @property
     def acked(self) -> int:
@@ -451,7 +479,7 @@ class FlowProducerPort:
 
     @property
     def last_seq(self) -> int:
-        return self._next_seq - 1
+        return self._durable_next - 1
 
     @property
     def held_first(self) -> int:
@@ -463,24 +491,34 @@ class FlowProducerPort:
             # Past acked, lost or jumped-over seqs; table keys only grow above _acked.
             low = min(table) if table else self._next_seq
         self._low = low
-        return low
+        return min(low, self._durable_next)
 
     def prepare_held(self) -> bool:
         """Assign what the store has ready (up to ``window`` unacked), so a held answer
         shows it: in direct mode no taker's credit pulls messages in. At most
         ``held_slice`` messages per broker loop turn (shared by every held query of the
-        turn), so the other sockets are served between slices. Durable in the side log
-        on return; no body is kept (ranges read the store).
+        turn), so the other sockets are served between slices. The store's records are
+        not read (:meth:`MessageStore.take_keys`: ranges read and check them), and the
+        side log is synced once, when the last slice is numbered: what the slices
+        numbered before is kept from takers and range flows until then (``next_seq``).
 
-        Returns True once nothing more is ready (or the window is full): the answer may
-        go. False: more may be ready; the flow asks again at its next tick, and
-        :meth:`busy` keeps the loop turning meanwhile."""
+        Returns True once nothing more is ready (or the window is full), everything
+        numbered durable: the answer may go. False: more may be ready; the flow asks
+        again at its next tick, and :meth:`busy` keeps the loop turning meanwhile.
+
+        Raises
+        ------
+        OSError
+            If the side log cannot be synced (the numbering not yet durable is undone).
+        """
         left = self._slice_left
         if left > 0:
             got = self._assign(left, keep_body=False)
             self._slice_left = left - got
             if got < min(left, self.max_take):
-                return True  # the store has nothing more ready, or the window is full
+                # The store has nothing more ready, or the window is full.
+                self._sync_numbering()
+                return True
         self._numbering = True
         return False
 
@@ -494,22 +532,29 @@ class FlowProducerPort:
         return out
 
     def _lost(self, given: _Given, error: StoreError) -> None:
-        """The store cannot give ``given``'s message back: its seq becomes a hole."""
+        """The store cannot give ``given``'s message back: its seq becomes a hole, and
+        its record (if still there: it failed its check) is dropped from the store, as
+        :meth:`MessageStore.take` drops one it cannot read (else its pin would keep
+        its segment forever)."""
         self._table.pop(given.seq, None)
+        with contextlib.suppress(StoreError):
+            self.store.ack(given.key)
         self.counters["lost"] += 1
         log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, error)
 
     def _records(
         self, seq: int, n: int, max_bytes: int | None
-    ) -> tuple[list[_Given], list[tuple[bytes, ...]]]:
-        """Up to ``n`` contiguous assigned messages from ``seq`` and their bodies (two
-        lists of one length), stopping at a hole or once ``max_bytes`` of values were
-        taken (at least one).
+    ) -> tuple[int, list[bytes | None], list[tuple[bytes, ...]]]:
+        """Up to ``n`` contiguous assigned messages from ``seq``: ``seq``, their PZQ ids
+        and their bodies (two lists of one length), stopping at a hole or once
+        ``max_bytes`` of values were taken (at least one).
 
-        Bodies not held in memory are read back from the store a run at a time
+        Messages not held in memory are read back from the store a run at a time
         (:meth:`MessageStore.read_taken_run`: one ``pread`` for records side by side,
-        each CRC-checked); a message the store cannot give back ends the lists there,
-        and asked for first it becomes a hole (counted ``lost``), never skipped."""
+        each checked, length and CRC, before anything of it is used: this is where a
+        record damaged on disk is caught); a message the store cannot give back ends
+        the lists there, and asked for first it becomes a hole (counted ``lost``),
+        never skipped."""
         get = self._table.get
         givens: list[_Given] = []
         for s in range(seq, seq + n):
@@ -517,13 +562,15 @@ class FlowProducerPort:
             if given is None:
                 break
             givens.append(given)
+        ids: list[bytes | None] = []  # None never: Taken's keys may be None in general
         bodies: list[tuple[bytes, ...]] = []
         total = len(givens)
         size = 0
         i = 0
         while i < total and (max_bytes is None or size < max_bytes):
             given = givens[i]
-            if given.body is not None:  # held for a taker
+            if given.body is not None:  # held for a taker (its id read with it)
+                ids.append(given.message_id)
                 bodies.append(given.body)
                 size += sum(map(len, given.body))
                 i += 1
@@ -538,25 +585,28 @@ class FlowProducerPort:
             except StoreError as e:
                 self._lost(given, e)
                 break
+            ids.extend([m.message_id for m in read])
             bodies.extend([m.body for m in read])
             if len(read) < j - i:
                 break  # a byte budget reached, or a message the next read will name
             if j < total and max_bytes is not None:
                 size += sum(len(part) for m in read for part in m.body)
             i = j
-        del givens[len(bodies) :]
-        return givens, bodies
+        return seq, ids, bodies
 
     def process(self) -> None:
         """The port's socket is readable: dispatch what arrived (broker thread)."""
         self._server.process()
 
     def pump(self) -> None:
-        """Send what the taker has credit for, number a slice for pending held queries;
-        keep the side log bounded (broker thread, once per loop turn)."""
+        """Send what the taker has credit for, number a slice for pending held queries,
+        send each range flow's DATs of the turn; keep the side log bounded (broker
+        thread, once per loop turn: it ends the turn's budgets)."""
         self._numbering = False  # set again by a held query still waiting (prepare_held)
         self._server.tick()
         self._slice_left = self.held_slice  # the next turn's numbering budget
+        self._ranges_waiting = self.ranges.deferred
+        self.ranges.new_turn()  # the next turn's range DATs
         store = self.store
         if (
             self._log.size > LOG_REWRITE_BYTES
@@ -572,7 +622,7 @@ class FlowProducerPort:
         """Whether the next loop turn has work without waiting for input."""
         taker = self._taker
         conn = None if taker is None else taker.conn
-        if self._numbering:
+        if self._numbering or self._ranges_waiting:
             return True
         return (
             taker is not None
@@ -592,6 +642,7 @@ class FlowProducerPort:
 
     def attach(self, giving: Giving, resume: int | None) -> int:
         """A taker's flow opened (the giver ends the previous one: a restarted runner)."""
+        self._sync_numbering()  # the taker may be given any seq numbered
         self._taker = giving
         self.counters["takers"] += 1
         start = self._acked + 1
@@ -610,6 +661,7 @@ class FlowProducerPort:
                 self._next_seq = resume + 1
                 self._log.jump(self._next_seq)
                 self._log.commit()
+                self._durable_next = self._next_seq
             start = max(start, resume + 1)
         log.info(
             "queue flow: taker %s attached (resume %s, acked %d, sending from %d)",
@@ -628,7 +680,7 @@ class FlowProducerPort:
             )
 
     def ack(self, ack: int) -> None:
-        upto = min(ack, self._next_seq - 1)
+        upto = min(ack, self._durable_next - 1)
         if upto <= self._acked:
             return
         store = self.store
@@ -646,49 +698,83 @@ class FlowProducerPort:
         self.counters["acked"] += done
         self._acked = upto
         self._log.ack(upto)
-        self._log.commit()
+        self._sync_numbering()  # the ACKED record (and any numbering buffered)
 
     def _assign(self, wanted: int, *, keep_body: bool = True) -> int:
-        """Take up to ``wanted`` messages from the store for the flow; durable on return.
-        ``keep_body``: hold the bodies in memory (a taker is about to be sent them);
-        else only the keys (range reads read the store)."""
+        """Take up to ``wanted`` messages from the store for the flow and number them.
+        ``keep_body``: read them and hold the bodies in memory (a taker is about to be
+        sent them), durable in the side log on return. Else only their keys, their
+        records not read (range reads read and check them), in the side log's buffer:
+        the caller makes them durable (:meth:`_sync_numbering`) before anybody is shown
+        them."""
         room = self.window - len(self._table)
         n = min(wanted, room, self.max_take)
         if n <= 0 or self.store.failed:
             return 0
         first = self._next_seq
-        keys: list[int] = []
+        table = self._table
         store = self.store
-        while len(keys) < n:
-            try:
-                message = store.take(pin=True)
-            except StoreError as e:  # an unreadable record; the store dropped it
-                log.error("queue flow: %s", e)
-                continue
-            if message is None:
-                break
-            seq = first + len(keys)
-            body = message.body if keep_body else None
-            self._table[seq] = _Given(seq, message.key, message.message_id, body)
-            keys.append(message.key)
+        keys: list[int]
+        if keep_body:
+            keys = []
+            while len(keys) < n:
+                try:
+                    message = store.take(pin=True)
+                except StoreError as e:  # an unreadable record; the store dropped it
+                    log.error("queue flow: %s", e)
+                    continue
+                if message is None:
+                    break
+                seq = first + len(keys)
+                table[seq] = _Given(seq, message.key, message.message_id, message.body)
+                keys.append(message.key)
+        else:
+            keys = store.take_keys(n)
+            for seq, key in enumerate(keys, first):
+                table[seq] = _Given(seq, key, None, None)
         if not keys:
             return 0
         self._log.assign(first, keys)
+        self._next_seq = first + len(keys)
+        self.counters["given"] += len(keys)
+        if keep_body:
+            self._sync_numbering()
+        return len(keys)
+
+    def _sync_numbering(self) -> None:
+        """Make every seq numbered durable in the side log (one sync for all the
+        slices of a held query), so it may be shown: ``next_seq``, the held window's
+        end, moves only here. A seq numbered and not yet durable is shown to nobody (a
+        range flow's window ends before it, a taker syncs before it is sent one): a
+        crash before the sync leaves its message pending in the store, numbered again
+        after the restart, and no reader ever had its number.
+
+        Raises
+        ------
+        OSError
+            If the side log cannot be written or synced: the numbering not yet durable
+            is undone (its messages go back to the store, not delivered).
+        """
         try:
             self._log.commit()
         except OSError:
-            for i, key in enumerate(keys):
-                del self._table[first + i]
-                store.release(key, delivered=False)
+            undone = 0
+            for seq in range(self._durable_next, self._next_seq):
+                given = self._table.pop(seq, None)
+                if given is not None:
+                    self.store.release(given.key, delivered=False)
+                    undone += 1
+            self.counters["given"] -= undone
+            self._next_seq = self._durable_next
             raise
-        self._next_seq = first + len(keys)
-        self.counters["given"] += len(keys)
-        return len(keys)
+        self._durable_next = self._next_seq
 
     def take(self, first: int, n: int, room: int) -> Taken | None:
         """Up to ``n`` assigned messages from seq ``first``, assigning up to ``room``
         more from the store when none is left (a seq acked meanwhile, or lost, is
         skipped; a run stops at such a hole)."""
+        if self._durable_next != self._next_seq:
+            self._sync_numbering()  # a held query's numbering, not yet durable
         table = self._table
         seq = first
         while True:
@@ -697,9 +783,9 @@ class FlowProducerPort:
             while seq < self._next_seq and seq not in table:
                 seq += 1
             if seq < self._next_seq:
-                givens, bodies = self._records(seq, n, None)
+                got, ids, bodies = self._records(seq, n, None)
                 if bodies:
-                    return _taken(givens, bodies)
+                    return _taken(got, ids, bodies)
                 # seq's message could not be read back (now a hole): skip it
 
     def sent(self, first: int, last: int, records: int, dats: int, release: bool) -> None:

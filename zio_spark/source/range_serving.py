@@ -22,6 +22,12 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   plain DATs with ``seq`` in the label if the reader did not offer Arrow. Reads are
   read-only: nothing is marked sent, released or counted as delivered (delivery counts
   stay about the real takers; ``stats["range_records"]`` counts what range flows sent).
+  With ``turn_dats`` (the queue's flow producer port: its broker's one thread serves
+  every socket of the queue), each range flow sends at most that many DATs per turn of
+  the owner's loop (:meth:`RangeService.new_turn`) and the rest, in order, in the next
+  turns (``deferred`` tells the owner to turn again without waiting for input); per
+  flow, so every flow with credit progresses every turn. Without it (a bound producer:
+  a loop of its own) a flow sends all its credit pays for at once.
 - **Thread-safety.** Everything here runs in the server's loop thread. The held records
   are shared with the application's :meth:`Producer.send` threads, so each step reads
   the incarnation, the window and the records it sends under the backlog's lock
@@ -221,7 +227,12 @@ class RangeService:
         incarnation: str | None = None,
         stats: collections.Counter[str] | None = None,
         gate: CurveAuthenticator | None = None,
+        turn_dats: int | None = None,
     ) -> None:
+        if turn_dats is not None and (
+            isinstance(turn_dats, bool) or not isinstance(turn_dats, int) or turn_dats < 1
+        ):
+            raise ConfigError("range_turn_dats", turn_dats, "an integer >= 1, or None")
         kept = backlog.kept_incarnation
         if incarnation is None:
             # A retention folder (a queue's store) keeps its records *and* their numbers
@@ -251,6 +262,9 @@ class RangeService:
         self.stats = stats if stats is not None else collections.Counter()
         self._incarnation = incarnation
         self.flows: set[RangeFlow] = set()  # open range flows (loop thread)
+        self.turn_dats = turn_dats
+        self.turn = 0  # the owner's loop turn (new_turn)
+        self.deferred = False  # a range flow has credit and DATs left for the next turn
         self._told: dict[PeerId, None] = {}  # strays told to open a new flow (in order)
         backlog.on_renumber = self._renumbered
 
@@ -258,6 +272,12 @@ class RangeService:
     def incarnation(self) -> str:
         """The producer's sequence-number space now."""
         return self._incarnation
+
+    def new_turn(self) -> None:
+        """The owner's loop starts another turn: every range flow may send
+        ``turn_dats`` DATs again (with ``turn_dats`` only; loop thread)."""
+        self.turn += 1
+        self.deferred = False
 
     def handler(self) -> ProducerFlowHandler:
         """The server port's handler factory: one per client."""
@@ -383,6 +403,8 @@ class RangeFlow:
         gated = service.gate is not None
         self.giver = RangeGiver(service.incarnation, control=control, gated=gated)
         self.ending = False
+        self._turn = -1  # the service's turn of the DATs counted in _turn_sent
+        self._turn_sent = 0
 
     def _refuse(self, e: RemoteProtocolError) -> RemoteProtocolError:
         """Tell the reader why its flow ends (EOT with the reason); the caller raises
@@ -472,6 +494,8 @@ class RangeFlow:
             req = self.giver.request
             if req is None:
                 return
+            if not self.control and not self._may_send():
+                return  # this turn's DATs are sent: the rest in the next turns
             if isinstance(req, HeldQuery) and not backlog.prepare_held():
                 return  # numbering goes on at the next loop turn (on_tick asks again)
             if self.control:
@@ -511,6 +535,24 @@ class RangeFlow:
                 continue
             assert step is not None
             conn.send_dat((), encode_reply(step))  # type: ignore[arg-type]
+
+    def _may_send(self) -> bool:
+        """Whether this turn's DAT budget (the service's ``turn_dats``, per flow) has
+        room for one more DAT; counts it if so (a range flow's DATs: records, or a
+        held answer or a refusal). Per flow, so every range
+        flow with credit sends every turn: none waits behind another's range."""
+        service = self.service
+        budget = service.turn_dats
+        if budget is None:
+            return True
+        if self._turn != service.turn:
+            self._turn, self._turn_sent = service.turn, 0
+        if self._turn_sent >= budget:
+            service.deferred = True
+            service.stats["range_turns_deferred"] += 1
+            return False
+        self._turn_sent += 1
+        return True
 
     def _send(self, got: Taken) -> None:
         if self.arrow:

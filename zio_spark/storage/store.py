@@ -375,6 +375,24 @@ class MessageStore:
         """
         return self._index.take(pin=pin)
 
+    def take_keys(self, n: int) -> list[int]:
+        """Hand out up to ``n`` deliverable messages, pinned, without reading them:
+        their keys, in :meth:`take`'s order (requeued first, then oldest first).
+
+        For a caller that reads them back later with :meth:`read_taken_run`, which
+        checks each record (length, CRC) before anything of it is used: the queue's
+        flow producer port numbering messages for range reads. A record damaged on
+        disk since the store was opened (recovery checks every record at open) is
+        therefore handed out here and found by that read; :meth:`take` would have
+        found and dropped it now.
+
+        Raises
+        ------
+        StoreError
+            If the store is closed.
+        """
+        return self._index.take_keys(n)
+
     def claim(self, key: int) -> StoredMessage | None:
         """Take one particular durable, unacked message (by key) and pin it.
 

@@ -269,6 +269,56 @@ class StoreIndex:
             later = [no for no in segments if no > seg.no]
             self.cursor_no, self.cursor_slot = later[0], 0
 
+    def take_keys(self, n: int) -> list[int]:
+        """As :meth:`~zio_spark.storage.store.MessageStore.take_keys`: up to ``n`` keys
+        in :meth:`take`'s order, handed out pinned, their records not read."""
+        if self.closed:
+            raise StoreClosedError("the store is closed", path=self.root)
+        keys: list[int] = []
+        requeue = self.requeue
+        while requeue and len(keys) < n:
+            key = self._resolve(requeue.popleft())
+            seg = self.segments.get(key >> 32)
+            slot = key & 0xFFFFFFFF
+            if seg is None or slot >= len(seg.state):
+                continue
+            if seg.state[slot] in (STATE_QUEUED, STATE_REQUEUED):
+                self._fly(seg, slot)
+                keys.append(key)
+        segments = self.segments
+        while len(keys) < n:
+            seg = segments.get(self.cursor_no)
+            if seg is None:
+                later = [no for no in segments if no > self.cursor_no]
+                if not later:
+                    break
+                self.cursor_no, self.cursor_slot = later[0], 0
+                continue
+            state = seg.state
+            slot = state.find(PENDING_BYTE, self.cursor_slot)
+            while slot >= 0 and len(keys) < n:
+                self._fly(seg, slot)
+                keys.append(seg.no << 32 | slot)
+                self.cursor_slot = slot + 1
+                slot = state.find(PENDING_BYTE, slot + 1)
+            if len(keys) >= n:
+                break
+            if seg is self.active or seg.durable < len(state):
+                # Wait here: slots from ``durable`` on become P when their commit ends.
+                self.cursor_slot = max(self.cursor_slot, seg.durable)
+                break
+            later = [no for no in segments if no > seg.no]
+            self.cursor_no, self.cursor_slot = later[0], 0
+        for key in keys:
+            self._pin(key)
+        return keys
+
+    def _fly(self, seg: LogFile, slot: int) -> None:
+        """Mark a slot handed out (in flight), as :meth:`_hand_out` does once read."""
+        seg.state[slot] = STATE_IN_FLIGHT
+        self.in_flight += 1
+        self.in_flight_bytes += seg.lengths[slot]
+
     def _hand_out(self, seg: LogFile, slot: int, key: int, redelivery: bool) -> StoredMessage:
         length = seg.lengths[slot]
         try:
