@@ -1,0 +1,230 @@
+"""Range and control flows of readers that vanish without EOT, on loopback.
+
+A bound :class:`Producer` knows which connection each range or control flow came on and
+runs ZMTP heartbeats on its port (:mod:`zio_spark.source.range_serving`, "Readers that
+vanish"). Covered: a reader process SIGKILLed (its kernel closes the connection), one
+SIGSTOPped (its connection stays up but nothing answers the PINGs: the heartbeat timeout
+closes it), a socket dropped in this process without EOT, a control flow with a leased
+run key (released as on EOT), a quiet reader that is never dropped, a descriptor reused by
+a later connection, and the keywords' checks. Held records stay held throughout: a
+vanished flow frees and acknowledges nothing. Processes started here are stopped by
+their pid; every wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import zmq
+
+from tests.support import wait_until
+from zio_spark.errors import ConfigError
+from zio_spark.protocol.flow import Direction, Role
+from zio_spark.source.producer import Producer
+from zio_spark.source.range_client import ControlConnection, HeldWindow, RangeConnection
+from zio_spark.transport.curve import client_curve
+from zio_spark.transport.flow_endpoint import FlowEndpoint
+from zio_spark.transport.port import connection_open
+
+T = 10.0  # seconds any one wait may last (returns as soon as it can)
+P = "p1"
+# Short in tests: PING every 50 ms, a silent connection closed after 300 ms, a look at
+# the flows' connections every 20 ms.
+FAST: dict[str, Any] = {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.3, "conn_check": 0.02}
+
+# A reader in a process of its own: opens a control flow and a range flow, asks once on
+# each (so both are served), says so, then waits on stdin until it is killed.
+_READER = """
+import sys
+from zio_spark.source.range_client import ControlConnection, RangeConnection
+ep, producer = sys.argv[1], sys.argv[2]
+control = ControlConnection(ep, timeout=10)
+control.held()
+ranges = RangeConnection(ep, timeout=10)
+ranges.held(producer)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _producer(ctx: Any, closing: list[Any], **kw: Any) -> Producer:
+    kw.setdefault("producer_id", P)
+    for k, v in FAST.items():
+        kw.setdefault(k, v)
+    p = Producer("tcp://127.0.0.1:*", ctx=ctx, linger_ms=0, **kw)
+    closing.append(p)
+    return p
+
+
+class _Reader:
+    """The reader process; :meth:`kill` signals it by pid, :meth:`stop` ends it."""
+
+    def __init__(self, endpoint: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.getcwd())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _READER, endpoint, P],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # ends at its "ready", or at its exit
+        assert line == b"ready\n", (line, self.proc.poll())
+
+    def kill(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(T)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+def reader():
+    started: list[_Reader] = []
+
+    def start(endpoint: str) -> _Reader:
+        r = _Reader(endpoint)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _gone(p: Producer) -> tuple[int, int]:
+    return p.stats["range_flows_gone"], p.stats["control_flows_gone"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_vanished_readers_flows_end_and_free_nothing(ctx, closing, reader, sig):
+    """SIGKILL: the reader's kernel closes the connection, libzmq closes ours. SIGSTOP:
+    the connection stays up, nothing answers the PINGs, the heartbeat timeout closes it
+    (a host gone without FIN). Either way both flows go, with nothing freed or acked."""
+    p = _producer(ctx, closing)
+    p.send_many([b"v%d" % i for i in range(100)])
+    r = reader(p.endpoint)
+    assert p.range_flows_open == 2 and p.stats["control_flows"] == 1
+    r.kill(sig)
+    wait_until(
+        lambda: p.range_flows_open == 0,
+        T,
+        "the vanished reader's flows to end",
+        detail=lambda: (p.range_flows_open, p.stats),
+    )
+    assert _gone(p) == (1, 1)
+    # A held record keeps its meaning: nothing freed, nothing acknowledged.
+    assert p.acked == 0 and p.pending == 100 and p.delivery().acked == 0
+    # Other readers go on: a new control flow sees the same window.
+    with ControlConnection(p.endpoint, ctx=ctx, timeout=T) as c:
+        assert c.held() == HeldWindow(p.incarnation, 1, 101)
+
+
+def test_a_socket_dropped_without_eot_ends_its_flow(ctx, closing, make_client):
+    p = _producer(ctx, closing)
+    port = make_client(linger_ms=0)
+    port.connect(p.endpoint)
+    ep = FlowEndpoint(port, Role.CLIENT)
+    ep.send_bot(Direction.INJECT, 4, {"read": "range"})
+    assert ep.recv_bot(T).attrs["ranges"] == 1
+    wait_until(lambda: p.range_flows_open == 1, T, "the range flow open")
+    port.close(0)  # no EOT
+    wait_until(
+        lambda: p.range_flows_open == 0, T, "the dropped flow to end", detail=lambda: p.stats
+    )
+    assert _gone(p) == (1, 0)
+
+
+def test_a_vanished_control_flow_releases_its_run_key(ctx, closing):
+    """The run key a control flow leased is released when the flow is found gone, as on
+    its EOT: a task of that run can no longer open a range flow."""
+    server_pub, server_sec = zmq.curve_keypair()
+    driver_pub, driver_sec = zmq.curve_keypair()
+    run_pub, _ = zmq.curve_keypair()
+    p = _producer(ctx, closing, curve_secret_key=server_sec, curve_allowed_client_keys=[driver_pub])
+    curve = client_curve(server_pub, driver_sec, driver_pub)
+    c = ControlConnection(p.endpoint, ctx=ctx, curve=curve, timeout=T)
+    try:
+        assert c.admit(run_pub) is True
+        assert p.run_keys == {run_pub}
+    finally:
+        c.port.close(0)  # the driver's socket dropped: no EOT
+    wait_until(lambda: not p.run_keys, T, "the run key released", detail=lambda: p.stats)
+    assert _gone(p) == (0, 1) and p.stats["run_keys_revoked"] == 1
+
+
+def test_a_quiet_reader_is_not_dropped(ctx, closing, reader):
+    """Readers silent for many heartbeat timeouts keep their flows: their libzmq answers
+    the PINGs, and their connections stay open. Meanwhile a killed reader's flows end,
+    so the looks at connections do run."""
+    p = _producer(ctx, closing)
+    p.send_many([b"a", b"b"])
+    server = p._server
+    assert server is not None
+    assert server.port.socket.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 300
+    control = ControlConnection(p.endpoint, ctx=ctx, timeout=T)
+    ranges = RangeConnection(p.endpoint, ctx=ctx, timeout=T)
+    closing += [control, ranges]
+    assert control.held() == ranges.held(P) == HeldWindow(p.incarnation, 1, 3)
+    quiet = server.stats["conn_checks"]
+    r = reader(p.endpoint)
+    r.kill(signal.SIGKILL)
+    wait_until(lambda: _gone(p) == (1, 1), T, "the killed reader's flows to end")
+    # 40 looks, one a loop turn at most (50 ms): 2 s, over six heartbeat timeouts of quiet.
+    wait_until(lambda: server.stats["conn_checks"] >= quiet + 40, T, "40 looks at the connections")
+    assert p.range_flows_open == 2 and _gone(p) == (1, 1)
+    assert control.held() == ranges.held(P) == HeldWindow(p.incarnation, 1, 3)
+    assert control.ack(1, p.incarnation) == HeldWindow(p.incarnation, 2, 3)
+
+
+def test_a_reused_descriptor_is_another_connection():
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    conn = (fd, os.fstat(fd).st_ino)
+    assert connection_open(conn)
+    a.close()
+    assert not connection_open(conn)
+    c, d = socket.socketpair()
+    try:
+        assert fd in (c.fileno(), d.fileno())  # the lowest free number: the same one
+        assert not connection_open(conn)
+    finally:
+        for s in (b, c, d):
+            s.close()
+
+
+@pytest.mark.parametrize(
+    ("kw", "name", "expected"),
+    [
+        ({"heartbeat_interval": 0}, "heartbeat_interval", "0.001..3600"),
+        ({"heartbeat_interval": "5"}, "heartbeat_interval", "0.001..3600"),
+        ({"heartbeat_interval": True}, "heartbeat_interval", "0.001..3600"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 1.0}, "heartbeat_timeout", ">= heartbeat_interval"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": None}, "heartbeat_timeout", "heartbeat_interval=None"),
+        ({"heartbeat_interval": None}, "heartbeat_timeout", "None when heartbeat_interval is None"),
+        ({"conn_check": 0}, "conn_check", "> 0 and <= 3600"),
+        ({"conn_check": float("nan")}, "conn_check", "> 0 and <= 3600"),
+    ],
+)  # fmt: skip
+def test_bad_keywords_are_config_errors(ctx, kw, name, expected):
+    with pytest.raises(ConfigError) as e:
+        Producer("tcp://127.0.0.1:*", ctx=ctx, producer_id=P, **kw)
+    assert e.value.option == name and expected in str(e.value), str(e.value)
+
+
+def test_heartbeats_off(ctx, closing):
+    p = _producer(ctx, closing, heartbeat_interval=None, heartbeat_timeout=None)
+    server = p._server
+    assert server is not None
+    assert server.port.socket.getsockopt(zmq.HEARTBEAT_IVL) == 0
