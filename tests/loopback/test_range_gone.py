@@ -210,8 +210,10 @@ def test_a_reused_descriptor_is_another_connection():
         ({"heartbeat_interval": 0}, "heartbeat_interval", "0.001..3600"),
         ({"heartbeat_interval": "5"}, "heartbeat_interval", "0.001..3600"),
         ({"heartbeat_interval": True}, "heartbeat_interval", "0.001..3600"),
-        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 1.0}, "heartbeat_timeout", ">= heartbeat_interval"),
-        ({"heartbeat_interval": 5.0, "heartbeat_timeout": None}, "heartbeat_timeout", "heartbeat_interval=None"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 1.0}, "heartbeat_timeout",
+         ">= heartbeat_interval"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": None}, "heartbeat_timeout",
+         "heartbeat_interval=None"),
         ({"heartbeat_interval": None}, "heartbeat_timeout", "None when heartbeat_interval is None"),
         ({"conn_check": 0}, "conn_check", "> 0 and <= 3600"),
         ({"conn_check": float("nan")}, "conn_check", "> 0 and <= 3600"),
@@ -228,3 +230,51 @@ def test_heartbeats_off(ctx, closing):
     server = p._server
     assert server is not None
     assert server.port.socket.getsockopt(zmq.HEARTBEAT_IVL) == 0
+
+
+class _Frame:
+    """A received frame as pyzmq gives it with ``copy=False``: bytes, more, properties."""
+
+    def __init__(self, data: bytes, more: bool, fd: int | None, user_id: str | None) -> None:
+        self.bytes = data
+        self.more = more
+        self._props: dict[object, object] = {zmq.SRCFD: fd, "User-Id": user_id}
+
+    def get(self, name: object) -> object:
+        got = self._props.get(name)
+        if got is None:
+            raise zmq.ZMQError(22)  # EINVAL, as libzmq for an absent property
+        return got
+
+
+class _Sock:
+    def __init__(self, frames: list[_Frame]) -> None:
+        self.frames = frames
+
+    def recv(self, flags: int, copy: bool) -> _Frame:
+        assert copy is False  # properties are only readable on a frame object
+        return self.frames.pop(0)
+
+
+def test_both_wires_read_the_descriptor_of_what_they_take():
+    """The SERVER wire (one frame; no draft pyzmq here to run it on a socket) and the
+    ROUTER wire (a multipart message) read the connection's descriptor, -1 when absent,
+    next to the ZAP user id when both are kept."""
+    from zio_spark.transport.wire import RouterWire, ServerWire
+
+    key = "k" * 40
+
+    def frames(n: int) -> list[_Frame]:
+        return [_Frame(b"f%d" % i, i < n - 1, 7, key) for i in range(n)]
+
+    for cls, n in ((ServerWire, 1), (RouterWire, 3)):
+        wire = cls.__new__(cls)  # no socket: the getters take it as an argument
+        wire.sock = _Sock(frames(n))  # type: ignore[assignment]
+        wire.user_id = None
+        wire.keep_fds()
+        wire.keep_user_ids()
+        wire.get(0)
+        assert (wire.fd, wire.user_id) == (7, key)
+        wire.sock.frames.append(_Frame(b"n", False, None, None))  # inproc, no ZAP
+        wire.get(0)
+        assert (wire.fd, wire.user_id) == (-1, None)
