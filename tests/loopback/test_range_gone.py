@@ -25,12 +25,13 @@ import zmq
 
 from tests.support import wait_until
 from zio_spark.errors import ConfigError
-from zio_spark.protocol.flow import Direction, Role
+from zio_spark.protocol.flow import Direction, EotReceived, Role
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import ControlConnection, HeldWindow, RangeConnection
 from zio_spark.transport.curve import client_curve
 from zio_spark.transport.flow_endpoint import FlowEndpoint
-from zio_spark.transport.port import connection_open
+from zio_spark.transport.flow_server import FlowHandler, FlowServer, ServerFlow
+from zio_spark.transport.port import ServerPort, connection_open
 
 T = 10.0  # seconds any one wait may last (returns as soon as it can)
 P = "p1"
@@ -162,6 +163,62 @@ def test_a_vanished_control_flow_releases_its_run_key(ctx, closing):
         c.port.close(0)  # the driver's socket dropped: no EOT
     wait_until(lambda: not p.run_keys, T, "the run key released", detail=lambda: p.stats)
     assert _gone(p) == (0, 1) and p.stats["run_keys_revoked"] == 1
+
+
+def test_a_commit_sent_just_before_the_socket_drops_is_applied(ctx, closing):
+    """What the driver sent before its connection closed (a last commit) is served
+    before its flow is removed: the ack frees up to it, and only that."""
+    p = _producer(ctx, closing)
+    p.send_many([b"v%d" % i for i in range(10)])
+    c = ControlConnection(p.endpoint, ctx=ctx, timeout=T)
+    try:
+        inc = c.held().incarnation
+        c.ep.channel.send(c.reader.send_commit(c.ep.flow, P, inc, 4))
+    finally:
+        c.port.close(1000)  # the commit leaves, then the socket goes: no EOT
+    wait_until(lambda: p.range_flows_open == 0, T, "the control flow to end")
+    assert p.acked == 4 and p.pending == 6 and p.stats["control_acks"] == 1
+    assert _gone(p) == (0, 1)
+
+
+class _Watched(FlowHandler):
+    """A flow server's handler that watches its connection and notes EOTs."""
+
+    def __init__(self, eots: list[str]) -> None:
+        self.eots = eots
+
+    def watches_connection(self, conn: ServerFlow) -> bool:
+        return True
+
+    def on_eot(self, conn: ServerFlow, eot: EotReceived) -> None:
+        self.eots.append(conn.name)
+
+
+def test_what_a_closed_connection_sent_is_served_before_its_flow_goes(ctx, make_client):
+    """Driven by hand, so the order is ours: the client's EOT waits in the server's
+    socket when its connection is found closed; the look serves it first, and the flow
+    ends by its EOT, not as gone."""
+    eots: list[str] = []
+    port = ServerPort(ctx, linger_ms=0, conn_ids=True)
+    server = FlowServer(port, lambda: _Watched(eots), ctx=ctx, conn_check=0.001)
+    try:
+        endpoint = port.bind("tcp://127.0.0.1:*")
+        client = make_client(linger_ms=1000)
+        client.connect(endpoint)
+        ep = FlowEndpoint(client, Role.CLIENT)
+        ep.send_bot(Direction.INJECT, 4, {})
+        wait_until(lambda: server.process() or server.flows, T, "the BOT served")
+        assert ep.recv_bot(T) is not None
+        ((conn, _),) = server.flows.values()
+        assert conn.connection is not None and connection_open(conn.connection)
+        ep.channel.send(ep.flow.send_eot())  # no wait for the echo: the client goes
+        client.close(1000)  # the EOT leaves, then the connection closes
+        wait_until(lambda: not connection_open(conn.connection), T, "the connection closed")
+        server.tick()
+        assert eots == [conn.name] and not server.flows
+        assert server.stats["gone"] == 0 and server.stats["conn_checks"] == 1
+    finally:
+        server.close()
 
 
 def test_a_quiet_reader_is_not_dropped(ctx, closing, reader):

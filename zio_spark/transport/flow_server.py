@@ -65,6 +65,9 @@ from zio_spark.transport.port import (
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
 
 log = logging.getLogger("zio_spark.transport")
+# process() calls (1000 messages each) that serve what a closed connection's client had
+# sent before its flow is removed.
+_DRAIN_CALLS = 10
 
 
 class ServerFlow:
@@ -472,20 +475,32 @@ class FlowServer:
     def _check_connections(self) -> None:
         """Remove the watched flows whose connection closed without EOT (module doc)."""
         self.stats["conn_checks"] += 1
+        gone: list[tuple[ServerFlow, FlowHandler]] = []
         for conn, handler in list(self.flows.values()):
             c = conn.connection
             if c is None or connection_open(c):
                 continue
             try:
-                watched = handler.watches_connection(conn)
+                if handler.watches_connection(conn):
+                    gone.append((conn, handler))
             except Exception as e:
                 self._handler_failed(conn, handler, "watches_connection", e)
-                continue
-            if watched:
-                conn.gone = True
-                self.stats["gone"] += 1
-                log.info("%s: %s closed its connection without EOT", self.name, conn.name)
-                self._remove(conn, handler, "the client's connection closed without EOT")
+        if not gone:
+            return
+        # libzmq closes the descriptor at once, but what the client sent before (its EOT,
+        # a last commit) may still wait in the socket: it is served first.
+        for _ in range(_DRAIN_CALLS):
+            if self._closed or not self.port.socket.poll(0, zmq.POLLIN):
+                break
+            self.process()
+        for conn, handler in gone:
+            entry = self.flows.get(conn.peer)
+            if entry is None or entry[0] is not conn:
+                continue  # ended by what was still queued (its EOT)
+            conn.gone = True
+            self.stats["gone"] += 1
+            log.info("%s: %s closed its connection without EOT", self.name, conn.name)
+            self._remove(conn, handler, "the client's connection closed without EOT")
 
     def _tick(self, now: float) -> None:
         if self.conn_check is not None and now >= self._next_check:

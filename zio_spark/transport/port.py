@@ -822,8 +822,9 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
     def connection(self, peer: PeerId) -> Connection | None:
         """The connection ``peer``'s latest message came on (see :func:`connection_open`),
         None if the port keeps none (``conn_ids`` off), the transport has no descriptor
-        (``inproc``), it was already closed when the message was read, or nothing came
-        from ``peer`` lately."""
+        (``inproc``) or nothing came from ``peer`` lately. A connection already closed
+        when its message was read is kept as one that :func:`connection_open` calls
+        closed."""
         kept = self._conns
         return None if kept is None else kept.get(peer)
 
@@ -922,8 +923,7 @@ def _note_conn(conns: dict[PeerId, Connection], peer: PeerId, fd: int) -> None:
     try:
         inode = os.fstat(fd).st_ino
     except OSError:  # closed since the message was read: that connection is gone
-        conns.pop(peer, None)
-        return
+        inode = -1  # no socket has it: connection_open says closed
     conns.pop(peer, None)
     conns[peer] = (fd, inode)
     if len(conns) > _USER_IDS_KEPT:
