@@ -722,7 +722,9 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
     conn_ids
         Keep which connection each client's latest message came on (:meth:`connection`):
         what a server that ends flows whose client's connection closed without EOT reads
-        at BOT time. Off by default (a property lookup per message).
+        at BOT time. Off by default: a property lookup and an ``fstat`` per message
+        (about 5 us a message on a ROUTER, measured on a busy 2-core machine; a
+        producer's port takes PAYs, one per DAT at most).
     heartbeat_ms
         ``(interval, timeout)``: ZMTP heartbeats on every connection (``ZMQ_HEARTBEAT_IVL``
         and ``ZMQ_HEARTBEAT_TIMEOUT``, libzmq >= 4.2): libzmq PINGs a client every
