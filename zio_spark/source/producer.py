@@ -101,13 +101,26 @@ from zio_spark.transport.wire import silent_peer_hint
 if TYPE_CHECKING:
     from zio_spark.transport.zre_node import ZreNode
 
-__all__ = ["DEFAULT_WINDOW", "DEFAULT_WINDOW_BYTES", "Delivery", "Producer", "silent_peer_hint"]
+__all__ = [
+    "DEFAULT_CONN_CHECK",
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
+    "DEFAULT_WINDOW",
+    "DEFAULT_WINDOW_BYTES",
+    "Delivery",
+    "Producer",
+    "silent_peer_hint",
+]
 
 log = logging.getLogger("zio_spark.transport")
 
 _CLIENT_QUEUE_SLACK = 16  # client mode's send queue: the credit offered plus this
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
 _ZAP_DOMAIN = "zio-producer"  # the port's ZAP domain when it has an allow-list
+# Heartbeats and the look at range readers' connections (Producer's docstring).
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
+DEFAULT_CONN_CHECK = 0.5
 # The retention window's defaults (see Producer's docstring for the arithmetic).
 DEFAULT_WINDOW = 2_000_000
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -173,6 +186,25 @@ class Producer:
         ZMQ linger of the port at :meth:`close`.
     idle_timeout
         Server mode: remove a taker silent for this many seconds.
+    heartbeat_interval, heartbeat_timeout
+        Server mode: ZMTP heartbeats on the port's connections (libzmq >= 4.2 on both
+        sides answers them by itself; nothing reaches a flow): a PING every
+        ``heartbeat_interval`` seconds (default 5), and a connection from which nothing
+        at all, not even a PONG, came for ``heartbeat_timeout`` seconds (default 30;
+        at least the interval) is closed by libzmq. That is how a reader whose host
+        vanished without closing its TCP connection (power, network) is noticed; a
+        reader process that exits or is killed is noticed at once, its kernel closes
+        the connection. ``heartbeat_interval=None`` turns heartbeats off (then
+        ``heartbeat_timeout`` must be None too). A quiet reader is never dropped: its
+        libzmq answers the PINGs.
+    conn_check
+        Server mode: seconds between two looks (one ``fstat`` per flow, nothing sent)
+        at the connections of range and control flows (default 0.5). A flow whose
+        connection libzmq has closed without an EOT from the reader (a Spark task
+        SIGKILLed, an executor lost, a driver killed) is removed with its own state
+        only: nothing is freed or acknowledged, a control flow's run key is released
+        as on EOT (:attr:`range_flows_open`, ``stats["range_flows_gone"]``,
+        ``stats["control_flows_gone"]``; docs/direct-read.md).
     credit
         Client mode: the credit offered in our BOT (the most DATs in flight); the taker
         may pay less, and only what it pays is spent.
@@ -239,6 +271,9 @@ class Producer:
         retention_dir: str | os.PathLike[str] | None = None,
         incarnation: str | None = None,
         curve_allowed_client_keys: Iterable[str | bytes] | str | bytes | None = None,
+        heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        conn_check: float = DEFAULT_CONN_CHECK,
     ) -> None:
         if bind is not None and connect is not None:
             raise ConfigError(
@@ -264,6 +299,15 @@ class Producer:
             isinstance(connect_timeout, (int, float)) and 0 < connect_timeout <= 86400
         ):
             raise ConfigError("connect_timeout", connect_timeout, "seconds, > 0")
+        heartbeat_ms = _heartbeat_ms(heartbeat_interval, heartbeat_timeout)
+        if isinstance(conn_check, bool) or not (
+            isinstance(conn_check, (int, float)) and 0 < conn_check <= 3600
+        ):
+            raise ConfigError(
+                "conn_check",
+                conn_check,
+                "seconds between looks at the range readers' connections, > 0 and <= 3600",
+            )
         allowed = _allowed_keys(curve_allowed_client_keys, connect, curve_secret_key)
         self._gate: CurveAuthenticator | None = None
         self._own_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -350,6 +394,10 @@ class Producer:
                 # With a list, which key a client came with decides the flows it may
                 # open (range_serving: a run key reads ranges only).
                 user_ids=allowed is not None,
+                # Which connection each range/control flow came on, and heartbeats, so a
+                # reader gone without EOT ends its flow (range_serving, "Readers that vanish").
+                conn_ids=True,
+                heartbeat_ms=heartbeat_ms,
                 sndhwm=_SEND_QUEUE,
             )
         except BaseException:
@@ -376,6 +424,7 @@ class Producer:
             name=f"producer {self.producer_id}",
             # A reader whose flow outlived a previous process on this endpoint is told.
             on_stray=self._ranges.stray_answerer(port),
+            conn_check=float(conn_check),
         ).start()
 
     def _stop_gate(self) -> None:
@@ -523,6 +572,14 @@ class Producer:
         return self._ranges.incarnation
 
     @property
+    def range_flows_open(self) -> int:
+        """Range and control flows open now (a bound producer's readers; 0 in client
+        mode). A flow whose reader vanished without EOT leaves this count once its
+        connection is found closed (``stats["range_flows_gone"]``,
+        ``stats["control_flows_gone"]``)."""
+        return len(self._ranges.flows)
+
+    @property
     def serves_ranges(self) -> bool:
         """True for a bound producer: it answers range reads (docs/direct-read.md)."""
         return self._server is not None
@@ -646,6 +703,52 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(flush=exc[0] is None)
+
+
+def _heartbeat_ms(interval: float | None, timeout: float | None) -> tuple[int, int] | None:
+    """``Producer(heartbeat_interval=, heartbeat_timeout=)`` checked, in milliseconds for
+    libzmq's options (None: no heartbeats).
+
+    Raises
+    ------
+    ConfigError
+        Naming the option: not a number of seconds in 0.001..3600 (interval) or
+        interval..86400 (timeout), or a timeout without an interval.
+    """
+
+    def seconds(name: str, value: object, low: float, high: float, what: str) -> float:
+        if isinstance(value, bool) or not (
+            isinstance(value, (int, float)) and low <= value <= high
+        ):
+            raise ConfigError(name, value, what)
+        return float(value)
+
+    if interval is None:
+        if timeout is not None:
+            raise ConfigError(
+                "heartbeat_timeout",
+                timeout,
+                "None when heartbeat_interval is None (no heartbeats, no timeout)",
+            )
+        return None
+    ivl = seconds(
+        "heartbeat_interval", interval, 0.001, 3600, "seconds in 0.001..3600, or None (off)"
+    )
+    if timeout is None:
+        raise ConfigError(
+            "heartbeat_timeout",
+            timeout,
+            f"seconds >= heartbeat_interval ({interval!r}) and <= 86400 while heartbeats "
+            "are on; heartbeat_interval=None turns them off",
+        )
+    tmo = seconds(
+        "heartbeat_timeout",
+        timeout,
+        ivl,
+        86400,
+        f"seconds >= heartbeat_interval ({interval!r}) and <= 86400",
+    )
+    return round(ivl * 1000), round(tmo * 1000)
 
 
 def _allowed_keys(

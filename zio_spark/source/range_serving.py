@@ -68,6 +68,18 @@ into :class:`~zio_spark.source.producer.Producer`'s server port:
   any other key (a run key whose lease ended since the handshake, or none) opens none.
   A refusal is the BOT's rejection (EOT) with a reason naming the flow kind, the key
   kind and the fix (:meth:`RangeService.key_refusal`; ``stats["flows_refused_key"]``).
+- **Readers that vanish.** A range or control flow whose reader is gone without EOT (a
+  Spark task SIGKILLed, an executor lost, a driver killed) would otherwise stay open
+  until the producer closes. The port knows which connection each flow's BOT came on
+  (``ServerPort(conn_ids=True)``) and runs ZMTP heartbeats (a silent peer host is
+  disconnected by libzmq); the server looks at those connections every ``conn_check``
+  seconds (:meth:`ProducerFlowHandler.watches_connection`) and removes a flow whose
+  connection libzmq closed: ``stats["range_flows_gone"]`` /
+  ``stats["control_flows_gone"]``. Only the flow's own state goes: nothing is sent
+  (the reader is gone), nothing is freed or acknowledged (a held record stays held
+  until a commit acks it), and a control flow's run key is released as on its EOT. A
+  quiet reader whose connection is up is never removed, however long it is quiet. The
+  taker's flow is not watched (a new taker's BOT replaces it, as before).
 - **Incarnation.** One per producer: a random one at start (``new_incarnation`` over
   ``os.urandom(16)``) or the one given (a producer with durable retention passes the one
   it persisted). When a taker's ``resume`` makes the backlog renumber held records, a new
@@ -652,6 +664,12 @@ class ProducerFlowHandler(GiverHandler):
             return
         flow.pump()
 
+    def watches_connection(self, conn: ServerFlow) -> bool:
+        """A range or control flow ends when its reader's connection closes without EOT
+        (module docstring, "Readers that vanish"); a taker's flow keeps the giver's own
+        rules (a new taker replaces it)."""
+        return self.range is not None
+
     def on_eot(self, conn: ServerFlow | ClientFlow, eot: EotReceived) -> None:
         if self.range is None:
             super().on_eot(conn, eot)
@@ -662,6 +680,10 @@ class ProducerFlowHandler(GiverHandler):
             flow.ending = True
             service = self.service
             service.flows.discard(flow)
+            if isinstance(conn, ServerFlow) and conn.gone:
+                # Only this flow's own state goes: a control flow frees and acks nothing
+                # (acks come from commits only); its run key is released below, as on EOT.
+                service.stats["control_flows_gone" if flow.control else "range_flows_gone"] += 1
             gate = service.gate
             if gate is not None and gate.release(flow) is not None:
                 service.stats["run_keys_revoked"] += 1

@@ -4,8 +4,12 @@ Like ZIO's flow broker, one :class:`~zio_spark.transport.port.ServerPort` accept
 clients; each client's first message must be its BOT, and a handler made by the
 factory serves that client's flow. Unlike the reference, a client is *removed*: when its
 EOT exchange completes, when it breaks the protocol (the violation is logged with the
-peer, counted in ``stats["dropped"]``, and no other flow notices), or when it has been
-silent for ``idle_timeout`` seconds.
+peer, counted in ``stats["dropped"]``, and no other flow notices), when it has been
+silent for ``idle_timeout`` seconds, or, for a flow whose handler watches it
+(:meth:`FlowHandler.watches_connection`) on a port that knows connections
+(``ServerPort(conn_ids=True)``), when the connection its BOT came on has closed without
+an EOT (``conn_check``; ``stats["gone"]``): a reader process killed, its host lost (with
+ZMTP heartbeats on the port). That is transport state, not a guess from quiet time.
 
 Everything runs in one thread that owns the socket, so handlers never need locks for
 flow state. Two ways to run it:
@@ -49,11 +53,21 @@ from zio_spark.protocol.flow import (
 )
 from zio_spark.protocol.message import DatCodec, Message
 from zio_spark.transport.loop import Loop, LoopThread
-from zio_spark.transport.port import BadMessage, PeerId, ServerPort, format_peer
+from zio_spark.transport.port import (
+    BadMessage,
+    Connection,
+    PeerId,
+    ServerPort,
+    connection_open,
+    format_peer,
+)
 
 __all__ = ["FlowHandler", "FlowServer", "ServerFlow"]
 
 log = logging.getLogger("zio_spark.transport")
+# process() calls (1000 messages each) that serve what a closed connection's client had
+# sent before its flow is removed.
+_DRAIN_CALLS = 10
 
 
 class ServerFlow:
@@ -68,6 +82,10 @@ class ServerFlow:
         self.bot: BotReceived | None = None
         self.bot_origin = 0
         """The coord ``origin`` of the client's BOT message (the node that sent it)."""
+        self.connection: Connection | None = None
+        """The connection the client's BOT came on, if the port knows it (``conn_ids``)."""
+        self.gone = False
+        """True once the server removed the flow because that connection closed."""
 
     @property
     def name(self) -> str:
@@ -142,6 +160,11 @@ class FlowHandler:
     def on_tick(self, conn: ServerFlow, now: float) -> None:
         """Called on every loop turn while the flow is in transfer (givers push here)."""
 
+    def watches_connection(self, conn: ServerFlow) -> bool:
+        """True if the flow ends when its connection closes without EOT (``conn_check``).
+        Default False: a flow lives until its EOT, a violation or ``idle_timeout``."""
+        return False
+
     def on_close(self, conn: ServerFlow, reason: str) -> None:
         pass
 
@@ -170,6 +193,12 @@ class FlowServer:
         Called with ``(peer, msg, why)`` for input of a client without an open flow that
         is not a BOT (``msg`` None: a message that did not parse). None: such input is
         dropped (``stats["dropped"]``, logged).
+    conn_check
+        Seconds between two looks at the connections of the flows whose handlers watch
+        them (:meth:`FlowHandler.watches_connection`; one ``fstat`` each, nothing sent):
+        a flow whose connection closed without EOT is removed (``stats["gone"]``). It
+        bounds how late a closed connection is noticed, it decides nothing by itself.
+        None (the default): never. Needs a port made with ``conn_ids=True``.
     """
 
     def __init__(
@@ -185,7 +214,14 @@ class FlowServer:
         send_timeout: float = 0.2,
         loop: Loop | None = None,
         on_stray: Callable[[PeerId, Message | None, str], None] | None = None,
+        conn_check: float | None = None,
     ) -> None:
+        if conn_check is not None and (
+            isinstance(conn_check, bool)
+            or not isinstance(conn_check, (int, float))
+            or not 0 < conn_check <= 3600
+        ):
+            raise ConfigError("conn_check", conn_check, "seconds, > 0 and <= 3600, or None")
         if isinstance(send_timeout, bool) or not (
             isinstance(send_timeout, (int, float)) and 0 <= send_timeout <= 3600
         ):
@@ -198,6 +234,8 @@ class FlowServer:
         self.tick_s = tick
         self.origin = origin
         self.on_stray = on_stray
+        self.conn_check = conn_check
+        self._next_check = 0.0  # monotonic time of the next look at connections
         self.name = name
         self.ctx = ctx or zmq.Context.instance()
         self.flows: dict[PeerId, tuple[ServerFlow, FlowHandler]] = {}
@@ -392,6 +430,7 @@ class FlowServer:
                 handler = self.handler_factory()
                 conn.bot = event
                 conn.bot_origin = msg.origin
+                conn.connection = self.port.connection(peer)
                 self.flows[peer] = (conn, handler)
                 self.stats["flows"] += 1
                 handler.on_bot(conn, event)
@@ -433,7 +472,40 @@ class FlowServer:
         if handler is not None:
             self._remove(conn, handler, f"handler error: {error!r}")
 
+    def _check_connections(self) -> None:
+        """Remove the watched flows whose connection closed without EOT (module doc)."""
+        self.stats["conn_checks"] += 1
+        gone: list[tuple[ServerFlow, FlowHandler]] = []
+        for conn, handler in list(self.flows.values()):
+            c = conn.connection
+            if c is None or connection_open(c):
+                continue
+            try:
+                if handler.watches_connection(conn):
+                    gone.append((conn, handler))
+            except Exception as e:
+                self._handler_failed(conn, handler, "watches_connection", e)
+        if not gone:
+            return
+        # libzmq closes the descriptor at once, but what the client sent before (its EOT,
+        # a last commit) may still wait in the socket: it is served first.
+        for _ in range(_DRAIN_CALLS):
+            if self._closed or not self.port.socket.poll(0, zmq.POLLIN):
+                break
+            self.process()
+        for conn, handler in gone:
+            entry = self.flows.get(conn.peer)
+            if entry is None or entry[0] is not conn:
+                continue  # ended by what was still queued (its EOT)
+            conn.gone = True
+            self.stats["gone"] += 1
+            log.info("%s: %s closed its connection without EOT", self.name, conn.name)
+            self._remove(conn, handler, "the client's connection closed without EOT")
+
     def _tick(self, now: float) -> None:
+        if self.conn_check is not None and now >= self._next_check:
+            self._next_check = now + self.conn_check
+            self._check_connections()
         for conn, handler in list(self.flows.values()):
             if self.idle_timeout is not None and now - conn.last_seen > self.idle_timeout:
                 self.stats["idle_removed"] += 1

@@ -53,6 +53,7 @@ __all__ = [
     "Wire",
     "choose_mode",
     "drafts_available",
+    "frame_fd",
     "frame_user_id",
     "make_wire",
     "silent_peer_hint",
@@ -122,6 +123,19 @@ def frame_user_id(frame: zmq.Frame) -> str | None:
     except zmq.ZMQError:  # EINVAL: no such property on this connection
         return None
     return got if isinstance(got, str) and got else None
+
+
+def frame_fd(frame: zmq.Frame) -> int:
+    """The file descriptor of the connection ``frame`` came on (``ZMQ_SRCFD``; a frame
+    received with ``copy=False``), -1 without one (``inproc``, or a libzmq that does not
+    tell). libzmq deprecates the property (a descriptor number is reused once its
+    connection closes), so it is never used alone: :mod:`zio_spark.transport.port` pairs
+    it with the socket's inode (:func:`~zio_spark.transport.port.connection_open`)."""
+    try:
+        got = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return -1
+    return got if isinstance(got, int) else -1
 
 
 def _recv_parts(sock: zmq.Socket[bytes], flags: int) -> list[bytes]:
@@ -366,21 +380,46 @@ class Wire:
     def _getter(sock: zmq.Socket[bytes]) -> Callable[[int], Any]:
         raise NotImplementedError  # pragma: no cover - every wire defines it
 
+    _user_ids = False  # keep_user_ids() turned on
+    _fds = False  # keep_fds() turned on
+    fd = -1
+    """The file descriptor of the connection the message :attr:`get` read last came on,
+    once :meth:`keep_fds` is on (-1: none known, e.g. ``inproc``)."""
+
     def keep_user_ids(self) -> None:
         """From now on :attr:`get` also reads each message's ZAP ``User-Id`` into
         :attr:`user_id` (:func:`frame_user_id`): a server that lets a flow's kind depend
         on the client's CURVE key needs it at BOT time. Off by default: it costs a
         property lookup per message, which the receiving hot loops do not pay."""
-        get = self._getter_with_user_id(self.sock)
+        self._user_ids = True
+        self._read_meta()
+
+    def keep_fds(self) -> None:
+        """From now on :attr:`get` also reads the descriptor of each message's connection
+        into :attr:`fd` (:func:`frame_fd`): a server that ends a flow when its client's
+        connection closes without EOT needs to know which connection a flow came on.
+        Off by default, as :meth:`keep_user_ids`."""
+        self._fds = True
+        self._read_meta()
+
+    def _read_meta(self) -> None:
+        get = self._getter_with_first(self.sock)
+        ids, fds = self._user_ids, self._fds
 
         def got(flags: int) -> Any:
-            raw, self.user_id = get(flags)
+            raw, first = get(flags)
+            if ids:
+                self.user_id = frame_user_id(first)
+            if fds:
+                self.fd = frame_fd(first)
             return raw
 
         self.get = got
 
     @staticmethod
-    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
+    def _getter_with_first(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, zmq.Frame]]:
+        """A getter that also gives the message's first frame (its properties: the
+        connection's metadata rides on every frame)."""
         raise NotImplementedError  # pragma: no cover - every wire defines it
 
     def check_peer(self, peer: object) -> PeerId:
@@ -423,10 +462,10 @@ class _SingleFrameWire(Wire):
         return functools.partial(sock.recv, copy=False)
 
     @staticmethod
-    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
-        def get(flags: int) -> tuple[zmq.Frame, str | None]:
+    def _getter_with_first(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, zmq.Frame]]:
+        def get(flags: int) -> tuple[zmq.Frame, zmq.Frame]:
             frame = sock.recv(flags, copy=False)
-            return frame, frame_user_id(frame)
+            return frame, frame
 
         return get
 
@@ -513,17 +552,16 @@ class _EnvelopeWire(Wire):
         return functools.partial(_recv_parts, sock)
 
     @staticmethod
-    def _getter_with_user_id(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, str | None]]:
-        def get(flags: int) -> tuple[list[bytes], str | None]:
+    def _getter_with_first(sock: zmq.Socket[bytes]) -> Callable[[int], tuple[Any, zmq.Frame]]:
+        def get(flags: int) -> tuple[list[bytes], zmq.Frame]:
             # As _recv_parts; the metadata rides on every frame (the ROUTER's identity
             # frame too), so the first one tells.
-            frame = sock.recv(flags, copy=False)
-            user_id = frame_user_id(frame)
+            first = frame = sock.recv(flags, copy=False)
             parts = [frame.bytes]
             while frame.more:
                 frame = sock.recv(_NB, copy=False)
                 parts.append(frame.bytes)
-            return parts, user_id
+            return parts, first
 
         return get
 
