@@ -928,7 +928,11 @@ class Receiver:
             # flow): reopening would take the same records again, endlessly.
             again = self.reconnect and peer.terms.ack and peer.bound is None
             if peer.client is not None:
-                peer.client.end("end of transmission", reopen=again, now=now)
+                # The echo just queued must reach the giver (a reference giver waits
+                # for it in eot()): closed with linger 0, it was lost under load.
+                peer.client.end(
+                    "end of transmission", reopen=again, now=now, linger_ms=_ECHO_LINGER_MS
+                )
             else:
                 self._end_flow(peer, eot=False)
             self._mark_open(peer, False)
@@ -1054,6 +1058,8 @@ _EOT_SEND_MS = 500
 _END_FLOW_S = 0.2
 _STOP_MARGIN = 10.0
 _PENDING_DATS_MAX = 256
+# A flow the giver ended (EOT): how long its port may still send our echo when it closes.
+_ECHO_LINGER_MS = 200
 # The longest poll wait of the receiver's loop (s).
 _TURN_S = 0.05
 
