@@ -201,26 +201,6 @@ def test_latest_end_properties(start, ends, committed, max_rows):
     assert again == out
 
 
-# -- take_rows ---------------------------------------------------------------------------
-
-
-def test_take_rows_returns_the_budget_left():
-    assert plan.take_rows({"a": 1, "b": 1}, {"a": 4, "b": 11}, 5) == ({"a": 4, "b": 3}, 0)
-    assert plan.take_rows({"a": 1}, {"a": 4}, 5) == ({"a": 4}, 2)
-    assert plan.take_rows({"a": 6}, {"a": 4}, 5) == ({"a": 6}, 5)  # an empty range
-
-
-@given(_OFFSETS, st.integers(0, 3000))
-def test_take_rows_properties(ends, budget):
-    starts = {p: e // 2 for p, e in ends.items()}
-    out, left = plan.take_rows(starts, ends, budget)
-    assert set(out) == set(ends)
-    taken = sum(out[p] - starts[p] for p in out)
-    assert taken + left == budget
-    assert taken == min(budget, sum(max(0, ends[p] - starts[p]) for p in ends))
-    assert all(starts[p] <= out[p] <= max(starts[p], ends[p]) for p in ends)
-
-
 # -- fair_rows ---------------------------------------------------------------------------
 
 
@@ -237,7 +217,7 @@ def test_fair_rows_gives_each_producer_an_equal_share_and_passes_on_what_one_lea
         "b": 5,
         "c": 4,
     }
-    # A busy first producer does not fill the batch (take_rows would give "a" all 6).
+    # A busy first producer does not fill the batch (id order would give "a" all 6).
     assert plan.fair_rows({"a": 1, "b": 1}, {"a": 1001, "b": 1001}, 6) == {"a": 4, "b": 4}
     assert plan.fair_rows({"a": 1, "b": 1}, {"a": 1001, "b": 1001}, 5) == {"a": 4, "b": 3}
     assert plan.fair_rows({"a": 6, "b": 1}, {"a": 4, "b": 3}, 5) == {"a": 6, "b": 3}  # empty
@@ -271,7 +251,34 @@ def test_a_step_batch_is_a_million_waiting_or_anything_waiting_while_held_back()
     assert plan.is_step(plan.STEP, False)
 
 
-# -- extend_plain ------------------------------------------------------------------------
+# -- a batch read's maxRecords: take_acked, extend_plain -----------------------------------
+
+
+def test_take_acked_leaves_the_plain_givers_their_records_first():
+    starts = {"a": 1, "b": 1, "tcp://p": 1}
+    ends = {"a": 2501, "b": 101, "tcp://p": 301}
+    # The plain giver gave 300 and may still send 10: 310 of 1000 are its; "a" and "b"
+    # (ack-capable) share the 690 left fairly, "b" needing only 100.
+    assert plan.take_acked(starts, ends, {"tcp://p": 310}, 1000) == {"a": 591, "b": 101}
+    # Id order would give "a", first, the whole budget: the plain giver's 300 lost.
+    # Plain givers that alone reach the budget leave nothing to the ack-capable ones.
+    assert plan.take_acked(starts, ends, {"tcp://p": 1200}, 1000) == {"a": 1, "b": 1}
+    # No plain giver: all three are ack-capable, 10 shared fairly (4 + 3 + 3).
+    assert plan.take_acked(starts, ends, {}, 10) == {"a": 5, "b": 4, "tcp://p": 4}
+    assert plan.take_acked({"a": 1}, {"a": 9}, {"gone": 0}, 3) == {"a": 4}
+
+
+@given(_OFFSETS, st.sets(st.sampled_from("abcde")), st.integers(0, 3000), st.integers(0, 50))
+def test_take_acked_properties(ends, plain_ids, budget, in_flight):
+    starts = {p: e // 2 for p, e in ends.items()}
+    plain = {p: max(0, ends[p] - starts[p]) + in_flight for p in plain_ids if p in ends}
+    out = plan.take_acked(starts, ends, plain, budget)
+    assert set(out) == set(ends) - set(plain)  # only the ack-capable producers
+    taken = sum(out[p] - starts[p] for p in out)
+    want = sum(max(0, ends[p] - starts[p]) for p in out)
+    # The plain givers' reach comes first; the ack-capable ones get all that is left.
+    assert taken == min(want, max(0, budget - sum(plain.values())))
+    assert all(starts[p] <= out[p] <= max(starts[p], ends[p]) for p in out)
 
 
 def test_extend_plain_takes_what_plain_givers_gave_within_the_budget():
@@ -283,11 +290,15 @@ def test_extend_plain_takes_what_plain_givers_gave_within_the_budget():
         ends={"p": 11, "z": 50},
         budget=15,
     )
-    # p: 10 more, all taken; q: new, from its committed 11, 20 stored, 5 taken.
-    assert got.ends == {"p": 21, "q": 16, "z": 50}  # z is not plain: unchanged
+    # p: 10 more, q: new, from its committed 11, 20 stored; 15 shared fairly: 8 and 7
+    # (the odd record to the first in id order), each loses only its last records.
+    assert got.ends == {"p": 19, "q": 18, "z": 50}  # z is not plain: unchanged
     assert got.starts == {"p": 1, "q": 11, "z": 1}
     assert got.budget == 0
-    assert got.left == {"q": 15}
+    assert got.left == {"p": (19, 21), "q": (18, 31)}
+    # Within the budget: all they gave.
+    got = plan.extend_plain({"p", "q"}, {"p": 21, "q": 31}, {"q": 11}, {"p": 1}, {"p": 11}, 40)
+    assert (got.ends, got.left, got.budget) == ({"p": 21, "q": 31}, {}, 10)
 
 
 def test_extend_plain_without_a_budget_takes_all():
@@ -298,6 +309,7 @@ def test_extend_plain_without_a_budget_takes_all():
 @given(_OFFSETS, _OFFSETS, st.none() | st.integers(0, 2000), st.sets(st.sampled_from("abcde")))
 def test_extend_plain_properties(sealed, committed, budget, plain):
     got = plan.extend_plain(plain, sealed, committed, {}, {}, budget)
+    gave_all = 0
     for p in sealed:
         if p not in plain:
             assert p not in got.ends
@@ -305,11 +317,18 @@ def test_extend_plain_properties(sealed, committed, budget, plain):
         start = got.starts[p]
         assert start == max(committed.get(p, 1), 1)
         gave = max(0, sealed[p] - start)
-        # Each record a plain giver gave is taken or counted as left, never both.
-        assert got.ends[p] - start + got.left.get(p, 0) == gave
-    if budget is not None:
-        taken = sum(got.ends[p] - got.starts[p] for p in got.ends)
+        gave_all += gave
+        # Each record a plain giver gave is taken or counted as left, never both: what
+        # is left is the range right after what is taken, to what it gave.
+        lost_from, lost_to = got.left.get(p, (got.ends[p], got.ends[p]))
+        assert lost_from == got.ends[p] and got.ends[p] - start + lost_to - lost_from == gave
+    taken = sum(got.ends[p] - got.starts[p] for p in got.ends)
+    if budget is None:
+        assert got.left == {} and taken == gave_all
+    else:
         assert got.budget == budget - taken >= 0
+        # A record is left out only when the plain givers alone gave more than the budget.
+        assert taken == min(budget, gave_all)
 
 
 # -- completeness (availableNow) ----------------------------------------------------------

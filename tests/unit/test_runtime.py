@@ -13,7 +13,7 @@ import pytest
 
 from zio_spark.errors import DataLossError, StorageError, TransportError
 from zio_spark.options import SourceOptions
-from zio_spark.source.runtime import RunState, Runtime, check
+from zio_spark.source.runtime import RunState, Runtime, _take_plain, check
 
 
 def test_a_problem_raises_with_fail_on_data_loss() -> None:
@@ -106,3 +106,29 @@ def test_the_runtime_imports_without_pyspark() -> None:
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_plain_records_beyond_max_records_are_named_with_their_range_and_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Should plain givers alone give more than ``maxRecords`` (the receiver credits
+    them for at most that many, so only a giver sending more per DAT than asked can),
+    the read keeps ``maxRecords`` of theirs, shared fairly, and a WARNING names each
+    giver, the seq range it loses, what the plain givers gave and the fix."""
+    status = [
+        SimpleNamespace(producer="tcp://p", ack_capable=False),
+        SimpleNamespace(producer="tcp://q", ack_capable=False),
+        SimpleNamespace(producer="a", ack_capable=True),
+    ]
+    recv: Any = SimpleNamespace(status=lambda: status)
+    spool: Any = SimpleNamespace(
+        seal=lambda: {"a": 11, "tcp://p": 31, "tcp://q": 5}, committed=lambda: {}
+    )
+    with caplog.at_level(logging.WARNING, "zio_spark.source"):
+        starts, ends = _take_plain(recv, spool, {"a": 1}, {"a": 1}, 20, 20)
+    # "a" (ack-capable) took nothing; q gave 4 (all kept), p 30 of which 16 kept.
+    assert ends == {"a": 1, "tcp://p": 17, "tcp://q": 5}
+    assert starts == {"a": 1, "tcp://p": 1, "tcp://q": 1}
+    (text,) = [r.getMessage() for r in caplog.records]
+    assert "plain giver tcp://p gave 14 records beyond maxRecords 20 (seq 17 to 30)" in text
+    assert "The plain givers alone gave 34 records" in text and "larger maxRecords" in text

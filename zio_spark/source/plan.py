@@ -13,9 +13,10 @@ start at 1). The stream reader (:mod:`zio_spark.spark.source`) asks here:
 - how a batch's ranges are cut into Spark partitions (:func:`partition_ranges`,
   :func:`pieces`, :func:`pack`).
 
-The batch reader uses :func:`take_rows` (producer id order) for ``maxRecords`` and
-:func:`extend_plain` for the plain givers' records that arrived until their flows
-ended: one read, not a trigger after trigger (see ``runtime.batch_receive``).
+The batch reader's ``maxRecords`` goes to the plain givers first (they cannot send
+again what a read drops): :func:`take_acked` gives the ack-capable producers what the
+plain givers leave of it (they keep what is not acked), :func:`extend_plain` the plain
+givers all they gave until their flows ended (see ``runtime.batch_receive``).
 
 Whether an availableNow run has all the producers held when it started is decided by
 :class:`Completeness` from a :class:`RunView` (one look at the receiver and the spool,
@@ -47,7 +48,7 @@ __all__ = [
     "partition_ranges",
     "pieces",
     "sorted_offsets",
-    "take_rows",
+    "take_acked",
     "wanted_ends",
 ]
 
@@ -70,28 +71,6 @@ def base(producer: str, start: Mapping[str, int], committed: Mapping[str, int]) 
     if producer in start:
         return int(start[producer])
     return max(committed.get(producer, 1), 1)
-
-
-def take_rows(
-    starts: Mapping[str, int], ends: Mapping[str, int], budget: int
-) -> tuple[dict[str, int], int]:
-    """``ends`` cut to at most ``budget`` records in all, taken in producer id order from
-    each producer's start; returns the new ends (same keys) and the budget left.
-
-    ``starts`` must hold every producer of ``ends``. A range already empty (end at or
-    below its start) takes nothing and its end is set to its start.
-
-    Only the batch reader's ``maxRecords`` uses it (one read: a producer cut here is
-    not starved trigger after trigger); a streaming trigger's budget is
-    :func:`fair_rows`.
-    """
-    out: dict[str, int] = {}
-    for p in sorted(ends):
-        s = starts[p]
-        take = max(0, min(ends[p] - s, budget))
-        out[p] = s + take
-        budget -= take
-    return out, budget
 
 
 def latest_end(
@@ -136,10 +115,11 @@ def fair_rows(starts: Mapping[str, int], ends: Mapping[str, int], budget: int) -
     records waiting than its share) goes to the others (max-min fairness). A share that
     does not divide evenly gives the odd records one each, in producer id order.
 
-    Unlike :func:`take_rows` (producer id order, which a busy first producer can fill
-    trigger after trigger) no producer waits behind another: the ``maxRecordsPerTrigger``
-    budget of both read modes (the spool mode's :func:`latest_end`, the direct mode's
-    one budget over its direct producers and the givers it reads through the spool).
+    Unlike producer id order (which a busy first producer can fill trigger after
+    trigger) no producer waits behind another: the ``maxRecordsPerTrigger`` budget of
+    both read modes (the spool mode's :func:`latest_end`, the direct mode's one budget
+    over its direct producers and the givers it reads through the spool) and a batch
+    read's ``maxRecords`` (:func:`take_acked`, :func:`extend_plain`).
     Deterministic: no clock, no mapping order (producers are taken sorted).
     ``starts`` must hold every producer of ``ends``; a range already empty keeps
     nothing and its end is set to its start.
@@ -214,6 +194,30 @@ def pack(ranges: Mapping[str, tuple[int, int]], step: int) -> list[tuple[Range, 
     return out
 
 
+def take_acked(
+    starts: Mapping[str, int],
+    ends: Mapping[str, int],
+    plain: Mapping[str, int],
+    budget: int,
+) -> dict[str, int]:
+    """A batch read's ``maxRecords`` (``budget``) over its ack-capable producers: the
+    ends of the producers of ``ends`` not in ``plain``, cut to what the plain givers
+    leave of the budget and shared fairly (:func:`fair_rows`).
+
+    ``plain``: per plain giver, the most records it may bring to this read (what it
+    gave so far and the credit it still holds). The plain givers come first: a record
+    a read drops is lost for a plain giver (it has no acks, it does not keep it), while
+    an ack-capable producer keeps what is not acked and gives it to the next read. The
+    rest is shared fairly, not in producer id order: batch reads are often repeated
+    (``maxRecords`` then the rest), and in id order a busy first producer would fill
+    every read while a later one's records wait, its window full.
+    ``starts`` must hold every producer of ``ends``.
+    """
+    left = max(0, budget - sum(max(0, n) for n in plain.values()))
+    acked = {p: e for p, e in ends.items() if p not in plain}
+    return fair_rows(starts, acked, left)
+
+
 @dataclass(frozen=True)
 class PlainTake:
     """A batch read's plain givers after their flows ended (:func:`extend_plain`)."""
@@ -221,8 +225,9 @@ class PlainTake:
     starts: dict[str, int]
     ends: dict[str, int]
     budget: int | None
-    # Per plain giver: records stored beyond what ``maxRecords`` let in (not taken).
-    left: dict[str, int]
+    # Per plain giver: the records stored beyond what ``maxRecords`` let in (not
+    # taken), ``(start, end)``: seq ``start <= seq < end``.
+    left: dict[str, tuple[int, int]]
 
 
 def extend_plain(
@@ -235,26 +240,30 @@ def extend_plain(
 ) -> PlainTake:
     """Extend a batch read's ``ends`` of the ``plain`` givers (no acks) to all they gave
     (``sealed``, the spool's ends after the flows ended), within ``budget`` (what
-    ``maxRecords`` leaves; None: no limit), in producer id order.
+    ``maxRecords`` leaves them; None: no limit), shared fairly (:func:`fair_rows`): when
+    the plain givers alone gave more than the budget, each loses only its last records.
 
     A producer new in ``sealed`` starts at its committed offset (at least 1). Producers
     not in ``plain`` keep their ends.
     """
     plain = set(plain)
     new_starts, new_ends = dict(starts), dict(ends)
-    left: dict[str, int] = {}
+    have: dict[str, int] = {}
+    gave: dict[str, int] = {}
     for p in sorted(sealed):
         if p not in plain:
             continue
         start = new_starts.setdefault(p, max(committed.get(p, 1), 1))
-        end = new_ends.get(p, start)
-        more = max(0, sealed[p] - end)
-        take = more if budget is None else min(more, budget)
-        if budget is not None:
-            budget -= take
-        new_ends[p] = end + take
-        if more > take:
-            left[p] = more - take
+        have[p] = new_ends.get(p, start)
+        gave[p] = max(have[p], sealed[p])
+    took = gave if budget is None else fair_rows(have, gave, budget)
+    left: dict[str, tuple[int, int]] = {}
+    for p, end in took.items():
+        new_ends[p] = end
+        if gave[p] > end:
+            left[p] = (end, gave[p])
+    if budget is not None:
+        budget -= sum(took[p] - have[p] for p in took)
     return PlainTake(new_starts, new_ends, budget, left)
 
 

@@ -155,6 +155,10 @@ class Receiver:
     reconnect
         Reopen a flow that ended or failed (streaming). False: a failed flow stays
         ``failed`` and an ended one ``ended`` (batch reads).
+    plain_budget
+        A batch read's ``maxRecords``: the plain givers (no acks) are given credit for
+        at most that many records in all, so they never give more than the read takes
+        (a plain giver does not keep a record the read drops). None: no such bound.
 
     Raises
     ------
@@ -176,6 +180,7 @@ class Receiver:
         ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
         reconnect: bool = True,
         bind: Iterable[str] = (),
+        plain_budget: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock_us: Callable[[], int] = lambda: time.time_ns() // 1000,
     ) -> None:
@@ -202,6 +207,8 @@ class Receiver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ending = False  # stop: only the echoes of our EOTs are awaited
+        self._credit_held = False  # hold_credit: no more credit is paid (acks still go)
+        self.plain_budget = plain_budget
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.fatal: DataLossError | None = None
@@ -338,6 +345,30 @@ class Receiver:
                 return True
             self._stop.wait(0.01)
         return False
+
+    def hold_credit(self, timeout: float = 5.0) -> dict[str, int] | None:
+        """Pay no more credit from now on (acks still go): a batch read whose
+        ``maxRecords`` is reached bounds what its givers may still send.
+
+        Returns, per producer, the most records its givers may still send: the credit
+        they hold times the records one of their DATs may carry, taken on the receiver's
+        thread after its last payment. None if that thread did not answer within
+        ``timeout`` s (it is stuck or ended): the caller cannot bound the rest.
+        """
+        done = threading.Event()
+        out: dict[str, int] = {}
+
+        def hold() -> None:
+            self._credit_held = True
+            for peer in self._flows():
+                if peer.flow is None or peer.producer is None:
+                    continue
+                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
+                out[peer.producer] = out.get(peer.producer, 0) + peer.flow.outstanding * per_dat
+            done.set()
+
+        self._call(hold)
+        return dict(out) if done.wait(timeout) else None
 
     def status(self) -> list[PeerStatus]:
         """One entry per producer endpoint we connect to, per live client flow of a bound
@@ -846,13 +877,30 @@ class Receiver:
         for peer in flows:
             assert peer.flow is not None
             out[peer.producer] += peer.flow.outstanding
+        room = self._plain_room()
         for peer in flows:
-            self._pay(peer, now, out)
+            self._pay(peer, now, out, room)
         if self._held_now or self._withheld_since:
             self._count_withheld()
         if not self._busy and self._quiet_since is None:
             self._quiet_since = self.clock()
         self.looked_at = self._looked
+
+    def _plain_room(self) -> list[int] | None:
+        """``plain_budget``: the records the plain givers may still be given credit for
+        (what they gave and the credit they hold count), as a one-item list the turn's
+        payments draw on; None without a budget."""
+        if self.plain_budget is None:
+            return None
+        used = sum(st.records for st in self._done if not st.ack_capable)
+        for peer in self._flows():
+            if peer.producer is None or peer.terms.ack:
+                continue
+            used += peer.status.records
+            if peer.flow is not None:
+                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
+                used += peer.flow.outstanding * per_dat
+        return [self.plain_budget - used]
 
     def _count_withheld(self) -> None:
         """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
@@ -928,7 +976,11 @@ class Receiver:
             # flow): reopening would take the same records again, endlessly.
             again = self.reconnect and peer.terms.ack and peer.bound is None
             if peer.client is not None:
-                peer.client.end("end of transmission", reopen=again, now=now)
+                # The echo just queued must reach the giver (a reference giver waits
+                # for it in eot()): closed with linger 0, it was lost under load.
+                peer.client.end(
+                    "end of transmission", reopen=again, now=now, linger_ms=_ECHO_LINGER_MS
+                )
             else:
                 self._end_flow(peer, eot=False)
             self._mark_open(peer, False)
@@ -1005,16 +1057,19 @@ class Receiver:
             with self._lock:
                 self._blocked_ms[peer.producer] = state.blocked_ms
 
-    def _pay(self, peer: Peer, now: float, out: dict[str | None, int]) -> None:
+    def _pay(
+        self, peer: Peer, now: float, out: dict[str | None, int], room: list[int] | None = None
+    ) -> None:
         """Pay ``peer``'s flow what the maxBacklog rule allows, with the latest ack
-        (:mod:`~zio_spark.protocol.credit`); ``out``: credit out per producer."""
+        (:mod:`~zio_spark.protocol.credit`); ``out``: credit out per producer; ``room``:
+        what ``plain_budget`` leaves the plain givers (:meth:`_plain_room`)."""
         flow = peer.flow
         assert flow is not None
         if flow.state is not FlowState.READY or peer.producer is None:
             return
         ack = self.spool.ack_end(peer.producer) - 1
         n = 0
-        if flow.credit > 0:
+        if flow.credit > 0 and not self._credit_held:
             decided = self._credit_rule.pay(
                 held=flow.credit,
                 backlog=self.spool.backlog().get(peer.producer, 0),
@@ -1026,6 +1081,10 @@ class Receiver:
             n = decided.amount
             if decided.held_back:
                 self._held_now.add(peer.producer)
+            if room is not None and not peer.terms.ack:
+                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
+                n = min(n, max(0, room[0] // per_dat))
+                room[0] -= n * per_dat
         # ``ack`` only to a giver that stated it keeps records for acks (pay_attrs).
         attrs = pay_attrs(peer.terms, ack, peer.acked)
         if attrs is not None:
@@ -1054,6 +1113,8 @@ _EOT_SEND_MS = 500
 _END_FLOW_S = 0.2
 _STOP_MARGIN = 10.0
 _PENDING_DATS_MAX = 256
+# A flow the giver ended (EOT): how long its port may still send our echo when it closes.
+_ECHO_LINGER_MS = 200
 # The longest poll wait of the receiver's loop (s).
 _TURN_S = 0.05
 

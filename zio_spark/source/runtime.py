@@ -28,6 +28,8 @@ from zio_spark.source.spool_server import SegmentKeys, SegmentServer, driver_hos
 from zio_spark.storage.spool import Spool
 
 if TYPE_CHECKING:  # imported where a group is used: ZRE costs ~0.1-0.3 s to import
+    import zmq
+
     from zio_spark.transport.discovery import GroupWatcher
 
 __all__ = [
@@ -65,8 +67,17 @@ class Inlet:
         return self.receiver.stop()
 
 
-def start_inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> Inlet:
-    """Start a receiver for ``opts`` (endpoints, group or bind; CURVE; socket kind).
+def start_inlet(
+    opts: SourceOptions,
+    spool: Spool,
+    *,
+    reconnect: bool,
+    ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
+    plain_budget: int | None = None,
+) -> Inlet:
+    """Start a receiver for ``opts`` (endpoints, group or bind; CURVE; socket kind), on
+    ``ctx`` (default: the process's shared context; tests pass a tracked one);
+    ``plain_budget``: a batch read's ``maxRecords`` (the receiver's ``plain_budget``).
 
     Raises
     ------
@@ -85,6 +96,8 @@ def start_inlet(opts: SourceOptions, spool: Spool, *, reconnect: bool) -> Inlet:
         curve=opts.curve,
         reconnect=reconnect,
         bind=opts.bind,
+        ctx=ctx,
+        plain_budget=plain_budget,
     ).start()
     watcher: GroupWatcher | None = None
     if opts.zre is not None:
@@ -368,9 +381,14 @@ def wait_first(rt: Runtime, opts: SourceOptions, state: RunState, *, one_batch: 
         time.sleep(0.01)  # the runner waits for producers; not a test wait
 
 
-def batch_receive(opts: SourceOptions) -> tuple[str, dict[str, tuple[int, int]]]:
+def batch_receive(
+    opts: SourceOptions, *, ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+) -> tuple[str, dict[str, tuple[int, int]]]:
     """A batch read: receive into a private spool until the flows end (``maxRecords``,
     ``timeout``); the spool's path and the ranges ``{producer: (start, end)}`` to read.
+
+    ``maxRecords`` goes to the plain givers first (:func:`_take_plain`), the
+    ack-capable producers share what they leave (``plan.take_acked``).
 
     Raises
     ------
@@ -383,7 +401,9 @@ def batch_receive(opts: SourceOptions) -> tuple[str, dict[str, tuple[int, int]]]
     path = os.path.join(opts.spool_path, f"batch-{uuid.uuid4().hex}")
     spool = Spool(path, on_gap="raise" if opts.fail_on_data_loss else "accept")
     try:
-        inlet = start_inlet(opts, spool, reconnect=False)
+        # The plain givers get credit for at most maxRecords records in all: they
+        # never give more than the read can take (a record it drops is lost to them).
+        inlet = start_inlet(opts, spool, reconnect=False, ctx=ctx, plain_budget=opts.max_records)
     except BaseException:
         spool.close()
         raise
@@ -407,17 +427,37 @@ def batch_receive(opts: SourceOptions) -> tuple[str, dict[str, tuple[int, int]]]
                 break
             time.sleep(0.02)  # waiting on producers, bounded by the deadline
         _raise_failed(recv, timeout)
-        ends = spool.seal()
         budget = opts.max_records
+        in_flight: dict[str, int] = {}
+        if budget is not None:
+            # From here the givers may send only the credit they hold, so what the
+            # plain givers may still bring is known before the ack-capable producers'
+            # share is decided (credit paid during the acks and the EOTs below would
+            # bring plain records that share did not leave room for).
+            held = recv.hold_credit(timeout=min(5.0, opts.connect_timeout))
+            if held is None:
+                raise TransportError(
+                    "zio batch read failed: the receiver did not stop its credit within "
+                    f"{min(5.0, opts.connect_timeout):g} s, so what its plain givers may "
+                    "still send is unknown"
+                )
+            in_flight = held
+        ends = spool.seal()
         committed = spool.committed()
         starts = {p: plan.base(p, {}, committed) for p in ends}
+        plain = _plain(recv)
         if budget is not None:
-            # maxRecords keeps producer id order (plan.take_rows), not a stream's fair
-            # split (plan.fair_rows): this is one read, so no producer waits behind a
-            # busy one trigger after trigger (what is not acked below, an ack-capable
-            # producer keeps for the next read), and the budget left is what
-            # _take_plain gives the plain givers' later records in the same order.
-            ends, budget = plan.take_rows(starts, ends, budget)
+            # maxRecords goes to the plain givers first, to all they gave and may still
+            # give (they cannot send again what a read drops); the ack-capable
+            # producers share the rest fairly and keep what is not acked for the next
+            # read (plan.take_acked).
+            reach = {
+                p: max(0, ends.get(p, 0) - starts.get(p, 1)) + in_flight.get(p, 0) for p in plain
+            }
+            ends = plan.take_acked(starts, ends, reach, budget)
+            budget -= sum(ends[p] - starts[p] for p in ends)
+        else:
+            ends = {p: e for p, e in ends.items() if p not in plain}
         # The records stay in this private spool for read(); only the producers hear
         # that they are safe (an ack), so ack-capable ones can forget them. Acks go
         # on open flows: before the EOTs.
@@ -442,6 +482,11 @@ def batch_receive(opts: SourceOptions) -> tuple[str, dict[str, tuple[int, int]]]
     return path, {p: (starts[p], e) for p, e in ends.items()}
 
 
+def _plain(recv: Receiver) -> set[str]:
+    """The producers of a batch read that are plain givers (no acks)."""
+    return {st.producer for st in recv.status() if st.producer and not st.ack_capable}
+
+
 def _take_plain(
     recv: Receiver,
     spool: Spool,
@@ -450,22 +495,32 @@ def _take_plain(
     budget: int | None,
     max_records: int | None,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """A batch read's flows have ended: ``(starts, ends)`` with the ends of plain givers
-    (no acks) extended to all they gave, within ``budget`` (what ``maxRecords`` leaves;
-    :func:`~zio_spark.source.plan.extend_plain`).
+    """A batch read's flows have ended: ``(starts, ends)`` with the plain givers (no
+    acks) taken to all they gave, within ``budget`` (what the ack-capable producers
+    left of ``maxRecords``; :func:`~zio_spark.source.plan.extend_plain`).
 
     A plain giver has no acks: what reached the spool is confirmed to it (by our credit,
-    then the echo of our EOT), so it is in the result or (beyond ``maxRecords``) logged
-    as not taken: the giver does not keep it."""
-    plain = {st.producer for st in recv.status() if st.producer and not st.ack_capable}
+    then the echo of our EOT), so it is in the result or, only when the plain givers
+    alone gave more than ``maxRecords``, logged as lost: the giver does not keep it."""
+    plain = _plain(recv)
     taken = plan.extend_plain(plain, spool.seal(), spool.committed(), starts, ends, budget)
-    for p, left in sorted(taken.left.items()):
+    # What the plain givers gave in all in this read: taken, and lost beyond the budget.
+    gave = sum(
+        taken.left.get(p, (0, taken.ends[p]))[1] - taken.starts[p]
+        for p in plain & taken.ends.keys()
+    )
+    for p, (lost_from, lost_to) in sorted(taken.left.items()):
         log.warning(
-            "zio batch read: %d records of plain giver %s are beyond maxRecords %s: "
-            "not in the result, and a plain giver does not keep them",
-            left,
+            "zio batch read: plain giver %s gave %d records beyond maxRecords %s (seq %d "
+            "to %d): not in the result, and lost (a plain giver has no acks and cannot "
+            "send them again). The plain givers alone gave %d records in this read: set "
+            "a larger maxRecords (or none) to keep them all",
             p,
+            lost_to - lost_from,
             max_records,
+            lost_from,
+            lost_to - 1,
+            gave,
         )
     return taken.starts, taken.ends
 

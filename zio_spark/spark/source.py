@@ -513,17 +513,20 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         return self._spool_latest(start or {}, limit)
 
     def _spool_latest(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, int]:
-        bases, ends = self._spool_wanted(start)
+        """The spool mode's next batch: :func:`~zio_spark.source.plan.latest_end` (the
+        ``maxRecordsPerTrigger`` budget shared fairly), the function its tests exercise."""
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        if max_rows is not None:
-            # Shared fairly (the direct mode's split): a busy first producer in id
-            # order does not fill every batch while the others wait.
-            ends = plan.fair_rows(bases, ends, max_rows)
-        return plan.sorted_offsets(ends)
+        ends, committed = self._spool_ends(start)
+        return plan.latest_end(start, ends, committed, max_rows)
 
     def _spool_wanted(self, start: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
         """The spool path's next batch before ``maxRecordsPerTrigger``: each producer's
         base and the end it could reach (:func:`~zio_spark.source.plan.wanted_ends`)."""
+        return plan.wanted_ends(start, *self._spool_ends(start))
+
+    def _spool_ends(self, start: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """What the spool path's next batch could reach (the sealed ends, or the
+        availableNow target) and the spool's committed offsets."""
         rt = self._runtime()
         check(rt, self.opts)
         # Spark plans a batch only once the previous one is in its commit log, so
@@ -544,7 +547,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 one_batch = not compat.HAS_TRIGGER_AVAILABLE_NOW
                 wait_first(rt, self.opts, self._run_state, one_batch=one_batch)
             ends = rt.spool.seal()
-        return plan.wanted_ends(start, ends, rt.spool.committed())
+        return ends, rt.spool.committed()
 
     def reportLatestOffset(self) -> dict[str, Any]:
         if self._controls is not None:

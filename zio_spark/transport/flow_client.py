@@ -553,13 +553,16 @@ class FlowClient:
         self.gave_up = why
         self._end(why, linger_ms)
 
-    def end(self, reason: str, *, reopen: bool, now: float | None = None) -> None:
+    def end(
+        self, reason: str, *, reopen: bool, now: float | None = None, linger_ms: int = 0
+    ) -> None:
         """End the open flow here, not as a failure (a handler that took the server's EOT
         itself): a new flow opens after the current back-off delay if ``reopen`` (and
-        ``reconnect``), else none (a giver whose EOT is final)."""
+        ``reconnect``), else none (a giver whose EOT is final). ``linger_ms``: how long
+        the port's last sends (the echo of the server's EOT) may still go out."""
         if not reopen:
             self.ending = True
-        self._end(reason)
+        self._end(reason, linger_ms)
         self.retry_at = (time.monotonic() if now is None else now) + self.backoff.delay
 
     def fail(self, why: str, counter: str, now: float | None = None) -> None:
