@@ -29,6 +29,8 @@ __all__ = [
     "SourceOptions",
     "ZreOptions",
     "check_endpoint",
+    "conn_check_seconds",
+    "heartbeat_seconds",
     "parse_bool",
     "parse_duration",
     "parse_endpoints",
@@ -806,6 +808,74 @@ DEFAULT_QUEUE_FLOW_WINDOW: Final = 100_000
 """Default most messages given to the flow producer port and not yet acknowledged (the
 flow producer port's own default too)."""
 
+DEFAULT_HEARTBEAT_INTERVAL: Final = 5.0
+"""Default seconds between ZMTP PINGs on a giver port's connections (the bound
+:class:`~zio_spark.source.producer.Producer`'s and the queue's flow producer port's)."""
+DEFAULT_HEARTBEAT_TIMEOUT: Final = 30.0
+"""Default seconds without any traffic (not even a PONG) after which libzmq closes such a
+connection."""
+DEFAULT_CONN_CHECK: Final = 0.5
+"""Default seconds between two looks at the range and control flows' connections."""
+
+
+def heartbeat_seconds(
+    interval: object,
+    timeout: object,
+    *,
+    names: tuple[str, str] = ("heartbeat_interval", "heartbeat_timeout"),
+) -> tuple[float, float] | None:
+    """A giver port's ZMTP heartbeats checked: ``(interval, timeout)`` in seconds, or None
+    (off: ``interval`` None, and then ``timeout`` must be None too). ``names`` are the
+    option names the errors use (a keyword's, or a command's flags).
+
+    Raises
+    ------
+    ConfigError
+        Naming the option: an interval not in 0.001..3600 seconds, a timeout below the
+        interval or above 86400 seconds, a timeout without an interval or none with one.
+    """
+    iname, tname = names
+    if interval is None:
+        if timeout is not None:
+            raise ConfigError(
+                tname, timeout, f"None when {iname} is None (no heartbeats, no timeout)"
+            )
+        return None
+    if isinstance(interval, bool) or not (
+        isinstance(interval, int | float) and 0.001 <= interval <= 3600
+    ):
+        raise ConfigError(iname, interval, "seconds in 0.001..3600, or None (off)")
+    if timeout is None:
+        raise ConfigError(
+            tname,
+            timeout,
+            f"seconds >= {iname} ({interval!r}) and <= 86400 while heartbeats are on; "
+            f"{iname}=None turns them off",
+        )
+    if isinstance(timeout, bool) or not (
+        isinstance(timeout, int | float) and interval <= timeout <= 86400
+    ):
+        raise ConfigError(tname, timeout, f"seconds >= {iname} ({interval!r}) and <= 86400")
+    return float(interval), float(timeout)
+
+
+def conn_check_seconds(value: object, name: str = "conn_check") -> float:
+    """Seconds between two looks at the range readers' connections, checked (> 0, at
+    most 3600).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``name``, for anything else.
+    """
+    if isinstance(value, bool) or not (
+        isinstance(value, int | float) and math.isfinite(value) and 0 < value <= 3600
+    ):
+        raise ConfigError(
+            name, value, "seconds between looks at the range readers' connections, > 0 and <= 3600"
+        )
+    return float(value)
+
 
 def _endpoint_or_none(option: str, value: object, *, optional: bool) -> None:
     if value is None and optional:
@@ -907,6 +977,12 @@ class QueueOptions:
         The store's: >= 0 ids, >= 4096 bytes, fdatasync or not.
     flow_producer, flow_consumer, flow_window
         The ZIO flow ports' endpoints (None: off) and the producer port's window (>= 1).
+    flow_heartbeat_interval, flow_heartbeat_timeout, flow_conn_check
+        The flow producer port's watch on its range and control readers' connections,
+        as the bound :class:`~zio_spark.source.producer.Producer`'s ``heartbeat_interval``,
+        ``heartbeat_timeout`` and ``conn_check`` (:func:`heartbeat_seconds`,
+        :func:`conn_check_seconds`): seconds; interval and timeout both None: no
+        heartbeats.
     send_mode, dedup
         One of :data:`SEND_MODES`, one of :data:`DEDUP_RULES`.
     dedup_grace
@@ -931,6 +1007,9 @@ class QueueOptions:
     flow_producer: str | None = None
     flow_consumer: str | None = None
     flow_window: int = DEFAULT_QUEUE_FLOW_WINDOW
+    flow_heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
+    flow_heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT
+    flow_conn_check: float = DEFAULT_CONN_CHECK
     send_mode: str = SEND_MODES[0]
     dedup: str = DEDUP_RULES[0]
     dedup_grace: float = DEFAULT_DEDUP_GRACE
@@ -959,6 +1038,14 @@ class QueueOptions:
         _endpoint_or_none("send", self.send, optional=False)
         for option in ("monitor", "flow_producer", "flow_consumer"):
             _endpoint_or_none(option, getattr(self, option), optional=True)
+        beats = heartbeat_seconds(
+            self.flow_heartbeat_interval,
+            self.flow_heartbeat_timeout,
+            names=("flow_heartbeat_interval", "flow_heartbeat_timeout"),
+        )
+        put("flow_heartbeat_interval", None if beats is None else beats[0])
+        put("flow_heartbeat_timeout", None if beats is None else beats[1])
+        put("flow_conn_check", conn_check_seconds(self.flow_conn_check, "flow_conn_check"))
         q = self.queue_id
         if q is not None and (not isinstance(q, bytes) or not 0 < len(q) <= 255 or q[0] == 0):
             raise ConfigError("queue_id", q, "1 to 255 bytes, not starting with a 0 byte")

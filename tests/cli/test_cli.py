@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+import zmq
 
 from tests.cli_support import free_endpoint
 from tests.support import wait_until
@@ -396,3 +397,122 @@ def test_curve_allow_takes_keys_files_and_zauth_certificate_folders(tmp_path):
             options(bad)
         assert e.value.option == "--curve-allow" and why in e.value.expected
     assert options() == {"curve_secret_key": secret}
+
+
+# -- watching range readers' connections: produce's and the queue's flags ------------------
+
+
+def _produce_args(*flags: str) -> argparse.Namespace:
+    return build_parser().parse_args(["produce", *flags])
+
+
+def test_produce_watch_flags_reach_the_producer_in_seconds(ctx):
+    from zio_spark.cli.produce import watch_options
+    from zio_spark.source.producer import Producer
+
+    assert watch_options(_produce_args()) == {}  # the Producer's own defaults
+    got = watch_options(
+        _produce_args(
+            "--heartbeat-interval", "500ms", "--heartbeat-timeout", "3s", "--conn-check", "100ms"
+        )
+    )
+    assert got == {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0, "conn_check": 0.1}
+    # A timeout alone keeps the default interval (5s); 0 turns heartbeats off.
+    assert watch_options(_produce_args("--heartbeat-timeout", "1m")) == {
+        "heartbeat_interval": 5.0,
+        "heartbeat_timeout": 60.0,
+    }
+    off = watch_options(_produce_args("--heartbeat-interval", "0"))
+    assert off == {"heartbeat_interval": None, "heartbeat_timeout": None}
+    p = Producer("tcp://127.0.0.1:*", ctx=ctx, linger_ms=0, **got)
+    try:
+        socket = p._server.port.socket
+        assert (socket.getsockopt(zmq.HEARTBEAT_IVL), socket.getsockopt(zmq.HEARTBEAT_TIMEOUT)) == (
+            500,
+            3000,
+        )
+        assert p._server.conn_check == 0.1
+    finally:
+        p.close(flush=False, timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("flags", "option", "expected"),
+    [
+        (("--heartbeat-interval", "10s", "--heartbeat-timeout", "5s"), "--heartbeat-timeout",
+         ">= --heartbeat-interval (10.0) and <= 86400"),
+        (("--heartbeat-interval", "1m"), "--heartbeat-timeout", ">= --heartbeat-interval (60s)"),
+        (("--heartbeat-interval", "0", "--heartbeat-timeout", "5s"), "--heartbeat-timeout",
+         "--heartbeat-interval 0 turns heartbeats off"),
+        (("--connect", "tcp://127.0.0.1:1", "--conn-check", "1s"), "--conn-check", "--bind"),
+        (("--connect", "tcp://127.0.0.1:1", "--heartbeat-interval", "1s"), "--heartbeat-interval",
+         "--bind"),
+    ],
+)  # fmt: skip
+def test_produce_watch_flags_that_do_not_fit_are_refused_naming_the_flag(
+    flags, option, expected, capsys
+):
+    from zio_spark.cli.produce import watch_options
+    from zio_spark.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        watch_options(_produce_args(*flags))
+    assert e.value.option == option and expected in str(e.value), str(e.value)
+    assert main(["produce", *flags]) == 2  # before any port is bound
+    assert f"option '{option}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--conn-check", "0"),
+        ("--conn-check", "2h"),
+        ("--heartbeat-interval", "soon"),
+        ("--heartbeat-interval", "2h"),
+        ("--heartbeat-timeout", "0"),
+    ],
+)
+def test_produce_watch_durations_out_of_range_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        _produce_args(*flags)
+    assert e.value.code == 2
+    assert f"option '{flags[0]}': got '{flags[1]}'" in capsys.readouterr().err
+
+
+def test_queue_flow_watch_flags_reach_the_options(tmp_path, capsys):
+    from zio_spark.cli.queue import _parser, queue_options, run_queue
+
+    def options(*flags: str):
+        return queue_options(_parser().parse_args(["--store", str(tmp_path / "q"), *flags]))
+
+    o = options()
+    assert (o.flow_heartbeat_interval, o.flow_heartbeat_timeout, o.flow_conn_check) == (
+        5.0,
+        30.0,
+        0.5,
+    )
+    o = options(
+        "--flow-heartbeat-interval", "200ms", "--flow-heartbeat-timeout", "2s",
+        "--flow-conn-check", "50ms",
+    )  # fmt: skip
+    assert (o.flow_heartbeat_interval, o.flow_heartbeat_timeout, o.flow_conn_check) == (
+        0.2,
+        2.0,
+        0.05,
+    )
+    o = options("--flow-heartbeat-interval", "0")
+    assert (o.flow_heartbeat_interval, o.flow_heartbeat_timeout) == (None, None)
+    for flags, option in (
+        (("--flow-heartbeat-interval", "1m"), "--flow-heartbeat-timeout"),
+        (("--flow-heartbeat-interval", "0", "--flow-heartbeat-timeout", "1s"),
+         "--flow-heartbeat-timeout"),
+        (("--flow-heartbeat-interval", "3s", "--flow-heartbeat-timeout", "1s"),
+         "--flow-heartbeat-timeout"),
+    ):  # fmt: skip
+        argv = ["--store", str(tmp_path / "q"), *flags]
+        assert run_queue(argv) == 2, flags
+        assert f"option '{option}'" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()  # refused before the store was made
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--store", "q", "--flow-conn-check", "0"])
+    assert "option '--flow-conn-check': got '0'" in capsys.readouterr().err

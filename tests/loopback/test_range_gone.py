@@ -7,8 +7,11 @@ SIGSTOPped (its connection stays up but nothing answers the PINGs: the heartbeat
 closes it), a socket dropped in this process without EOT, a control flow with a leased
 run key (released as on EOT), a quiet reader that is never dropped, a descriptor reused by
 a later connection, and the keywords' checks. Held records stay held throughout: a
-vanished flow frees and acknowledges nothing. Processes started here are stopped by
-their pid; every wait polls a condition with a deadline.
+vanished flow frees and acknowledges nothing. The queue's flow producer port
+(:class:`~zio_spark.pzq.flow_ports.FlowProducerPort`, driven inline by the broker's
+loop) does the same with the queue's ``flow_heartbeat_*``/``flow_conn_check`` settings:
+a killed reader's flows end, its messages stay in the store, assigned. Processes
+started here are stopped by their pid; every wait polls a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -22,10 +25,13 @@ from typing import Any
 
 import pytest
 import zmq
+from test_flow_ports import _produce
 
 from tests.support import wait_until
 from zio_spark.errors import ConfigError
 from zio_spark.protocol.flow import Direction, EotReceived, Role
+from zio_spark.pzq.broker import QueueBroker
+from zio_spark.pzq.flow_ports import FlowProducerPort
 from zio_spark.source.producer import Producer
 from zio_spark.source.range_client import ControlConnection, HeldWindow, RangeConnection
 from zio_spark.transport.curve import client_curve
@@ -66,10 +72,10 @@ def _producer(ctx: Any, closing: list[Any], **kw: Any) -> Producer:
 class _Reader:
     """The reader process; :meth:`kill` signals it by pid, :meth:`stop` ends it."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, producer: str = P) -> None:
         env = dict(os.environ, PYTHONPATH=os.getcwd())
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _READER, endpoint, P],
+            [sys.executable, "-c", _READER, endpoint, producer],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -94,8 +100,8 @@ class _Reader:
 def reader():
     started: list[_Reader] = []
 
-    def start(endpoint: str) -> _Reader:
-        r = _Reader(endpoint)
+    def start(endpoint: str, producer: str = P) -> _Reader:
+        r = _Reader(endpoint, producer)
         started.append(r)
         return r
 
@@ -341,3 +347,80 @@ def test_both_wires_read_the_descriptor_of_what_they_take():
         wire.sock.frames.append(_Frame(b"n", False, None, None))  # inproc, no ZAP
         wire.get(0)
         assert (wire.fd, wire.user_id) == (-1, None)
+
+
+# -- the queue's flow producer port (inline in the broker's loop) -------------------------
+
+QUEUE_FAST: dict[str, Any] = {f"flow_{k}": v for k, v in FAST.items()}
+
+
+def _queue_port(b: QueueBroker) -> FlowProducerPort:
+    flows = b._flows
+    assert flows is not None and flows.producer is not None
+    return flows.producer
+
+
+def test_the_queue_port_ends_a_killed_readers_flows_and_keeps_its_messages(
+    make_broker, raw_socket, ctx, closing, reader
+):
+    """A reader process holding a control flow and a range flow on the queue's flow
+    producer port is SIGKILLed: both flows end (found from the broker's loop turns),
+    nothing is acked, the store keeps the 100 messages (assigned to the flow, not given
+    to PZQ consumers), and a new control flow sees the same window. A quiet control
+    flow of this process stays through many looks, and the looks never make the loop
+    busy (they run from its turns, when due)."""
+    b = make_broker(flow_producer="tcp://127.0.0.1:*", **QUEUE_FAST)
+    port = _queue_port(b)
+    ep = b.endpoints["flow_producer"]
+    assert port.socket.getsockopt(zmq.HEARTBEAT_IVL) == 50
+    assert port.socket.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 300
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, [(b"m-%03d" % i, [b"body-%03d" % i]) for i in range(100)])
+    r = reader(ep, port.producer_id)  # its control flow's held query numbered all 100
+    quiet = ControlConnection(ep, ctx=ctx, timeout=T)
+    closing.append(quiet)
+    window = HeldWindow(port.incarnation, 1, 101)
+    assert quiet.held() == window
+    assert len(port.ranges.flows) == 3 and port.range_stats["control_flows"] == 2
+    server = port._server
+    r.kill(signal.SIGKILL)
+    wait_until(
+        lambda: len(port.ranges.flows) == 1,
+        T,
+        "the killed reader's flows on the queue's port to end",
+        detail=lambda: (len(port.ranges.flows), port.range_stats),
+    )
+    gone = port.range_stats["range_flows_gone"], port.range_stats["control_flows_gone"]
+    assert gone == (1, 1)
+    # The monitor's snapshot is refreshed every 0.1 s: wait for the one after numbering.
+    wait_until(lambda: b.stats()["flow_given"] == 100, T, "flow_given 100 in the snapshot")
+    stats = b.stats()
+    assert stats["flow_acked"] == 0 and stats["messages"] == 100
+    assert port.acked == 0 and port.unacked == 100
+    assert not b._flows.busy()
+    looks = server.stats["conn_checks"]
+    # 20 more looks (one per 20 ms at most): the quiet flow stays, heartbeats answered.
+    wait_until(lambda: server.stats["conn_checks"] >= looks + 20, T, "20 more looks")
+    assert len(port.ranges.flows) == 1 and quiet.held() == window
+    with ControlConnection(ep, ctx=ctx, timeout=T) as c:
+        assert c.held() == window
+
+
+def test_the_queue_port_takes_the_producers_watch_defaults_and_can_turn_heartbeats_off(
+    make_broker,
+):
+    b = make_broker(flow_producer="tcp://127.0.0.1:*")
+    port = _queue_port(b)
+    assert port.socket.getsockopt(zmq.HEARTBEAT_IVL) == 5000
+    assert port.socket.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30000
+    assert port._server.conn_check == 0.5
+    off = make_broker(
+        store=b.options.store_path.parent / "off",
+        flow_producer="tcp://127.0.0.1:*",
+        flow_heartbeat_interval=None,
+        flow_heartbeat_timeout=None,
+        flow_conn_check=2,
+    )
+    port = _queue_port(off)
+    assert port.socket.getsockopt(zmq.HEARTBEAT_IVL) == 0 and port._server.conn_check == 2.0

@@ -22,6 +22,7 @@ from zio_spark.options import (
     QueueOptions,
 )
 from zio_spark.pzq.flow_ports import DEFAULT_FLOW_WINDOW
+from zio_spark.source import producer
 from zio_spark.storage.store import DEFAULT_DEDUP_WINDOW, DEFAULT_SEGMENT_BYTES
 
 
@@ -47,6 +48,35 @@ def test_defaults_agree_with_the_store_and_the_flow_ports() -> None:
     assert DEFAULT_QUEUE_DEDUP_WINDOW == DEFAULT_DEDUP_WINDOW
     assert DEFAULT_QUEUE_SEGMENT_BYTES == DEFAULT_SEGMENT_BYTES
     assert DEFAULT_QUEUE_FLOW_WINDOW == DEFAULT_FLOW_WINDOW
+    # The flow producer port watches its readers as a bound Producer does, by default.
+    opts = QueueOptions(Path("s"))
+    assert (
+        (opts.flow_heartbeat_interval, opts.flow_heartbeat_timeout, opts.flow_conn_check)
+        == (
+            producer.DEFAULT_HEARTBEAT_INTERVAL,
+            producer.DEFAULT_HEARTBEAT_TIMEOUT,
+            producer.DEFAULT_CONN_CHECK,
+        )
+        == (5.0, 30.0, 0.5)
+    )
+
+
+def test_the_flow_ports_heartbeats_are_off_only_together_and_normalised() -> None:
+    off = QueueOptions(Path("s"), flow_heartbeat_interval=None, flow_heartbeat_timeout=None)
+    assert (off.flow_heartbeat_interval, off.flow_heartbeat_timeout) == (None, None)
+    with pytest.raises(ConfigError) as e:
+        QueueOptions(Path("s"), flow_heartbeat_interval=None)  # the timeout left at 30
+    assert (e.value.option, e.value.value) == ("flow_heartbeat_timeout", 30.0)
+    assert "None when flow_heartbeat_interval is None" in e.value.expected
+    on = QueueOptions(
+        Path("s"), flow_heartbeat_interval=1, flow_heartbeat_timeout=1, flow_conn_check=2
+    )
+    assert (on.flow_heartbeat_interval, on.flow_heartbeat_timeout, on.flow_conn_check) == (
+        1.0,
+        1.0,
+        2.0,
+    )
+    assert all(isinstance(x, float) for x in (on.flow_heartbeat_interval, on.flow_conn_check))
 
 
 @pytest.mark.parametrize(
@@ -80,6 +110,22 @@ def test_defaults_agree_with_the_store_and_the_flow_ports() -> None:
         ({"segment_bytes": 4095}, "segment_bytes", "an integer >= 4096"),
         ({"flow_window": 0}, "flow_window", "an integer >= 1"),
         ({"flow_window": True}, "flow_window", "an integer >= 1"),
+        ({"flow_heartbeat_interval": 0}, "flow_heartbeat_interval", "0.001..3600, or None"),
+        ({"flow_heartbeat_interval": "5s"}, "flow_heartbeat_interval", "seconds"),
+        (
+            {"flow_heartbeat_timeout": 1.0},
+            "flow_heartbeat_timeout",
+            "seconds >= flow_heartbeat_interval (5.0) and <= 86400",
+        ),
+        ({"flow_heartbeat_timeout": True}, "flow_heartbeat_timeout", "<= 86400"),
+        (
+            {"flow_heartbeat_timeout": None},
+            "flow_heartbeat_timeout",
+            "flow_heartbeat_interval=None turns them off",
+        ),
+        ({"flow_conn_check": 0}, "flow_conn_check", "> 0 and <= 3600"),
+        ({"flow_conn_check": math.nan}, "flow_conn_check", "> 0 and <= 3600"),
+        ({"flow_conn_check": 3601}, "flow_conn_check", "> 0 and <= 3600"),
     ],
 )
 def test_a_bad_value_names_the_field_the_value_and_what_is_expected(
@@ -150,3 +196,10 @@ def test_counts_are_accepted_exactly_from_their_minimum(n: int) -> None:
             assert e.option == field and n < minimum
         else:
             assert n >= minimum and getattr(opts, field) == n
+
+
+def test_the_brokers_keywords_are_the_options_fields() -> None:
+    from zio_spark.pzq.broker import QueueSettings
+
+    fields = {f.name for f in dataclasses.fields(QueueOptions)} - {"store_path"}
+    assert set(QueueSettings.__annotations__) == fields

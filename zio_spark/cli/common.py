@@ -27,6 +27,7 @@ __all__ = [
     "add_socket_option",
     "duration",
     "emit",
+    "heartbeats",
     "non_negative_float",
     "positive_int",
     "socket_mode",
@@ -82,6 +83,44 @@ def duration(
 
     parse.__name__ = "duration"
     return parse
+
+
+def heartbeats(
+    interval: float | None, timeout: float | None, flags: tuple[str, str]
+) -> tuple[float, float] | None:
+    """A command's ZMTP heartbeat flags (``flags``: interval's, timeout's; each parsed by
+    :func:`duration`, the interval with ``zero``) as ``(interval, timeout)`` seconds, or
+    None for off (interval 0). An interval not given (None) is the default
+    (:data:`~zio_spark.options.DEFAULT_HEARTBEAT_INTERVAL`), so is a timeout not given
+    while heartbeats are on (:data:`~zio_spark.options.DEFAULT_HEARTBEAT_TIMEOUT`).
+
+    Raises
+    ------
+    ConfigError
+        Naming the flag: a timeout with heartbeats off, a timeout (given or the default)
+        below the interval, a value out of :func:`~zio_spark.options.heartbeat_seconds`'
+        ranges.
+    """
+    from zio_spark.options import (
+        DEFAULT_HEARTBEAT_INTERVAL,
+        DEFAULT_HEARTBEAT_TIMEOUT,
+        heartbeat_seconds,
+    )
+
+    iflag, tflag = flags
+    if interval == 0:
+        if timeout is not None:
+            raise ConfigError(tflag, timeout, f"no timeout: {iflag} 0 turns heartbeats off")
+        return None
+    interval = DEFAULT_HEARTBEAT_INTERVAL if interval is None else interval
+    if timeout is None and interval > DEFAULT_HEARTBEAT_TIMEOUT:
+        raise ConfigError(
+            tflag,
+            f"{DEFAULT_HEARTBEAT_TIMEOUT:g}s (the default)",
+            f"a duration >= {iflag} ({interval:g}s): give it with that interval",
+        )
+    timeout = DEFAULT_HEARTBEAT_TIMEOUT if timeout is None else timeout
+    return heartbeat_seconds(interval, timeout, names=flags)
 
 
 class HelpFormatter(argparse.HelpFormatter):

@@ -168,6 +168,29 @@ def build_parser() -> argparse.ArgumentParser:
         "range reads only. "
         "Default: any client that knows the server key",
     )
+    sp.add_argument(
+        "--heartbeat-interval",
+        type=duration("--heartbeat-interval", maximum=3600, zero=True),
+        metavar="DURATION",
+        help="--bind: ZMTP PINGs on the port's connections this often, so a reader whose "
+        "host vanished is noticed (500ms, 5s, 1m; a bare number is seconds); 0 turns "
+        "them off (default 5s)",
+    )
+    sp.add_argument(
+        "--heartbeat-timeout",
+        type=duration("--heartbeat-timeout", minimum=1e-3, maximum=86400),
+        metavar="DURATION",
+        help="--bind: libzmq closes a connection silent this long (not even a PONG); at "
+        "least --heartbeat-interval (default 30s with heartbeats on)",
+    )
+    sp.add_argument(
+        "--conn-check",
+        type=duration("--conn-check", minimum=1e-3, maximum=3600),
+        metavar="DURATION",
+        help="--bind: look this often at the range and control readers' connections: a "
+        "flow whose reader vanished without EOT (a Spark task killed) ends, nothing "
+        "acked (default 500ms)",
+    )
     sp.add_argument("--group", help="ZRE group to advertise in (see `peers`; --bind only)")
     sp.add_argument("--beacon-port", type=positive_int, default=5670, help="ZRE UDP port")
     sp.add_argument("--broadcast", help="ZRE beacon address (default: $ZIO_ZRE_BROADCAST)")

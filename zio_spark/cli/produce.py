@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zio_spark.cli.common import EXIT_CHECK_FAILED, EXIT_OK, Stop, emit, socket_mode
+from zio_spark.cli.common import EXIT_CHECK_FAILED, EXIT_OK, Stop, emit, heartbeats, socket_mode
 from zio_spark.errors import ConfigError, TransportError
 
 __all__ = ["DEFAULT_BIND", "run_produce"]
@@ -95,6 +95,45 @@ def curve_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def watch_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The Producer's ``heartbeat_interval``, ``heartbeat_timeout`` and ``conn_check``
+    from ``--heartbeat-interval``, ``--heartbeat-timeout``, ``--conn-check`` (none given:
+    the Producer's defaults).
+
+    Raises
+    ------
+    ConfigError
+        Naming the flag: given with ``--connect`` (a client's connection is the
+        server's to watch), a timeout with heartbeats off or below the interval.
+    """
+    given = {
+        flag: value
+        for flag, value in (
+            ("--heartbeat-interval", getattr(args, "heartbeat_interval", None)),
+            ("--heartbeat-timeout", getattr(args, "heartbeat_timeout", None)),
+            ("--conn-check", getattr(args, "conn_check", None)),
+        )
+        if value is not None
+    }
+    if not given:
+        return {}
+    if args.connect:
+        flag, value = next(iter(given.items()))
+        raise ConfigError(flag, value, "--bind: it watches the readers of the port it serves")
+    out: dict[str, Any] = {}
+    if "--heartbeat-interval" in given or "--heartbeat-timeout" in given:
+        beats = heartbeats(
+            given.get("--heartbeat-interval"),
+            given.get("--heartbeat-timeout"),
+            ("--heartbeat-interval", "--heartbeat-timeout"),
+        )
+        out["heartbeat_interval"] = None if beats is None else beats[0]
+        out["heartbeat_timeout"] = None if beats is None else beats[1]
+    if "--conn-check" in given:
+        out["conn_check"] = given["--conn-check"]
+    return out
+
+
 def run_produce(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
@@ -113,6 +152,7 @@ def run_produce(args: argparse.Namespace) -> int:
         )
     mode = socket_mode(args.socket)
     curve = curve_options(args)
+    watch = watch_options(args)
     stop = Stop()
     payload = os.urandom(args.size) if args.random else b"x" * args.size
     prod = Producer(
@@ -129,6 +169,7 @@ def run_produce(args: argparse.Namespace) -> int:
         # The command's own deadline reports a server that never answers.
         connect_timeout=args.timeout + 5.0,
         **curve,
+        **watch,
     )
     topology = "connect" if args.connect else "bind"
     kind = PortKind.CLIENT if args.connect else PortKind.SERVER

@@ -17,13 +17,16 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from zio_spark.cli.common import HelpFormatter, duration, unknown_arguments
+from zio_spark.cli.common import HelpFormatter, duration, heartbeats, unknown_arguments
 from zio_spark.errors import ConfigError, TransportError
 from zio_spark.options import (
     DEDUP_RULES,
     DEFAULT_ACK_BACKLOG,
     DEFAULT_ACK_TIMEOUT,
+    DEFAULT_CONN_CHECK,
     DEFAULT_DEDUP_GRACE,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     DEFAULT_HWM,
     DEFAULT_INFLIGHT,
     DEFAULT_QUEUE_DEDUP_WINDOW,
@@ -39,7 +42,7 @@ from zio_spark.options import (
 from zio_spark.pzq.broker import QueueBroker
 from zio_spark.storage.store import StoreError
 
-__all__ = ["main", "run_queue"]
+__all__ = ["main", "queue_options", "run_queue"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +127,27 @@ def _parser() -> argparse.ArgumentParser:
         "--flow-window", type=int, default=DEFAULT_QUEUE_FLOW_WINDOW, metavar="N",
         help="most messages given to the flow producer port and not yet acked",
     )  # fmt: skip
+    p.add_argument(
+        "--flow-heartbeat-interval", default=f"{DEFAULT_HEARTBEAT_INTERVAL:g}s",
+        metavar="DURATION", type=duration("--flow-heartbeat-interval", maximum=3600, zero=True),
+        help="ZMTP PINGs on --flow-producer's connections this often, so a Spark reader "
+        "whose host vanished is noticed; 0 turns them off (default "
+        f"{DEFAULT_HEARTBEAT_INTERVAL:g}s; a bare number is seconds)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flow-heartbeat-timeout", default=None, metavar="DURATION",
+        type=duration("--flow-heartbeat-timeout", minimum=1e-3, maximum=86400),
+        help="libzmq closes a --flow-producer connection silent this long (not even a "
+        "PONG): at least --flow-heartbeat-interval (default "
+        f"{DEFAULT_HEARTBEAT_TIMEOUT:g}s with heartbeats on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--flow-conn-check", default=f"{DEFAULT_CONN_CHECK:g}s", metavar="DURATION",
+        type=duration("--flow-conn-check", minimum=1e-3, maximum=3600),
+        help="look this often at the connections of --flow-producer's range and control "
+        "flows: a flow whose reader vanished without EOT (a task killed) ends, nothing "
+        f"acked (default {DEFAULT_CONN_CHECK:g}s)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
     p.add_argument(
         "--json",
@@ -161,6 +185,53 @@ def _allowed(values: list[str] | None, secret: str | None) -> tuple[bytes, ...] 
     )
 
 
+def queue_options(args: argparse.Namespace) -> QueueOptions:
+    """The checked :class:`~zio_spark.options.QueueOptions` of ``zio-spark queue``'s
+    parsed flags (``--curve-secret @FILE`` read here).
+
+    Raises
+    ------
+    ConfigError
+        Naming the flag or the field: a bad key, heartbeats that do not fit together
+        (``--flow-heartbeat-timeout`` with heartbeats off or below the interval), any
+        value :class:`~zio_spark.options.QueueOptions` refuses.
+    OSError
+        If ``--curve-secret @FILE`` cannot be read.
+    """
+    secret: str | None = args.curve_secret
+    if secret is not None and secret.startswith("@"):
+        secret = Path(secret[1:]).read_text("ascii").strip()
+    allowed = _allowed(args.curve_allow, secret)
+    beats = heartbeats(
+        args.flow_heartbeat_interval,
+        args.flow_heartbeat_timeout,
+        ("--flow-heartbeat-interval", "--flow-heartbeat-timeout"),
+    )
+    return QueueOptions(
+        Path(args.store),
+        receive=args.receive,
+        send=args.send,
+        monitor=None if args.monitor.lower() == "none" else args.monitor,
+        ack_timeout=args.ack_timeout,
+        send_mode=args.send_mode,
+        dedup=args.dedup,
+        dedup_grace=args.dedup_grace,
+        hwm=args.hwm,
+        ack_backlog=args.ack_backlog,
+        inflight=args.inflight,
+        curve_secret_key=secret,
+        curve_allowed_client_keys=allowed,
+        queue_id=args.queue_id.encode() if args.queue_id else None,
+        dedup_window=args.dedup_window,
+        flow_producer=args.flow_producer,
+        flow_consumer=args.flow_consumer,
+        flow_window=args.flow_window,
+        flow_heartbeat_interval=None if beats is None else beats[0],
+        flow_heartbeat_timeout=None if beats is None else beats[1],
+        flow_conn_check=args.flow_conn_check,
+    )
+
+
 def run_queue(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: run a queue until SIGTERM/SIGINT. Returns the exit status.
 
@@ -188,35 +259,13 @@ def run_queue(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    secret: str | None = args.curve_secret
     try:
-        if secret is not None and secret.startswith("@"):
-            secret = Path(secret[1:]).read_text("ascii").strip()
-        allowed = _allowed(args.curve_allow, secret)
-        options = QueueOptions(
-            Path(args.store),
-            receive=args.receive,
-            send=args.send,
-            monitor=None if args.monitor.lower() == "none" else args.monitor,
-            ack_timeout=args.ack_timeout,
-            send_mode=args.send_mode,
-            dedup=args.dedup,
-            dedup_grace=args.dedup_grace,
-            hwm=args.hwm,
-            ack_backlog=args.ack_backlog,
-            inflight=args.inflight,
-            curve_secret_key=secret,
-            curve_allowed_client_keys=allowed,
-            queue_id=args.queue_id.encode() if args.queue_id else None,
-            dedup_window=args.dedup_window,
-            flow_producer=args.flow_producer,
-            flow_consumer=args.flow_consumer,
-            flow_window=args.flow_window,
-        )
+        options = queue_options(args)
         broker = QueueBroker(options)
     except (ConfigError, OSError) as e:
         print(f"zio-spark queue: {e}", file=sys.stderr)
         return 2
+    allowed = options.curve_allowed_client_keys
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:

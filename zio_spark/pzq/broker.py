@@ -197,6 +197,9 @@ class QueueSettings(TypedDict, total=False):
     flow_producer: str | None
     flow_consumer: str | None
     flow_window: int
+    flow_heartbeat_interval: float | None
+    flow_heartbeat_timeout: float | None
+    flow_conn_check: float
     send_mode: str
     dedup: str
     dedup_grace: float
@@ -281,6 +284,15 @@ class QueueBroker:
         Bind a ZIO flow consumer port here for Spark sinks (None: off).
     flow_window
         Most messages given to the flow producer port and not yet acknowledged.
+    flow_heartbeat_interval, flow_heartbeat_timeout, flow_conn_check
+        How the flow producer port notices a range or control reader that vanished
+        without EOT (a Spark task SIGKILLed, a driver or host lost), as the bound
+        :class:`~zio_spark.source.producer.Producer`'s ``heartbeat_interval``,
+        ``heartbeat_timeout`` and ``conn_check``: ZMTP PINGs every interval seconds
+        (default 5; None: off, then the timeout None too), a connection silent for
+        the timeout (default 30) closed by libzmq, and its connections looked at every
+        ``flow_conn_check`` seconds (default 0.5) from the loop's turns. Such a flow
+        ends, nothing is acknowledged: its messages stay in the store, assigned.
     context
         A zmq context to use (default: a private one, terminated at stop).
     authenticator
@@ -632,6 +644,9 @@ class QueueBroker:
                     curve=self._curve,
                     linger_ms=self._linger,
                     gate=self._gate,
+                    heartbeat_interval=self.options.flow_heartbeat_interval,
+                    heartbeat_timeout=self.options.flow_heartbeat_timeout,
+                    conn_check=self.options.flow_conn_check,
                 )
             if consumer_ep is not None:
                 consumer = FlowConsumerPort(

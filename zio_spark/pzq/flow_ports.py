@@ -121,7 +121,14 @@ from typing import Any, Final, TypeVar
 import zmq
 
 from zio_spark.errors import ConfigError, RemoteProtocolError, TransportError
-from zio_spark.options import Curve
+from zio_spark.options import (
+    DEFAULT_CONN_CHECK,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    Curve,
+    conn_check_seconds,
+    heartbeat_seconds,
+)
 from zio_spark.protocol.flow import FlowState
 from zio_spark.protocol.message import join_single, split_single
 from zio_spark.sink.consumer import BatchId, Consumer
@@ -297,6 +304,13 @@ class FlowProducerPort:
         ``curve``): drivers lease their run keys on it and flows are bound to keys, as
         on a producer with an allow-list (module docstring, "Run keys"). None: ``admit``
         is answered ``open`` and any client that got in opens any flow.
+    heartbeat_interval, heartbeat_timeout, conn_check
+        The watch on range and control readers' connections, as the bound
+        :class:`~zio_spark.source.producer.Producer`'s keywords of these names (same
+        defaults; errors name the queue's options ``flow_heartbeat_interval``,
+        ``flow_heartbeat_timeout``, ``flow_conn_check``): a flow whose reader vanished
+        without EOT (a task SIGKILLed, a driver lost) ends, nothing acked
+        (``range_stats["range_flows_gone"]``, ``["control_flows_gone"]``).
 
     Raises
     ------
@@ -323,8 +337,17 @@ class FlowProducerPort:
         curve: Curve | None = None,
         linger_ms: int = 500,
         gate: CurveAuthenticator | None = None,
+        heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
+        heartbeat_timeout: float | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        conn_check: float = DEFAULT_CONN_CHECK,
     ) -> None:
         _check_endpoint("flow_producer", endpoint)
+        beats = heartbeat_seconds(
+            heartbeat_interval,
+            heartbeat_timeout,
+            names=("flow_heartbeat_interval", "flow_heartbeat_timeout"),
+        )
+        conn_check = conn_check_seconds(conn_check, "flow_conn_check")
         if gate is not None and curve is None:
             raise ConfigError(
                 "gate",
@@ -373,6 +396,12 @@ class FlowProducerPort:
                 zap_domain=None if gate is None else FLOW_ZAP_DOMAIN,
                 # With a gate, the key a client came with decides its flows.
                 user_ids=gate is not None,
+                # Which connection each range/control flow came on, and heartbeats, so a
+                # reader gone without EOT ends its flow (range_serving, "Readers that vanish").
+                conn_ids=True,
+                heartbeat_ms=None
+                if beats is None
+                else (round(beats[0] * 1000), round(beats[1] * 1000)),
             )
             try:
                 self.endpoint = port.bind(endpoint)
@@ -405,6 +434,9 @@ class FlowProducerPort:
             # A reader (driver's control flow, task, taker) whose flow outlived a previous
             # queue process on this endpoint is told with an EOT, not left to its timeout.
             on_stray=self.ranges.stray_answerer(port),
+            # Looked at from tick(), so once per loop turn at most and only when due: the
+            # broker's loop turns at least every _TICK_S; a check never makes it busy.
+            conn_check=conn_check,
         )
 
     def _reclaim(self, assigned: dict[int, int]) -> None:

@@ -76,7 +76,14 @@ import zmq
 from zio_spark import heap
 from zio_spark.codec.records import DAT_RECORDS
 from zio_spark.errors import ConfigError, TransportError
-from zio_spark.options import ZreOptions
+from zio_spark.options import (
+    DEFAULT_CONN_CHECK,
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    ZreOptions,
+    conn_check_seconds,
+    heartbeat_seconds,
+)
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import (
     Delivery,
@@ -118,9 +125,6 @@ _CLIENT_QUEUE_SLACK = 16  # client mode's send queue: the credit offered plus th
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
 _ZAP_DOMAIN = "zio-producer"  # the port's ZAP domain when it has an allow-list
 # Heartbeats and the look at range readers' connections (Producer's docstring).
-DEFAULT_HEARTBEAT_INTERVAL = 5.0
-DEFAULT_HEARTBEAT_TIMEOUT = 30.0
-DEFAULT_CONN_CHECK = 0.5
 # The retention window's defaults (see Producer's docstring for the arithmetic).
 DEFAULT_WINDOW = 2_000_000
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -300,14 +304,7 @@ class Producer:
         ):
             raise ConfigError("connect_timeout", connect_timeout, "seconds, > 0")
         heartbeat_ms = _heartbeat_ms(heartbeat_interval, heartbeat_timeout)
-        if isinstance(conn_check, bool) or not (
-            isinstance(conn_check, (int, float)) and 0 < conn_check <= 3600
-        ):
-            raise ConfigError(
-                "conn_check",
-                conn_check,
-                "seconds between looks at the range readers' connections, > 0 and <= 3600",
-            )
+        conn_check = conn_check_seconds(conn_check)
         allowed = _allowed_keys(curve_allowed_client_keys, connect, curve_secret_key)
         self._gate: CurveAuthenticator | None = None
         self._own_ctx: zmq.Context[zmq.Socket[bytes]] | None = None
@@ -706,8 +703,9 @@ class Producer:
 
 
 def _heartbeat_ms(interval: float | None, timeout: float | None) -> tuple[int, int] | None:
-    """``Producer(heartbeat_interval=, heartbeat_timeout=)`` checked, in milliseconds for
-    libzmq's options (None: no heartbeats).
+    """``Producer(heartbeat_interval=, heartbeat_timeout=)`` checked
+    (:func:`~zio_spark.options.heartbeat_seconds`), in milliseconds for libzmq's options
+    (None: no heartbeats).
 
     Raises
     ------
@@ -715,40 +713,8 @@ def _heartbeat_ms(interval: float | None, timeout: float | None) -> tuple[int, i
         Naming the option: not a number of seconds in 0.001..3600 (interval) or
         interval..86400 (timeout), or a timeout without an interval.
     """
-
-    def seconds(name: str, value: object, low: float, high: float, what: str) -> float:
-        if isinstance(value, bool) or not (
-            isinstance(value, (int, float)) and low <= value <= high
-        ):
-            raise ConfigError(name, value, what)
-        return float(value)
-
-    if interval is None:
-        if timeout is not None:
-            raise ConfigError(
-                "heartbeat_timeout",
-                timeout,
-                "None when heartbeat_interval is None (no heartbeats, no timeout)",
-            )
-        return None
-    ivl = seconds(
-        "heartbeat_interval", interval, 0.001, 3600, "seconds in 0.001..3600, or None (off)"
-    )
-    if timeout is None:
-        raise ConfigError(
-            "heartbeat_timeout",
-            timeout,
-            f"seconds >= heartbeat_interval ({interval!r}) and <= 86400 while heartbeats "
-            "are on; heartbeat_interval=None turns them off",
-        )
-    tmo = seconds(
-        "heartbeat_timeout",
-        timeout,
-        ivl,
-        86400,
-        f"seconds >= heartbeat_interval ({interval!r}) and <= 86400",
-    )
-    return round(ivl * 1000), round(tmo * 1000)
+    beats = heartbeat_seconds(interval, timeout)
+    return None if beats is None else (round(beats[0] * 1000), round(beats[1] * 1000))
 
 
 def _allowed_keys(
