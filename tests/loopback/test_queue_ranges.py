@@ -527,6 +527,7 @@ def test_a_full_window_adds_nothing_the_collector_visits_and_resends_read_the_st
             window=n,
             held_slice=n // 2,
             max_take=n // 2,
+            taker_turn_dats=n,  # this test is no loop: no turn ends between takes
             sync=False,
         )
         try:

@@ -44,7 +44,10 @@ the store instead of memory:
   until a DAT carries them, and a resend reads them back from the store by their pinned
   keys (:meth:`~zio_spark.storage.store.MessageStore.read_taken_run`), as a range does.
 - One taker at a time: a new BOT replaces the previous flow (a restarted Spark runner).
-  Takers without ``ack: true`` are rejected: this port is exactly-once only.
+  Takers without ``ack: true`` are rejected: this port is exactly-once only. The
+  taker's flow sends at most :data:`TAKER_TURN_DATS` DATs per broker loop turn, the
+  rest of what its credit paid for in the next turns (as a range flow does), so one
+  PAY does not hold the queue's PZQ peers and other flows for the whole of it.
 - **Direct reads** (``readMode=direct``, docs/direct-read.md "The queue's flow
   producer"): the port is a :class:`~zio_spark.source.range_serving.RangeSource`, so its
   handlers are :class:`~zio_spark.source.range_serving.ProducerFlowHandler`'s: every BOT
@@ -143,6 +146,7 @@ __all__ = [
     "HELD_SLICE",
     "LOG_REWRITE_BYTES",
     "RANGE_TURN_DATS",
+    "TAKER_TURN_DATS",
     "FlowConsumerPort",
     "FlowProducerPort",
     "QueueFlows",
@@ -165,6 +169,11 @@ RANGE_TURN_DATS: Final = 4
 100 bytes): a range paid for in one PAY is sent over several turns, so the rest of the
 loop (PZQ peers, other flows) runs in between, and every range flow with credit sends
 every turn."""
+
+TAKER_TURN_DATS: Final = 4
+"""Most DATs the taker's flow (spool mode) sends per broker loop turn, as a range flow
+(:data:`RANGE_TURN_DATS`): what one PAY's credit pays for (64 DATs of up to 1000
+records) goes out over several turns, the queue's other sockets served in between."""
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
@@ -284,6 +293,8 @@ class FlowProducerPort:
         Most messages numbered for held queries per loop turn (:meth:`prepare_held`).
     range_turn_dats
         Most DATs each range flow sends per loop turn (:data:`RANGE_TURN_DATS`).
+    taker_turn_dats
+        Most DATs the taker's flow sends per loop turn (:data:`TAKER_TURN_DATS`).
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
     mode, curve, linger_ms
@@ -315,6 +326,7 @@ class FlowProducerPort:
         max_take: int = 4096,
         held_slice: int = HELD_SLICE,
         range_turn_dats: int = RANGE_TURN_DATS,
+        taker_turn_dats: int = TAKER_TURN_DATS,
         sync: bool = True,
         mode: str | None = None,
         curve: Curve | None = None,
@@ -332,6 +344,12 @@ class FlowProducerPort:
             raise ConfigError("flow_window", window, "an integer >= 1")
         if isinstance(held_slice, bool) or not isinstance(held_slice, int) or held_slice < 1:
             raise ConfigError("held_slice", held_slice, "an integer >= 1")
+        if (
+            isinstance(taker_turn_dats, bool)
+            or not isinstance(taker_turn_dats, int)
+            or taker_turn_dats < 1
+        ):
+            raise ConfigError("taker_turn_dats", taker_turn_dats, "an integer >= 1")
         self.store = store
         self.window = window
         self.max_take = max_take
@@ -339,9 +357,14 @@ class FlowProducerPort:
         self._slice_left = held_slice  # numbering left for held queries this loop turn
         self._numbering = False  # a held query waits for more numbering
         self._ranges_waiting = False  # a range flow has DATs left for the next turn
+        self.taker_turn_dats = taker_turn_dats
+        self._taker_left = taker_turn_dats  # DATs the taker's flow may take this turn
+        self._taker_stopped = False  # this turn's budget stopped the taker's flow
+        self._taker_waiting = False  # it has credit and DATs left for the next turn
+        self.taker_turn_sent = 0  # DATs the taker's flow took in the turn just ended
         self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
         self.counters: dict[str, int] = dict.fromkeys(
-            ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
+            ("given", "acked", "resent", "takers", "lost", "reclaimed", "taker_deferred"), 0
         )
         # seq -> store key of every assigned unacked message: ints only, so CPython never
         # tracks the dict and a full GC pass does not visit the window (up to 100k).
@@ -605,12 +628,15 @@ class FlowProducerPort:
         self._server.process()
 
     def pump(self) -> None:
-        """Send what the taker has credit for, number a slice for pending held queries,
+        """Send the taker's DATs of the turn, number a slice for pending held queries,
         send each range flow's DATs of the turn; keep the side log bounded (broker
         thread, once per loop turn: it ends the turn's budgets)."""
         self._numbering = False  # set again by a held query still waiting (prepare_held)
         self._server.tick()
         self._slice_left = self.held_slice  # the next turn's numbering budget
+        self.taker_turn_sent = self.taker_turn_dats - self._taker_left
+        self._taker_left = self.taker_turn_dats  # the next turn's taker DATs
+        self._taker_waiting, self._taker_stopped = self._taker_stopped, False
         self._ranges_waiting = self.ranges.deferred
         self.ranges.new_turn()  # the next turn's range DATs
         store = self.store
@@ -628,7 +654,7 @@ class FlowProducerPort:
         """Whether the next loop turn has work without waiting for input."""
         taker = self._taker
         conn = None if taker is None else taker.conn
-        if self._numbering or self._ranges_waiting:
+        if self._numbering or self._ranges_waiting or self._taker_waiting:
             return True
         return (
             taker is not None
@@ -784,7 +810,13 @@ class FlowProducerPort:
     def take(self, first: int, n: int, room: int) -> Taken | None:
         """Up to ``n`` assigned messages from seq ``first``, assigning up to ``room``
         more from the store when none is left (a seq acked meanwhile, or lost, is
-        skipped; a run stops at such a hole)."""
+        skipped; a run stops at such a hole). The taker's flow is the only caller (one
+        DAT a call): once it took ``taker_turn_dats`` this loop turn, None (its credit
+        waits for the next turn; :meth:`busy` says there is one)."""
+        if self._taker_left <= 0:
+            self._taker_stopped = True
+            self.counters["taker_deferred"] += 1
+            return None
         if self._durable_next != self._next_seq:
             self._sync_numbering()  # a held query's numbering, not yet durable
         table = self._table
@@ -797,6 +829,7 @@ class FlowProducerPort:
             if seq < self._next_seq:
                 got, ids, bodies = self._records(seq, n, None)
                 if bodies:
+                    self._taker_left -= 1
                     return _taken(got, ids, bodies)
                 # seq's message could not be read back (now a hole): skip it
 
