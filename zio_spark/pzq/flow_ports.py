@@ -370,7 +370,8 @@ class FlowProducerPort:
         # tracks the dict and a full GC pass does not visit the window (up to 100k).
         self._table: dict[int, int] = {}
         # seq -> (message id, body) read by a taker's take (_assign keep_body), until a
-        # DAT's records take it (_records): a few hundred at most, never the window.
+        # DAT's records take it (_records): one take's worth at most (max_take), not the
+        # window.
         self._held: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
         self._low = 1  # no assigned unacked seq below this (see first)
         self._taker: Giving | None = None
