@@ -36,11 +36,18 @@ the store instead of memory:
   again. The side log is rewritten (temporary file, synced, renamed) to hold only the
   unacked assignments once it passes :data:`LOG_REWRITE_BYTES` and every store
   tombstone is durable, so it stays bounded by the unacked window.
-- At most ``window`` messages are assigned and unacked at a time (bodies are held in
-  memory for resends), and nothing is assigned while no taker is attached or it has no
-  credit: with no Spark source connected, PZQ consumers get everything.
+- At most ``window`` messages are assigned and unacked at a time, and nothing is
+  assigned while no taker is attached or it has no credit: with no Spark source
+  connected, PZQ consumers get everything. The port's table of them holds ints only
+  (seq -> store key: a dict of ints the garbage collector never tracks, so a full
+  collection does not visit the window); the bodies a taker's take read are held only
+  until a DAT carries them, and a resend reads them back from the store by their pinned
+  keys (:meth:`~zio_spark.storage.store.MessageStore.read_taken_run`), as a range does.
 - One taker at a time: a new BOT replaces the previous flow (a restarted Spark runner).
-  Takers without ``ack: true`` are rejected: this port is exactly-once only.
+  Takers without ``ack: true`` are rejected: this port is exactly-once only. The
+  taker's flow sends at most :data:`TAKER_TURN_DATS` DATs per broker loop turn, the
+  rest of what its credit paid for in the next turns (as a range flow does), so one
+  PAY does not hold the queue's PZQ peers and other flows for the whole of it.
 - **Direct reads** (``readMode=direct``, docs/direct-read.md "The queue's flow
   producer"): the port is a :class:`~zio_spark.source.range_serving.RangeSource`, so its
   handlers are :class:`~zio_spark.source.range_serving.ProducerFlowHandler`'s: every BOT
@@ -146,6 +153,7 @@ __all__ = [
     "HELD_SLICE",
     "LOG_REWRITE_BYTES",
     "RANGE_TURN_DATS",
+    "TAKER_TURN_DATS",
     "FlowConsumerPort",
     "FlowProducerPort",
     "QueueFlows",
@@ -168,6 +176,11 @@ RANGE_TURN_DATS: Final = 4
 100 bytes): a range paid for in one PAY is sent over several turns, so the rest of the
 loop (PZQ peers, other flows) runs in between, and every range flow with credit sends
 every turn."""
+
+TAKER_TURN_DATS: Final = 4
+"""Most DATs the taker's flow (spool mode) sends per broker loop turn, as a range flow
+(:data:`RANGE_TURN_DATS`): what one PAY's credit pays for (64 DATs of up to 1000
+records) goes out over several turns, the queue's other sockets served in between."""
 
 LOG_REWRITE_BYTES: Final = 4 << 20
 """The side log is rewritten to its live assignments once it grows past this."""
@@ -226,14 +239,6 @@ def _check_endpoint(option: str, value: object) -> str:
 # -------------------------------------------------------------- flow producer port
 
 
-@dataclass(slots=True)
-class _Given:
-    seq: int
-    key: int
-    message_id: bytes | None  # None: not read yet (a held query's: comes with the body)
-    body: tuple[bytes, ...] | None  # None: read it back from the store (read_taken_run)
-
-
 class _StoreView:
     """The port's held window and records as range flows read them (a
     :class:`~zio_spark.source.range_serving.HeldView`; bodies come from the store)."""
@@ -287,13 +292,16 @@ class FlowProducerPort:
     ctx
         zmq context for the port.
     window
-        Most messages assigned and not yet acknowledged (their bodies are in memory).
+        Most messages assigned and not yet acknowledged (their store keys are in
+        memory; their bodies only from a taker's take until a DAT carries them).
     max_take
         Most messages taken from the store per loop turn.
     held_slice
         Most messages numbered for held queries per loop turn (:meth:`prepare_held`).
     range_turn_dats
         Most DATs each range flow sends per loop turn (:data:`RANGE_TURN_DATS`).
+    taker_turn_dats
+        Most DATs the taker's flow sends per loop turn (:data:`TAKER_TURN_DATS`).
     sync
         ``fdatasync`` the side log (False: tests and benchmarks only).
     mode, curve, linger_ms
@@ -332,6 +340,7 @@ class FlowProducerPort:
         max_take: int = 4096,
         held_slice: int = HELD_SLICE,
         range_turn_dats: int = RANGE_TURN_DATS,
+        taker_turn_dats: int = TAKER_TURN_DATS,
         sync: bool = True,
         mode: str | None = None,
         curve: Curve | None = None,
@@ -358,6 +367,12 @@ class FlowProducerPort:
             raise ConfigError("flow_window", window, "an integer >= 1")
         if isinstance(held_slice, bool) or not isinstance(held_slice, int) or held_slice < 1:
             raise ConfigError("held_slice", held_slice, "an integer >= 1")
+        if (
+            isinstance(taker_turn_dats, bool)
+            or not isinstance(taker_turn_dats, int)
+            or taker_turn_dats < 1
+        ):
+            raise ConfigError("taker_turn_dats", taker_turn_dats, "an integer >= 1")
         self.store = store
         self.window = window
         self.max_take = max_take
@@ -365,11 +380,22 @@ class FlowProducerPort:
         self._slice_left = held_slice  # numbering left for held queries this loop turn
         self._numbering = False  # a held query waits for more numbering
         self._ranges_waiting = False  # a range flow has DATs left for the next turn
+        self.taker_turn_dats = taker_turn_dats
+        self._taker_left = taker_turn_dats  # DATs the taker's flow may take this turn
+        self._taker_stopped = False  # this turn's budget stopped the taker's flow
+        self._taker_waiting = False  # it has credit and DATs left for the next turn
+        self.taker_turn_sent = 0  # DATs the taker's flow took in the turn just ended
         self.producer_id = f"queue:{store.queue_id.decode('utf-8', 'replace')}"
         self.counters: dict[str, int] = dict.fromkeys(
-            ("given", "acked", "resent", "takers", "lost", "reclaimed"), 0
+            ("given", "acked", "resent", "takers", "lost", "reclaimed", "taker_deferred"), 0
         )
-        self._table: dict[int, _Given] = {}
+        # seq -> store key of every assigned unacked message: ints only, so CPython never
+        # tracks the dict and a full GC pass does not visit the window (up to 100k).
+        self._table: dict[int, int] = {}
+        # seq -> (message id, body) read by a taker's take (_assign keep_body), until a
+        # DAT's records take it (_records): one take's worth at most (max_take), not the
+        # window.
+        self._held: dict[int, tuple[bytes, tuple[bytes, ...]]] = {}
         self._low = 1  # no assigned unacked seq below this (see first)
         self._taker: Giving | None = None
         self.on_renumber: Callable[[], None] | None = None  # never called: no renumbering
@@ -463,7 +489,7 @@ class FlowProducerPort:
                     seq,
                 )
                 continue
-            self._table[seq] = _Given(seq, message.key, message.message_id, message.body)
+            self._table[seq] = message.key  # the body is read back when sent
             self.counters["reclaimed"] += 1
         if assigned:
             log.info(
@@ -563,16 +589,17 @@ class FlowProducerPort:
             self.ack(upto)
         return out
 
-    def _lost(self, given: _Given, error: StoreError) -> None:
-        """The store cannot give ``given``'s message back: its seq becomes a hole, and
-        its record (if still there: it failed its check) is dropped from the store, as
-        :meth:`MessageStore.take` drops one it cannot read (else its pin would keep
-        its segment forever)."""
-        self._table.pop(given.seq, None)
+    def _lost(self, seq: int, key: int, error: StoreError) -> None:
+        """The store cannot give seq ``seq``'s message (store ``key``) back: the seq
+        becomes a hole, and its record (if still there: it failed its check) is dropped
+        from the store, as :meth:`MessageStore.take` drops one it cannot read (else its
+        pin would keep its segment forever)."""
+        self._table.pop(seq, None)
+        self._held.pop(seq, None)
         with contextlib.suppress(StoreError):
-            self.store.ack(given.key)
+            self.store.ack(key)
         self.counters["lost"] += 1
-        log.error("queue flow: seq %d (message %#x) is lost: %s", given.seq, given.key, error)
+        log.error("queue flow: seq %d (message %#x) is lost: %s", seq, key, error)
 
     def _records(
         self, seq: int, n: int, max_bytes: int | None
@@ -581,41 +608,44 @@ class FlowProducerPort:
         and their bodies (two lists of one length), stopping at a hole or once
         ``max_bytes`` of values were taken (at least one).
 
-        Messages not held in memory are read back from the store a run at a time
+        A body a taker's take read (held in memory) is used once and let go: this DAT
+        carries it, and a resend reads it back from the store like any other. Messages
+        not held in memory are read back from the store a run at a time
         (:meth:`MessageStore.read_taken_run`: one ``pread`` for records side by side,
         each checked, length and CRC, before anything of it is used: this is where a
         record damaged on disk is caught); a message the store cannot give back ends
         the lists there, and asked for first it becomes a hole (counted ``lost``),
         never skipped."""
         get = self._table.get
-        givens: list[_Given] = []
+        keys: list[int] = []
         for s in range(seq, seq + n):
-            given = get(s)
-            if given is None:
+            key = get(s)
+            if key is None:
                 break
-            givens.append(given)
+            keys.append(key)
+        held = self._held
         ids: list[bytes | None] = []  # None never: Taken's keys may be None in general
         bodies: list[tuple[bytes, ...]] = []
-        total = len(givens)
+        total = len(keys)
         size = 0
         i = 0
         while i < total and (max_bytes is None or size < max_bytes):
-            given = givens[i]
-            if given.body is not None:  # held for a taker (its id read with it)
-                ids.append(given.message_id)
-                bodies.append(given.body)
-                size += sum(map(len, given.body))
+            got = held.pop(seq + i, None) if held else None
+            if got is not None:  # read by a taker's take (its id with it): used once
+                ids.append(got[0])
+                bodies.append(got[1])
+                size += sum(map(len, got[1]))
                 i += 1
                 continue
             j = i + 1
-            while j < total and givens[j].body is None:
+            while j < total and (not held or seq + j not in held):
                 j += 1
             try:
                 read = self.store.read_taken_run(
-                    [g.key for g in givens[i:j]], None if max_bytes is None else max_bytes - size
+                    keys[i:j], None if max_bytes is None else max_bytes - size
                 )
             except StoreError as e:
-                self._lost(given, e)
+                self._lost(seq + i, keys[i], e)
                 break
             ids.extend([m.message_id for m in read])
             bodies.extend([m.body for m in read])
@@ -631,12 +661,15 @@ class FlowProducerPort:
         self._server.process()
 
     def pump(self) -> None:
-        """Send what the taker has credit for, number a slice for pending held queries,
+        """Send the taker's DATs of the turn, number a slice for pending held queries,
         send each range flow's DATs of the turn; keep the side log bounded (broker
         thread, once per loop turn: it ends the turn's budgets)."""
         self._numbering = False  # set again by a held query still waiting (prepare_held)
         self._server.tick()
         self._slice_left = self.held_slice  # the next turn's numbering budget
+        self.taker_turn_sent = self.taker_turn_dats - self._taker_left
+        self._taker_left = self.taker_turn_dats  # the next turn's taker DATs
+        self._taker_waiting, self._taker_stopped = self._taker_stopped, False
         self._ranges_waiting = self.ranges.deferred
         self.ranges.new_turn()  # the next turn's range DATs
         store = self.store
@@ -647,14 +680,14 @@ class FlowProducerPort:
             and not store.committing
         ):
             # Every store tombstone is durable: acknowledged assignments can go.
-            live = sorted((g.seq, g.key) for g in self._table.values())
+            live = sorted(self._table.items())
             self._log.rewrite(self._next_seq, self._acked, live)
 
     def busy(self) -> bool:
         """Whether the next loop turn has work without waiting for input."""
         taker = self._taker
         conn = None if taker is None else taker.conn
-        if self._numbering or self._ranges_waiting:
+        if self._numbering or self._ranges_waiting or self._taker_waiting:
             return True
         return (
             taker is not None
@@ -707,6 +740,7 @@ class FlowProducerPort:
     def detach(self, giving: Giving, reason: str) -> None:
         if self._taker is giving:
             self._taker = None
+            self._held.clear()  # bodies are in the store: a resuming taker's reads them back
             log.info(
                 "queue flow: taker left (%s); %d messages stay assigned", reason, len(self._table)
             )
@@ -722,10 +756,13 @@ class FlowProducerPort:
             seqs: Iterable[int] = sorted(s for s in table if s <= upto)
         else:
             seqs = range(self._acked + 1, upto + 1)
+        held = self._held
         for seq in seqs:
-            given = table.pop(seq, None)
-            if given is not None:
-                store.ack(given.key)
+            key = table.pop(seq, None)
+            if key is not None:
+                if held:
+                    held.pop(seq, None)
+                store.ack(key)
                 done += 1
         self.counters["acked"] += done
         self._acked = upto
@@ -734,11 +771,11 @@ class FlowProducerPort:
 
     def _assign(self, wanted: int, *, keep_body: bool = True) -> int:
         """Take up to ``wanted`` messages from the store for the flow and number them.
-        ``keep_body``: read them and hold the bodies in memory (a taker is about to be
-        sent them), durable in the side log on return. Else only their keys, their
-        records not read (range reads read and check them), in the side log's buffer:
-        the caller makes them durable (:meth:`_sync_numbering`) before anybody is shown
-        them."""
+        ``keep_body``: read them and hold the bodies in memory until a DAT takes them
+        (a taker is about to be sent them), durable in the side log on return. Else
+        only their keys, their records not read (range reads read and check them), in
+        the side log's buffer: the caller makes them durable (:meth:`_sync_numbering`)
+        before anybody is shown them."""
         room = self.window - len(self._table)
         n = min(wanted, room, self.max_take)
         if n <= 0 or self.store.failed:
@@ -748,6 +785,7 @@ class FlowProducerPort:
         store = self.store
         keys: list[int]
         if keep_body:
+            held = self._held
             keys = []
             while len(keys) < n:
                 try:
@@ -758,12 +796,12 @@ class FlowProducerPort:
                 if message is None:
                     break
                 seq = first + len(keys)
-                table[seq] = _Given(seq, message.key, message.message_id, message.body)
+                table[seq] = message.key
+                held[seq] = (message.message_id, tuple(message.body))
                 keys.append(message.key)
         else:
             keys = store.take_keys(n)
-            for seq, key in enumerate(keys, first):
-                table[seq] = _Given(seq, key, None, None)
+            table.update(zip(range(first, first + len(keys)), keys, strict=True))
         if not keys:
             return 0
         self._log.assign(first, keys)
@@ -792,9 +830,10 @@ class FlowProducerPort:
         except OSError:
             undone = 0
             for seq in range(self._durable_next, self._next_seq):
-                given = self._table.pop(seq, None)
-                if given is not None:
-                    self.store.release(given.key, delivered=False)
+                key = self._table.pop(seq, None)
+                self._held.pop(seq, None)
+                if key is not None:
+                    self.store.release(key, delivered=False)
                     undone += 1
             self.counters["given"] -= undone
             self._next_seq = self._durable_next
@@ -804,7 +843,13 @@ class FlowProducerPort:
     def take(self, first: int, n: int, room: int) -> Taken | None:
         """Up to ``n`` assigned messages from seq ``first``, assigning up to ``room``
         more from the store when none is left (a seq acked meanwhile, or lost, is
-        skipped; a run stops at such a hole)."""
+        skipped; a run stops at such a hole). The taker's flow is the only caller (one
+        DAT a call): once it took ``taker_turn_dats`` this loop turn, None (its credit
+        waits for the next turn; :meth:`busy` says there is one)."""
+        if self._taker_left <= 0:
+            self._taker_stopped = True
+            self.counters["taker_deferred"] += 1
+            return None
         if self._durable_next != self._next_seq:
             self._sync_numbering()  # a held query's numbering, not yet durable
         table = self._table
@@ -817,6 +862,7 @@ class FlowProducerPort:
             if seq < self._next_seq:
                 got, ids, bodies = self._records(seq, n, None)
                 if bodies:
+                    self._taker_left -= 1
                     return _taken(got, ids, bodies)
                 # seq's message could not be read back (now a hole): skip it
 
