@@ -30,6 +30,7 @@ __all__ = [
     "ZreOptions",
     "check_endpoint",
     "conn_check_seconds",
+    "heartbeat_millis",
     "heartbeat_seconds",
     "parse_bool",
     "parse_duration",
@@ -857,6 +858,24 @@ def heartbeat_seconds(
     ):
         raise ConfigError(tname, timeout, f"seconds >= {iname} ({interval!r}) and <= 86400")
     return float(interval), float(timeout)
+
+
+def heartbeat_millis(
+    interval: object,
+    timeout: object,
+    *,
+    names: tuple[str, str] = ("heartbeat_interval", "heartbeat_timeout"),
+) -> tuple[int, int] | None:
+    """:func:`heartbeat_seconds` in milliseconds, as libzmq's ``ZMQ_HEARTBEAT_IVL`` and
+    ``ZMQ_HEARTBEAT_TIMEOUT`` take them (None: no heartbeats).
+
+    Raises
+    ------
+    ConfigError
+        As :func:`heartbeat_seconds`.
+    """
+    beats = heartbeat_seconds(interval, timeout, names=names)
+    return None if beats is None else (round(beats[0] * 1000), round(beats[1] * 1000))
 
 
 def conn_check_seconds(value: object, name: str = "conn_check") -> float:

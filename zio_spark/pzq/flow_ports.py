@@ -134,7 +134,7 @@ from zio_spark.options import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     Curve,
     conn_check_seconds,
-    heartbeat_seconds,
+    heartbeat_millis,
 )
 from zio_spark.protocol.flow import FlowState
 from zio_spark.protocol.message import join_single, split_single
@@ -351,7 +351,7 @@ class FlowProducerPort:
         conn_check: float = DEFAULT_CONN_CHECK,
     ) -> None:
         _check_endpoint("flow_producer", endpoint)
-        beats = heartbeat_seconds(
+        heartbeat_ms = heartbeat_millis(
             heartbeat_interval,
             heartbeat_timeout,
             names=("flow_heartbeat_interval", "flow_heartbeat_timeout"),
@@ -425,9 +425,7 @@ class FlowProducerPort:
                 # Which connection each range/control flow came on, and heartbeats, so a
                 # reader gone without EOT ends its flow (range_serving, "Readers that vanish").
                 conn_ids=True,
-                heartbeat_ms=None
-                if beats is None
-                else (round(beats[0] * 1000), round(beats[1] * 1000)),
+                heartbeat_ms=heartbeat_ms,
             )
             try:
                 self.endpoint = port.bind(endpoint)

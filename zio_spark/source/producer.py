@@ -82,7 +82,7 @@ from zio_spark.options import (
     DEFAULT_HEARTBEAT_TIMEOUT,
     ZreOptions,
     conn_check_seconds,
-    heartbeat_seconds,
+    heartbeat_millis,
 )
 from zio_spark.protocol.flow import FlowState
 from zio_spark.source.backlog import (
@@ -124,7 +124,6 @@ log = logging.getLogger("zio_spark.transport")
 _CLIENT_QUEUE_SLACK = 16  # client mode's send queue: the credit offered plus this
 _SEND_QUEUE = 100_000  # messages queued to the taker at most: the most credit it is given
 _ZAP_DOMAIN = "zio-producer"  # the port's ZAP domain when it has an allow-list
-# Heartbeats and the look at range readers' connections (Producer's docstring).
 # The retention window's defaults (see Producer's docstring for the arithmetic).
 DEFAULT_WINDOW = 2_000_000
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -303,7 +302,7 @@ class Producer:
             isinstance(connect_timeout, (int, float)) and 0 < connect_timeout <= 86400
         ):
             raise ConfigError("connect_timeout", connect_timeout, "seconds, > 0")
-        heartbeat_ms = _heartbeat_ms(heartbeat_interval, heartbeat_timeout)
+        heartbeat_ms = heartbeat_millis(heartbeat_interval, heartbeat_timeout)
         conn_check = conn_check_seconds(conn_check)
         allowed = _allowed_keys(curve_allowed_client_keys, connect, curve_secret_key)
         self._gate: CurveAuthenticator | None = None
@@ -700,21 +699,6 @@ class Producer:
 
     def __exit__(self, *exc: object) -> None:
         self.close(flush=exc[0] is None)
-
-
-def _heartbeat_ms(interval: float | None, timeout: float | None) -> tuple[int, int] | None:
-    """``Producer(heartbeat_interval=, heartbeat_timeout=)`` checked
-    (:func:`~zio_spark.options.heartbeat_seconds`), in milliseconds for libzmq's options
-    (None: no heartbeats).
-
-    Raises
-    ------
-    ConfigError
-        Naming the option: not a number of seconds in 0.001..3600 (interval) or
-        interval..86400 (timeout), or a timeout without an interval.
-    """
-    beats = heartbeat_seconds(interval, timeout)
-    return None if beats is None else (round(beats[0] * 1000), round(beats[1] * 1000))
 
 
 def _allowed_keys(

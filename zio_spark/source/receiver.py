@@ -363,8 +363,7 @@ class Receiver:
             for peer in self._flows():
                 if peer.flow is None or peer.producer is None:
                     continue
-                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
-                out[peer.producer] = out.get(peer.producer, 0) + peer.flow.outstanding * per_dat
+                out[peer.producer] = out.get(peer.producer, 0) + self._in_credit(peer)
             done.set()
 
         self._call(hold)
@@ -898,9 +897,17 @@ class Receiver:
                 continue
             used += peer.status.records
             if peer.flow is not None:
-                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
-                used += peer.flow.outstanding * per_dat
+                used += self._in_credit(peer)
         return [self.plain_budget - used]
+
+    def _per_dat(self, peer: Peer) -> int:
+        """The most records one of ``peer``'s DATs may carry (the credit rule's count)."""
+        return self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
+
+    def _in_credit(self, peer: Peer) -> int:
+        """The most records ``peer`` may still send on the credit it holds."""
+        assert peer.flow is not None
+        return peer.flow.outstanding * self._per_dat(peer)
 
     def _count_withheld(self) -> None:
         """Start or end each producer's spell of credit withheld for ``maxBacklog``."""
@@ -1082,7 +1089,7 @@ class Receiver:
             if decided.held_back:
                 self._held_now.add(peer.producer)
             if room is not None and not peer.terms.ack:
-                per_dat = self._credit_rule.per_dat(arrow=peer.arrow, seen=peer.dat_rows)
+                per_dat = self._per_dat(peer)
                 n = min(n, max(0, room[0] // per_dat))
                 room[0] -= n * per_dat
         # ``ack`` only to a giver that stated it keeps records for acks (pay_attrs).

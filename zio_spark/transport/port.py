@@ -792,12 +792,9 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
             # Every message of a peer (one connection) has the same User-Id; the latest
             # goes last, so the oldest peers are the ones forgotten.
             if ids is not None:
-                ids.pop(peer, None)
-                ids[peer] = wire.user_id
-                if len(ids) > _USER_IDS_KEPT:
-                    del ids[next(iter(ids))]
-            if conns is not None:
-                _note_conn(conns, peer, wire.fd)
+                _remember(ids, peer, wire.user_id)
+            if conns is not None and wire.fd >= 0:
+                _remember(conns, peer, _connection(wire.fd))
 
         def decode_noting(raw: Any) -> Any:
             got = decode(raw)
@@ -916,20 +913,24 @@ class ServerPort(_Port[tuple[PeerId, Message], tuple[PeerId, list[bytes]]]):
         self.send_frames(encode_frames(msg), routing_id, timeout_ms=timeout_ms)
 
 
-def _note_conn(conns: dict[PeerId, Connection], peer: PeerId, fd: int) -> None:
-    """Remember ``peer``'s connection: its descriptor, and that socket's inode read now
-    (an ``fstat`` per message, under a microsecond: a peer that reconnects with the same
-    routing id is then known on its new connection at once)."""
-    if fd < 0:
-        return
+def _remember(kept: dict[PeerId, Any], peer: PeerId, value: Any) -> None:
+    """Keep ``value`` for ``peer`` as its latest (the dict's order: the oldest peers go
+    first once more than ``_USER_IDS_KEPT`` are kept)."""
+    kept.pop(peer, None)
+    kept[peer] = value
+    if len(kept) > _USER_IDS_KEPT:
+        del kept[next(iter(kept))]
+
+
+def _connection(fd: int) -> Connection:
+    """The connection on descriptor ``fd``: the descriptor and that socket's inode read
+    now (an ``fstat`` per message, under a microsecond: a peer that reconnects with the
+    same routing id is then known on its new connection at once)."""
     try:
         inode = os.fstat(fd).st_ino
     except OSError:  # closed since the message was read: that connection is gone
         inode = -1  # no socket has it: connection_open says closed
-    conns.pop(peer, None)
-    conns[peer] = (fd, inode)
-    if len(conns) > _USER_IDS_KEPT:
-        del conns[next(iter(conns))]
+    return fd, inode
 
 
 class ClientPort(_Port[Message, list[bytes]]):
