@@ -409,6 +409,9 @@ class SourceOptions:
     # A producer's range in one micro-batch is read as pieces of at most this many
     # records, one Spark partition each, so one producer's batch uses several cores.
     max_records_per_partition: int = 250_000
+    # A batch's partitions come in multiples of this many (whole waves of task slots);
+    # 1: no minimum, a producer's pieces packed as they come (plan.pack).
+    min_partitions: int = 1
     spool_path: str = ""
     spool_path_given: bool = False
     spool_access: str = "auto"
@@ -486,6 +489,10 @@ SOURCE_OPTIONS: dict[str, tuple[_Parser | None, str]] = {
         lambda n, v: parse_int(n, v, minimum=1),
         "most records of one producer in one Spark partition (larger ranges are split)",
     ),
+    "minPartitions": (
+        lambda n, v: parse_int(n, v, minimum=1),
+        "fewest Spark partitions of a micro-batch with records; more come in multiples of it",
+    ),
     "spoolPath": (None, "folder of the spool (shared path on clusters)"),
     "spoolAccess": (
         lambda n, v: parse_choice(n, v, ("auto", "local", "remote")),
@@ -545,6 +552,7 @@ _SOURCE_FIELDS: dict[str, str] = {
     "maxBacklog": "max_backlog",
     "maxRecordsPerTrigger": "max_records_per_trigger",
     "maxRecordsPerPartition": "max_records_per_partition",
+    "minPartitions": "min_partitions",
     "spoolAccess": "spool_access",
     "failOnDataLoss": "fail_on_data_loss",
     "plainGiverQuiet": "plain_giver_quiet",
@@ -660,13 +668,17 @@ def _curve(opts: dict[str, Any]) -> Curve | None:
     return Curve(opts["curveServerKey"], opts["curvePublicKey"], opts["curveSecretKey"])
 
 
-# readMode=direct's default maxRecordsPerPartition: each task opens a range flow to a
-# producer (~1 CPU-ms) and costs Spark a task; with 250,000 records a task, the workers
-# spent 0.34 CPU-s per million rows, with 500,000 0.26 (bench/README.md; most of the
-# difference was PySpark's gc.collect() after each task, 40-65 ms, which
-# heap.freeze_gc has since cut to what the task made). A producer's batch still spreads
-# over several tasks once it passes this.
-DIRECT_RECORDS_PER_PARTITION = 500_000
+# readMode=direct's defaults of maxRecordsPerPartition and minPartitions: each task opens
+# a range flow to a producer (~1 CPU-ms) and costs Spark a task; with 250,000 records a
+# task, the workers spent 0.34 CPU-s per million rows, with 500,000 0.26 (bench/README.md;
+# most of the difference was PySpark's gc.collect() after each task, 40-65 ms, which
+# heap.freeze_gc has since cut to what the task made). And a batch's tasks should fill
+# whole waves of task slots: 1.18M records in tasks of at most 500,000 were three tasks
+# on two cores, the third alone in a second wave (plan.pack). So in direct mode a batch
+# is cut into an even number of near-equal tasks of at most 1M records: a fast producer
+# with the default window (2M records, batches settling at 1M) gives two of 500,000.
+DIRECT_RECORDS_PER_PARTITION = 1_000_000
+DIRECT_MIN_PARTITIONS = 2
 
 
 def default_spool_path(stream: str, endpoints: tuple[str, ...], group: str | None) -> str:
@@ -712,6 +724,8 @@ def parse_source_options(raw: Mapping[str, str]) -> SourceOptions:
     )
     if parsed.read_mode == "direct" and "maxRecordsPerPartition" not in opts:
         parsed = replace(parsed, max_records_per_partition=DIRECT_RECORDS_PER_PARTITION)
+    if parsed.read_mode == "direct" and "minPartitions" not in opts:
+        parsed = replace(parsed, min_partitions=DIRECT_MIN_PARTITIONS)
     if parsed.spool_path_given:
         return parsed
     where = parsed.endpoints + parsed.bind

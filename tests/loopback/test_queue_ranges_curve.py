@@ -101,7 +101,7 @@ def test_a_queue_with_an_allow_list_leases_run_keys_for_range_reads_only(
     _produce(producer, [(b"m%02d" % i, [b"body%02d" % i]) for i in range(12)])
     control = ControlConnection(ep, ctx=ctx, curve=keys.curve(keys.driver), timeout=T)
     closing.append(control)
-    inc, first, end = control.held()
+    inc, first, end, _ = control.held()
     assert (first, end) == (1, 13)
     assert control.admit(keys.run[0]) is True  # a gate: leased, not "open"
     want = [b"body%02d" % i for i in range(12)]

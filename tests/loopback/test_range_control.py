@@ -242,3 +242,44 @@ def test_renumbering_ends_the_control_flow_and_old_commits_are_refused(ctx, clos
     assert p.acked == 100 and p.pending == 10
     assert c2.ack(105, p.incarnation) == HeldWindow(p.incarnation, 106, 111)
     taker.send_eot(timeout=T)  # ended as a taker does (else closing waits out its echo)
+
+
+def test_a_held_answer_says_whether_the_window_held_sends_back(ctx, closing):
+    """``full`` in a held answer: a send waited for room in the window since this control
+    flow's previous held answer, or waits now (the planner then settles batch sizes at
+    half the window, ``direct.settled_end``)."""
+    import threading
+
+    p = _producer(ctx, closing, max_unacked=100)
+    _send(p, 100)  # exactly the window: nothing waited
+    c = _control(p, ctx, closing)
+    inc = p.incarnation
+    assert c.held() == HeldWindow(inc, 1, 101, False)
+    sent: list[int] = []
+    sender = threading.Thread(target=lambda: sent.append(p.send_many([b"w"] * 10, timeout=T)))
+    sender.start()
+    try:
+        wait_until(lambda: p.window_full, what="the send waiting for room", timeout=T)
+        assert c.held() == HeldWindow(inc, 1, 101, True)
+        assert c.held().full  # still waiting: still full
+        c.ack(50, inc)  # room for the 10: the send completes
+        wait_until(lambda: sent, what="the waiting send done", timeout=T)
+    finally:
+        sender.join(T)
+    # That wait was told while it went on; no send waited since: not full.
+    assert c.held() == HeldWindow(inc, 51, 111, False)
+    # A wait that began and ended between two answers is told once.
+    sent.clear()
+    sender = threading.Thread(target=lambda: sent.append(p.send_many([b"x"] * 50, timeout=T)))
+    sender.start()
+    try:
+        wait_until(lambda: p.window_full, what="a second wait", timeout=T)
+        c.ack(110, inc)
+        wait_until(lambda: sent, what="the second send done", timeout=T)
+    finally:
+        sender.join(T)
+    assert c.held() == HeldWindow(inc, 111, 161, True)
+    assert c.held() == HeldWindow(inc, 111, 161, False)
+    # Another control flow learns of the waits it did not see once, then not again.
+    other = _control(p, ctx, closing)
+    assert other.held().full and not other.held().full

@@ -114,7 +114,7 @@ def test_both_socket_pairs(ctx, closing, wire_mode):
     p = _producer(ctx, closing, mode=wire_mode)
     rows = _send(p, 100)
     w = held_window(p.endpoint, P, ctx=ctx, mode=wire_mode, timeout=T)
-    assert w == (p.incarnation, 1, 101)
+    assert w == HeldWindow(p.incarnation, 1, 101)
     got = read_range(p.endpoint, P, w.incarnation, 1, 101, ctx=ctx, mode=wire_mode, timeout=T)
     assert _rows(list(got)) == rows
 
@@ -126,7 +126,7 @@ def test_over_curve(ctx, closing):
     reader_public, reader_secret = zmq.curve_keypair()
     curve = client_curve(public, reader_secret, reader_public)
     w = held_window(p.endpoint, P, ctx=ctx, curve=curve, timeout=T)
-    assert w == (p.incarnation, 1, 21)
+    assert w == HeldWindow(p.incarnation, 1, 21)
     got = read_range(p.endpoint, P, w.incarnation, 5, 21, ctx=ctx, curve=curve, timeout=T)
     assert _rows(list(got)) == rows[4:]
     with pytest.raises(TransportError, match="no BOT reply"):  # no CURVE: no handshake
@@ -169,7 +169,7 @@ def test_one_flow_answers_many_requests_with_little_credit(ctx, closing):
     rows = _send(p, 50)
     with RangeConnection(p.endpoint, ctx=ctx, timeout=T, credit=2, batch=2) as conn:
         assert conn.incarnation == p.incarnation and conn.producer == P
-        assert conn.held(P) == (p.incarnation, 1, 51)
+        assert conn.held(P) == HeldWindow(p.incarnation, 1, 51)
         for start, end in [(1, 51), (20, 30), (50, 51)]:
             got = list(conn.read(P, p.incarnation, start, end))
             assert max(b.num_rows for b in got) <= 2  # the reader's batch
@@ -250,7 +250,7 @@ def test_range_reads_do_not_disturb_the_taker_and_acks_free_ranges(ctx, tmp_path
     k = 1200
     r.commit({P: k + 1})
     wait_until(lambda: p.acked == k, what=f"ack {k}", timeout=T)
-    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == (p.incarnation, k + 1, 3001)
+    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == HeldWindow(p.incarnation, k + 1, 3001)
     with pytest.raises(DataLossError) as e:
         _read(p, 1000, 1500, ctx)
     text = str(e.value)
@@ -273,7 +273,7 @@ def test_a_range_flow_is_not_a_restarted_taker(ctx, closing, make_client):
         attrs = {"stream": "zio", "ack": True, "resume": 0, "encoding": ["arrow"]}
         bot = taker.connect(Direction.INJECT, 4, attrs, T)
         assert bot.attrs["incarnation"] == p.incarnation and bot.attrs["ranges"] == 1
-        assert conn.held(P) == (p.incarnation, 1, 11)  # the range flow is still there
+        assert conn.held(P) == HeldWindow(p.incarnation, 1, 11)  # the range flow is still there
         with RangeConnection(p.endpoint, ctx=ctx, timeout=T) as other:
             assert other.held(P).end == 11
         taker.pay(4)
@@ -341,7 +341,7 @@ def test_a_new_producer_on_the_same_endpoint_refuses_the_old_incarnation(ctx, cl
             time.sleep(0.05)
     _send(q, 40, first=1000)  # fresh numbering: 1..40 name other records
     assert q.incarnation != old.incarnation
-    assert held_window(endpoint, P, ctx=ctx, timeout=T) == (q.incarnation, 1, 41)
+    assert held_window(endpoint, P, ctx=ctx, timeout=T) == HeldWindow(q.incarnation, 1, 41)
     with pytest.raises(DataLossError) as e:
         _read(q, 1, 31, ctx, incarnation=old.incarnation)
     text = str(e.value)
@@ -358,7 +358,7 @@ def test_renumbering_takes_a_new_incarnation_and_ends_range_flows(ctx, closing, 
     old = p.incarnation
     conn = RangeConnection(p.endpoint, ctx=ctx, timeout=T)
     closing.append(conn)
-    assert conn.held(P) == (old, 1, 11)
+    assert conn.held(P) == HeldWindow(old, 1, 11)
     taker = FlowEndpoint(make_client(), Role.CLIENT)
     taker.channel.connect(p.endpoint)
     attrs = {"stream": "zio", "ack": True, "resume": 100, "encoding": ["arrow"]}
@@ -367,7 +367,7 @@ def test_renumbering_takes_a_new_incarnation_and_ends_range_flows(ctx, closing, 
     assert p.stats["renumbered"] == 10
     with pytest.raises(TransportError, match="ended the flow"):
         conn.held(P)
-    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == (p.incarnation, 101, 111)
+    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == HeldWindow(p.incarnation, 101, 111)
     with pytest.raises(DataLossError):
         _read(p, 1, 11, ctx, incarnation=old)
     assert [r["value"] for r in _rows(_read(p, 101, 111, ctx))] == [b"v%d" % i for i in range(10)]
@@ -400,7 +400,7 @@ def test_a_producer_in_client_mode_serves_no_ranges(ctx, closing):
 def test_a_given_incarnation_is_stated_and_a_bad_one_refused(ctx, closing):
     p = _producer(ctx, closing, incarnation="kept.on-disk_1")
     _send(p, 3)
-    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == ("kept.on-disk_1", 1, 4)
+    assert held_window(p.endpoint, P, ctx=ctx, timeout=T) == HeldWindow("kept.on-disk_1", 1, 4)
     with pytest.raises(ConfigError, match="incarnation"):
         Producer("tcp://127.0.0.1:*", ctx=ctx, linger_ms=0, incarnation="not ok")
 

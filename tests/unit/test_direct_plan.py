@@ -285,13 +285,81 @@ def test_batches_are_joined_without_concat_batches_too(monkeypatch: pytest.Monke
 
 def test_direct_mode_cuts_larger_partitions_unless_told() -> None:
     """Each direct task costs a range flow and a worker task's setup: the direct mode's
-    default maxRecordsPerPartition is larger; one given is kept, the spool's is not moved."""
-    from zio_spark.options import DIRECT_RECORDS_PER_PARTITION
+    default maxRecordsPerPartition is larger, and its batches come in an even number of
+    tasks (minPartitions 2); ones given are kept, the spool's are not moved."""
+    from zio_spark.options import DIRECT_MIN_PARTITIONS, DIRECT_RECORDS_PER_PARTITION
 
     direct = parse_source_options({"endpoints": "tcp://h:1", "readMode": "direct"})
-    assert direct.max_records_per_partition == DIRECT_RECORDS_PER_PARTITION == 500_000
+    assert direct.max_records_per_partition == DIRECT_RECORDS_PER_PARTITION == 1_000_000
+    assert direct.min_partitions == DIRECT_MIN_PARTITIONS == 2
     given = parse_source_options(
-        {"endpoints": "tcp://h:1", "readMode": "direct", "maxRecordsPerPartition": "1000"}
+        {
+            "endpoints": "tcp://h:1",
+            "readMode": "direct",
+            "maxRecordsPerPartition": "1000",
+            "minPartitions": "1",
+        }
     )
-    assert given.max_records_per_partition == 1000
-    assert parse_source_options({"endpoints": "tcp://h:1"}).max_records_per_partition == 250_000
+    assert given.max_records_per_partition == 1000 and given.min_partitions == 1
+    spool = parse_source_options({"endpoints": "tcp://h:1"})
+    assert spool.max_records_per_partition == 250_000 and spool.min_partitions == 1
+    assert (
+        parse_source_options({"endpoints": "tcp://h:1", "minpartitions": "8"}).min_partitions == 8
+    )
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(ConfigError, match=r"minPartitions"):
+            parse_source_options({"endpoints": "tcp://h:1", "minPartitions": bad})
+
+
+def test_direct_pack_in_waves() -> None:
+    """With minPartitions, a direct batch is an even number of near-equal partitions."""
+    ranges = {"p": (A, 1, 1_180_001)}
+    parts = pack(ranges, 1_000_000, 2)
+    assert [(g[0][2], g[0][3]) for g in parts] == [(1, 590_001), (590_001, 1_180_001)]
+    assert all(g[0][:2] == ("p", A) for g in parts)
+    assert len(pack({"p": (A, 1, 2_500_001)}, 1_000_000, 2)) == 4
+
+
+def test_settled_end_splits_the_larger_of_two_batches_of_a_full_window() -> None:
+    """A producer whose window held its sends back: a batch reads at most half of what it
+    holds (the previous batch, not yet acked, included), so the batch sizes settle at half
+    the window instead of alternating (1.75M / 250k with a 2M window, measured)."""
+    from zio_spark.source.direct import settled_end
+
+    # The previous batch [1, 250001) is held until this plan acks it; 1.75M made since.
+    assert settled_end(250_001, HeldWindow(A, 1, 2_000_001, True)) == 1_250_001
+    # The previous batch was the larger one: this one is whole.
+    assert settled_end(1_750_001, HeldWindow(A, 1, 2_000_001, True)) == 2_000_001
+    # Nothing held beyond the start: an empty batch, never one ending below its start.
+    assert settled_end(501, HeldWindow(A, 1, 501, True)) == 501
+    # Nothing of the previous batch held (acked already): half of what is.
+    assert settled_end(501, HeldWindow(A, 501, 901, True)) == 701
+
+    # Simulated: a producer that fills its window (2M) while each batch runs; the plan
+    # of a batch sees the previous one [start, end) still held, then acks it.
+    window, start, end = 2_000_000, 1, 1_750_001  # a first batch as the startup made it
+    sizes = []
+    for _ in range(6):
+        nxt = settled_end(end, HeldWindow(A, start, start + window, True))
+        sizes.append(nxt - end)
+        start, end = end, nxt
+    assert sizes == [250_000, 1_000_000, 1_000_000, 1_000_000, 1_000_000, 1_000_000]
+    # Without the cut the sizes would alternate: 250k, 1.75M, 250k, ...
+
+
+def test_latest_cuts_a_full_producer_only() -> None:
+    start = {"p": Position(A, 250_001), "q": Position(B, 250_001)}
+    held = {
+        "p": HeldWindow(A, 1, 2_000_001, True),  # its sends waited: cut to half
+        "q": HeldWindow(B, 1, 2_000_001),  # not held back: all of it
+    }
+    end, losses = latest(start, held)
+    assert losses == []
+    assert end == {"p": Position(A, 1_250_001), "q": Position(B, 2_000_001)}
+    # An availableNow run reads to its target, full or not.
+    target = {"p": Position(A, 2_000_001), "q": Position(B, 2_000_001)}
+    end, _ = latest(start, held, target=target)
+    assert end["p"] == Position(A, 2_000_001)
+    # maxRecordsPerTrigger still applies after the cut.
+    end, _ = latest(start, held, max_rows=100)
+    assert end == {"p": Position(A, 250_051), "q": Position(B, 250_051)}

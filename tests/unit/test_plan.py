@@ -67,6 +67,56 @@ def test_small_ranges_of_several_producers_share_a_partition_up_to_the_step():
         assert all(sum(b - a for _, a, b in g) <= step for g in plan.pack(ranges, step))
 
 
+def test_pack_in_waves_cuts_a_multiple_of_the_waves_into_near_equal_partitions():
+    """minPartitions (``waves_of``): 1.18M records of one producer with a step of 500k
+    were 3 tasks (a second wave of one on two cores); in waves of 2 they are 4."""
+    got = plan.pack({"p": (1, 1_180_001)}, 500_000, 2)
+    assert [b - a for g in got for _, a, b in g] == [295_000] * 4
+    assert plan.pack({"p": (1, 1_180_001)}, 1_000_000, 2) == [
+        (("p", 1, 590_001),),
+        (("p", 590_001, 1_180_001),),
+    ]
+    # Small producers are laid end to end and cut: a producer may span two partitions.
+    assert plan.pack({"a": (1, 301), "b": (1, 101)}, 1000, 2) == [
+        (("a", 1, 201),),
+        (("a", 201, 301), ("b", 1, 101)),
+    ]
+    # Never an empty partition: fewer records than the waves ask for.
+    assert plan.pack({"a": (1, 4)}, 10, 8) == [(("a", 1, 2),), (("a", 2, 3),), (("a", 3, 4),)]
+    assert plan.pack({"a": (5, 5)}, 10, 2) == [] and plan.pack({}, 10, 2) == []
+    with pytest.raises(ValueError, match="empty"):
+        plan.cut({"a": (1, 3)}, 3)
+
+
+_WAVE_RANGES = st.dictionaries(
+    st.text("abcdef", min_size=1, max_size=3),
+    st.tuples(st.integers(1, 500), st.integers(0, 400)).map(lambda t: (t[0], t[0] + t[1])),
+    max_size=8,
+)
+
+
+@given(_WAVE_RANGES, st.integers(1, 300), st.integers(2, 5))
+def test_pack_in_waves_properties(ranges, step, waves):
+    parts = plan.pack(ranges, step, waves)
+    total = sum(e - s for s, e in ranges.values())
+    # Every record once, each producer's pieces in order and contiguous.
+    for p, (start, end) in ranges.items():
+        mine = [(a, b) for g in parts for q, a, b in g if q == p]
+        assert [s for a, b in mine for s in range(a, b)] == list(range(start, end))
+    assert all(g for g in parts) and all(b > a for g in parts for _, a, b in g)
+    sizes = [sum(b - a for _, a, b in g) for g in parts]
+    if total:
+        # Near-equal, within the step, whole waves unless there are too few records.
+        assert max(sizes) - min(sizes) <= 1 and max(sizes) <= step
+        assert len(parts) % waves == 0 or len(parts) == total
+        assert len(parts) >= min(waves, total)
+        # No more waves than the step needs.
+        assert len(parts) <= max(waves, -(-len(plan.pack(ranges, step)) // waves) * waves)
+    else:
+        assert parts == []
+    assert plan.pack(dict(reversed(list(ranges.items()))), step, waves) == parts
+
+
 def test_pack_orders_by_producer_id_whatever_the_mapping_order():
     assert plan.pack({"b": (1, 3), "a": (1, 3)}, 10) == [(("a", 1, 3), ("b", 1, 3))]
 

@@ -232,6 +232,7 @@ def test_replies_round_trip() -> None:
         UnknownProducer(5, query=True),
         HeldReport(6, "p", INC, 1, 1),
         HeldReport(7, "p", INC, 3, 900),
+        HeldReport(8, "p", INC, 3, 900, full=True),
     ):
         assert decode_reply(encode_reply(reply)) == reply
     assert encode_reply(NotHeld(3, 10, 12)) == {
@@ -338,6 +339,26 @@ def test_a_held_query_reports_the_window() -> None:
     assert giver.producer == "p"
     assert giver.next(Window(7, 7), 1) == HeldReport(4, "p", INC, 7, 7)
     assert giver.producer is None
+    # A window that held its sends back says so.
+    assert giver_with(HeldQuery(5, "p")).next(Window(7, 9, full=True), 1) == HeldReport(
+        5, "p", INC, 7, 9, full=True
+    )
+
+
+def test_full_is_sent_only_when_true_and_must_be_a_bool() -> None:
+    """``full`` is optional on the wire (absent: false), so a giver of before it and one
+    that never holds senders back send the same bytes; a non-bool is a remote error
+    naming the field."""
+    held = encode_reply(HeldReport(2, "p", INC, 4, 9))["held"]
+    assert "full" not in held
+    assert encode_reply(HeldReport(2, "p", INC, 4, 9, full=True))["held"]["full"] is True
+    for bad in (1, 0, "true", None, [True]):
+        with pytest.raises(RemoteProtocolError) as e:
+            decode_reply({"held": {**held, "full": bad}})
+        assert e.value.field == "held.full" and "full must be true or false" in str(e.value)
+    with pytest.raises(LocalProtocolError) as le:
+        Window(1, 2, full=1)  # type: ignore[arg-type]
+    assert le.value.field == "full"
 
 
 def test_one_request_at_a_time_with_increasing_ids() -> None:

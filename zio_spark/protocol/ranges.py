@@ -69,6 +69,15 @@ A held query is answered by one DAT
 ``b``; a later held answer of another incarnation means the numbering restarted: the
 ranges planned but not read are lost.
 
+A held answer may also carry ``"full": true``: a send of the producer began to wait for
+room in its window (unacknowledged records at the producer's limit) since the giver's
+previous held answer on this flow, or waits now. Absent means false (a giver that never holds
+a sender back, or one of before this field, never sends it). It is what tells a planner
+that the producer is faster than the reads and its window sets the batch sizes: a planner
+then reads at most half of what the producer holds per batch (``direct.latest``), so that
+the batches it plans, each held until the next one's plan acks it, settle at half the
+window instead of alternating between a large one and a small one.
+
 **The rule for serving** is made before every DAT of the range: the request's
 incarnation must be the giver's (else ``other_incarnation``, before any record), and with
 ``[first, end)`` the producer's held window now (``first``: the oldest record not yet
@@ -570,13 +579,16 @@ class CommitRefused:
 class HeldReport:
     """The producer's held window ``[first, end)``: records ``first .. end - 1``, numbered
     in ``incarnation``. A planner stores ``incarnation`` with the ``end`` it plans to and
-    puts it in every range request it plans from this report."""
+    puts it in every range request it plans from this report. ``full``: a send of the
+    producer began to wait for room in its window since the previous held answer, or
+    waits now (module docstring)."""
 
     id: int
     producer: str
     incarnation: str
     first: int
     end: int
+    full: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -793,6 +805,8 @@ def encode_reply(reply: Reply) -> dict[str, Any]:
         obj = {"id": reply.id, "producer": reply.producer, "status": "held"}
         obj[INCARNATION] = reply.incarnation
         obj["first"], obj["end"] = reply.first, reply.end
+        if reply.full:
+            obj["full"] = True
     _check_reply(obj, key, local=True)
     return {key: obj}
 
@@ -865,7 +879,15 @@ def _check_reply(obj: Mapping[str, Any], key: str, local: bool) -> Reply:
         return OtherIncarnation(rid, incarnation, first, end)
     producer = _producer(obj, key, local)
     incarnation = _incarnation(obj.get(INCARNATION), f"{key}.{INCARNATION}", local)
-    return HeldReport(rid, producer, incarnation, first, end)
+    full = obj.get("full", False)
+    if not isinstance(full, bool):
+        raise _fail(
+            local,
+            f"{key}: full must be true or false, got {type(full).__name__}: {full!r:.40}",
+            f"{key}.full",
+            full,
+        )
+    return HeldReport(rid, producer, incarnation, first, end, full)
 
 
 def decode_reply(attrs: Mapping[str, Any]) -> Reply | None:
@@ -889,12 +911,19 @@ def decode_reply(attrs: Mapping[str, Any]) -> Reply | None:
 @dataclass(frozen=True, slots=True)
 class Window:
     """A producer's held window now: records ``first .. end - 1`` (``first``: the oldest
-    not yet acknowledged, ``end``: the next sequence number to assign)."""
+    not yet acknowledged, ``end``: the next sequence number to assign). ``full``: a send
+    began to wait for room in the window since this flow's previous held answer, or
+    waits now (stated in a held answer only)."""
 
     first: int
     end: int
+    full: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.full, bool):
+            raise LocalProtocolError(
+                f"window full must be a bool, got {self.full!r}", field="full", value=self.full
+            )
         for name in ("first", "end"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= SEQ_MAX:
@@ -1061,7 +1090,9 @@ class RangeGiver:
             )
         if isinstance(req, HeldQuery):
             self._request = None
-            return HeldReport(req.id, req.producer, self.incarnation, window.first, window.end)
+            return HeldReport(
+                req.id, req.producer, self.incarnation, window.first, window.end, window.full
+            )
         if isinstance(req, CommitRequest):
             self._request = None
             if req.incarnation != self.incarnation:

@@ -587,6 +587,11 @@ class FlowProducerPort:
             self.ack(upto)
         return out
 
+    def window_full_since(self, mark: int) -> tuple[bool, int]:
+        """Never full: no sender waits on this window (PZQ producers wait on the store's
+        acks, and what the window leaves out stays in the store)."""
+        return False, mark
+
     def _lost(self, seq: int, key: int, error: StoreError) -> None:
         """The store cannot give seq ``seq``'s message (store ``key``) back: the seq
         becomes a hole, and its record (if still there: it failed its check) is dropped

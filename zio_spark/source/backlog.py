@@ -342,6 +342,14 @@ class ProducerBacklog:
         with self._cond:
             return self._blocked_since is not None
 
+    def window_full_since(self, mark: int) -> tuple[bool, int]:
+        """Whether a send began to wait for room in the window since ``mark`` (a number this
+        returned before; 0 at first) or waits now, and the mark to pass next time
+        (:class:`~zio_spark.source.range_serving.RangeSource`)."""
+        with self._cond:
+            waits = self.stats["blocked"]  # waits begun (one going on counted)
+            return waits > mark or self._blocked_since is not None, waits
+
     @property
     def acked(self) -> int:
         with self._cond:

@@ -11,7 +11,7 @@ start at 1). The stream reader (:mod:`zio_spark.spark.source`) asks here:
 - whether records waiting make a batch of their own during an availableNow run before
   the producers are done (:func:`is_step`);
 - how a batch's ranges are cut into Spark partitions (:func:`partition_ranges`,
-  :func:`pieces`, :func:`pack`).
+  :func:`pieces`, :func:`pack`, :func:`cut`).
 
 The batch reader's ``maxRecords`` goes to the plain givers first (they cannot send
 again what a read drops): :func:`take_acked` gives the ack-capable producers what the
@@ -169,7 +169,9 @@ def pieces(start: int, end: int, step: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-def pack(ranges: Mapping[str, tuple[int, int]], step: int) -> list[tuple[Range, ...]]:
+def pack(
+    ranges: Mapping[str, tuple[int, int]], step: int, waves_of: int = 1
+) -> list[tuple[Range, ...]]:
     """The ranges of one batch as the ranges of its Spark partitions.
 
     A producer's range is cut into near-equal pieces of at most ``step`` records
@@ -177,7 +179,23 @@ def pack(ranges: Mapping[str, tuple[int, int]], step: int) -> list[tuple[Range, 
     producers then share a partition up to ``step`` records, in producer id order, so
     many small producers do not cost a task each (8 plain clients: ~60 ms of worker CPU
     per task and batch, 18 us per record, was the largest cost of a bound source).
+
+    ``waves_of`` > 1 (``minPartitions``): the batch is instead cut into a multiple of
+    ``waves_of`` partitions of near-equal size (:func:`cut`), at least as many as the
+    cut above makes, so the batch's tasks fill whole waves of that many task slots. A
+    batch of 1.18M records with ``step`` 500k was three tasks on two cores: a second
+    wave of one task with the other core idle (bench/README.md, "Partitions in waves").
     """
+    if waves_of > 1:
+        n = len(_greedy(ranges, step))
+        n = min(
+            -(-max(n, 1) // waves_of) * waves_of, sum(max(0, e - s) for s, e in ranges.values())
+        )
+        return cut(ranges, n)
+    return _greedy(ranges, step)
+
+
+def _greedy(ranges: Mapping[str, tuple[int, int]], step: int) -> list[tuple[Range, ...]]:
     out: list[tuple[Range, ...]] = []
     group: list[Range] = []
     size = 0
@@ -190,6 +208,34 @@ def pack(ranges: Mapping[str, tuple[int, int]], step: int) -> list[tuple[Range, 
             group.append((producer, s, e))
             size += e - s
     if group:
+        out.append(tuple(group))
+    return out
+
+
+def cut(ranges: Mapping[str, tuple[int, int]], n: int) -> list[tuple[Range, ...]]:
+    """The producers' ranges, laid end to end in producer id order, cut into ``n``
+    partitions whose sizes differ by at most one record (``n`` at most the records).
+
+    A producer's range may end one partition and start the next: it is then read as two
+    ranges (two range flows in direct mode), each contiguous."""
+    order = [(p, *ranges[p]) for p in sorted(ranges) if ranges[p][1] > ranges[p][0]]
+    total = sum(e - s for _, s, e in order)
+    if total == 0 or n <= 0:
+        return []
+    if n > total:
+        raise ValueError(f"cut: {n} partitions of {total} records would leave some empty")
+    bounds = [total * i // n for i in range(n + 1)]
+    out: list[tuple[Range, ...]] = []
+    k, before = 0, 0  # the producer in hand, and the records of the producers before it
+    for lo, hi in itertools.pairwise(bounds):
+        group: list[Range] = []
+        while lo < hi:
+            p, s, e = order[k]
+            a, b = s + lo - before, min(e, s + hi - before)
+            group.append((p, a, b))
+            lo += b - a
+            if b == e:
+                k, before = k + 1, before + (e - s)
         out.append(tuple(group))
     return out
 

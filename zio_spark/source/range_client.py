@@ -109,11 +109,13 @@ for _event in HANDSHAKE_FAILED:
 
 class HeldWindow(NamedTuple):
     """A producer's held window: records ``first .. end - 1``, numbered in
-    ``incarnation`` (``first == end``: none held)."""
+    ``incarnation`` (``first == end``: none held). ``full``: a send began to wait for room
+    in the window since the previous held answer, or waits (protocol.ranges)."""
 
     incarnation: str
     first: int
     end: int
+    full: bool = False
 
 
 class RangesNotServed(TransportError):
@@ -425,7 +427,7 @@ class RangeConnection:
         if not isinstance(reply, HeldReport):  # pragma: no cover - on_dat checks it
             raise RemoteProtocolError(f"not a held answer: {reply!r}", field="held")
         self._repay()
-        return HeldWindow(reply.incarnation, reply.first, reply.end)
+        return HeldWindow(reply.incarnation, reply.first, reply.end, reply.full)
 
     def read(
         self, producer: str, incarnation: str, start: int, end: int

@@ -125,6 +125,7 @@ from zio_spark.protocol.ranges import (
     Admitted,
     CommitRefused,
     HeldQuery,
+    HeldReport,
     RangeGiver,
     Records,
     Window,
@@ -214,6 +215,13 @@ class RangeSource(Backlog, Protocol):
     def commit_held(self, step: Callable[[HeldView], tuple[T, int | None]]) -> T:
         """``step(view)`` under the lock, then free up to the number it returns (None:
         nothing), in the same hold, as a taker's ack frees (monotonic)."""
+        ...
+
+    def window_full_since(self, mark: int) -> tuple[bool, int]:
+        """Whether a sender began to wait for room in the source's window since ``mark`` (what
+        this returned before; 0 at first) or waits now, and the next mark. A source that
+        never holds its senders back: ``(False, 0)``. Called under the source's lock (it
+        must be reentrant)."""
         ...
 
 
@@ -416,6 +424,8 @@ class RangeFlow:
         self.giver = RangeGiver(service.incarnation, control=control, gated=gated)
         self.ending = False
         self._turn = -1  # the service's turn of the DATs counted in _turn_sent
+        # The source's window_full_since() mark when this flow's last held answer went.
+        self._waits_told = 0
         self._turn_sent = 0
 
     def _refuse(self, e: RemoteProtocolError) -> RemoteProtocolError:
@@ -472,7 +482,14 @@ class RangeFlow:
             return _STALE
         producer = self.giver.producer
         window = service.window(records) if producer == service.policy.producer_id else None
+        mark = self._waits_told
+        if window is not None:
+            # A held answer says whether a send began to wait for room since the last one.
+            full, mark = service.backlog.window_full_since(self._waits_told)
+            window = Window(window.first, window.end, full=full)
         got = self.giver.next(window, self.batch)
+        if isinstance(got, HeldReport):
+            self._waits_told = mark
         if isinstance(got, Records):
             taken = records.take(got.first, got.count, DAT_BYTES)
             if taken is None or taken.first != got.first or not taken.values:

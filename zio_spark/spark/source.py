@@ -581,7 +581,9 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 self.columns,
                 rt.server_keys(),
             )
-            for group in plan.pack(ranges, self.opts.max_records_per_partition)
+            for group in plan.pack(
+                ranges, self.opts.max_records_per_partition, self.opts.min_partitions
+            )
         ]
 
     def _direct_partitions(
@@ -648,7 +650,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
                 o.stream,
             )
             for mode, some in sorted(by_mode.items(), key=lambda kv: str(kv[0]))
-            for group in direct.pack(some, o.max_records_per_partition)
+            for group in direct.pack(some, o.max_records_per_partition, o.min_partitions)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -709,7 +711,7 @@ class ZioBatchReader(DataSourceReader):  # type: ignore[misc]
                 opts.fail_on_data_loss,
                 self.columns,
             )
-            for group in plan.pack(ranges, opts.max_records_per_partition)
+            for group in plan.pack(ranges, opts.max_records_per_partition, opts.min_partitions)
         ]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
