@@ -127,6 +127,30 @@ def test_the_queue_serves_held_windows_and_ranges_from_its_store(
     assert nothing_within(consumer, 0.3)
 
 
+def test_a_held_answer_is_full_while_the_window_leaves_messages_in_the_store(
+    make_broker: Callable[..., QueueBroker],
+    raw_socket: Callable[[int], Sock],
+    ctx: zmq.Context[Any],
+    closing: list[Any],
+) -> None:
+    """The queue's held end is its window's when the store holds more than the window
+    numbers: the answer says ``full`` then (the planner settles its batches at half the
+    window), and not once the store's messages all fit."""
+    b = make_broker(flow_producer="tcp://127.0.0.1:*", flow_window=100)
+    ep = b.endpoints["flow_producer"]
+    producer = raw_socket(zmq.DEALER)
+    producer.connect(b.endpoints["receive"])
+    _produce(producer, _messages(b"a", 150))
+    control = ControlConnection(ep, ctx=ctx, timeout=T)
+    closing.append(control)
+    inc = control.incarnation
+    assert control.held() == HeldWindow(inc, 1, 101, True)  # 50 left in the store
+    control.ack(40, inc)
+    assert control.held() == HeldWindow(inc, 41, 141, True)  # 10 still left
+    control.ack(100, inc)
+    assert control.held() == HeldWindow(inc, 101, 151, False)  # all fit: not full
+
+
 def test_commit_acks_delete_exactly_up_to_the_ack(
     make_broker: Callable[..., QueueBroker],
     raw_socket: Callable[[int], Sock],

@@ -71,12 +71,13 @@ ranges planned but not read are lost.
 
 A held answer may also carry ``"full": true``: a send of the producer began to wait for
 room in its window (unacknowledged records at the producer's limit) since the giver's
-previous held answer on this flow, or waits now. Absent means false (a giver that never holds
-a sender back, or one of before this field, never sends it). It is what tells a planner
-that the producer is faster than the reads and its window sets the batch sizes: a planner
-then reads at most half of what the producer holds per batch (``direct.latest``), so that
-the batches it plans, each held until the next one's plan acks it, settle at half the
-window instead of alternating between a large one and a small one.
+previous held answer on this flow, or waits now (the queue's flow producer: its window is
+taken up and its store holds more). Absent means false (a giver of before this field
+never sends it). It tells a planner that the producer is faster than the reads and its
+window sets the batch sizes: the planner then reads at most half of what the producer
+holds per batch (``direct.settled_end``), so that its batches, each held until the next
+one's plan acks it, settle at half the window instead of alternating between a large
+one and a small one.
 
 **The rule for serving** is made before every DAT of the range: the request's
 incarnation must be the giver's (else ``other_incarnation``, before any record), and with

@@ -588,9 +588,13 @@ class FlowProducerPort:
         return out
 
     def window_full_since(self, mark: int) -> tuple[bool, int]:
-        """Never full: no sender waits on this window (PZQ producers wait on the store's
-        acks, and what the window leaves out stays in the store)."""
-        return False, mark
+        """Full now: the window (``window`` numbered and not acked) is taken up while the
+        store holds messages nobody took yet, so the held end is the window's, not the
+        store's: a planner then settles its batches at half the window. No sender waits
+        on it (PZQ producers wait on the store's acks), so there is no wait to count
+        between answers: the state now is the answer (``mark`` unused)."""
+        store = self.store
+        return len(self._table) >= self.window and store.messages > store.in_flight, mark
 
     def _lost(self, seq: int, key: int, error: StoreError) -> None:
         """The store cannot give seq ``seq``'s message (store ``key``) back: the seq
