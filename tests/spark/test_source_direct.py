@@ -453,3 +453,56 @@ def test_a_first_batch_replanned_after_its_producer_restarted_without_records_is
     finally:
         for p in made:
             p.close(flush=False, timeout=5)
+
+
+def test_a_full_producers_batches_are_cut_to_half_its_window_from_the_second_plan(ctx):
+    """A producer whose sends wait for room in its window says ``full`` in its held
+    answer; the runner then plans at most half of what it holds (the batch before
+    included), so a fast producer's batches settle at half its window instead of
+    alternating. A runner's first plan is never cut: a run of one batch (Trigger.Once,
+    availableNow before Spark 4.2) reads all that is held. Hook by hook, no Spark session;
+    every wait is on the producer's state."""
+    import contextlib
+    import threading
+
+    from zio_spark.options import parse_source_options
+    from zio_spark.spark.source import ZioStreamReader
+
+    p = Producer(ctx=ctx, producer_id="f0", linger_ms=0, bind="tcp://127.0.0.1:*", max_unacked=100)
+    senders: list[threading.Thread] = []
+
+    def send_blocked(n: int, first: int) -> None:
+        # A send that must wait for room: on a thread, until the query's acks free it.
+        def send() -> None:
+            with contextlib.suppress(TransportError):  # the producer closed at the end
+                p.send_many(_values(n, first), timeout=T)
+
+        t = threading.Thread(target=send)
+        t.start()
+        senders.append(t)
+        wait_until(lambda: p.window_full, what="the send waiting for room", timeout=T)
+
+    raw = {"endpoints": p.endpoint, "readMode": "direct", "connectTimeout": "5s"}
+    r = ZioStreamReader(parse_source_options(raw), ("seq", "value"))
+    try:
+        p.send_many(_values(100))
+        send_blocked(100, 100)
+        start = r.initialOffset()
+        end1 = r.latestOffset(start, None)  # the runner's first plan: all that is held
+        assert end1["f0"]["end"] == 101
+        # The next plan: the first batch [1, 101) still held, nothing new: an empty
+        # batch; its ack (start=end1) frees the window and the waiting send completes.
+        assert r.latestOffset(end1, None)["f0"]["end"] == 101
+        wait_until(lambda: p.acked == 100 and not p.window_full, what="the send done", timeout=T)
+        senders.pop().join(T)
+        send_blocked(100, 200)  # a fast producer: its window full again
+        # Held [101, 201) and full: half of it, 50, where the whole would be 100.
+        end3 = r.latestOffset(end1, None)
+        assert end3["f0"]["end"] == 151
+        parts = r.partitions(end1, end3)
+        assert len(parts) == 2  # in waves of minPartitions (2 in direct mode)
+    finally:
+        r.stop()
+        p.close(flush=False, timeout=5)
+        for t in senders:
+            t.join(T)

@@ -360,6 +360,9 @@ def test_latest_cuts_a_full_producer_only() -> None:
     target = {"p": Position(A, 2_000_001), "q": Position(B, 2_000_001)}
     end, _ = latest(start, held, target=target)
     assert end["p"] == Position(A, 2_000_001)
+    # A runner's first plan is not cut (it may be a run's only batch).
+    end, _ = latest(start, held, settle=False)
+    assert end["p"] == Position(A, 2_000_001)
     # maxRecordsPerTrigger still applies after the cut.
     end, _ = latest(start, held, max_rows=100)
     assert end == {"p": Position(A, 250_051), "q": Position(B, 250_051)}

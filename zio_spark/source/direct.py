@@ -198,6 +198,7 @@ def latest(
     target: Mapping[str, Position] | None = None,
     max_rows: int | None = None,
     seen: Mapping[str, HeldWindow] | None = None,
+    settle: bool = True,
 ) -> tuple[Offsets, list[Loss]]:
     """The end offsets of the next batch and the losses found (module docstring).
 
@@ -205,9 +206,11 @@ def latest(
     ``seen``: the last held window each producer answered before (to tell what an
     incarnation that is gone held beyond ``start``). ``max_rows``
     (``maxRecordsPerTrigger``): shared fairly by the producers (:func:`plan.fair_rows`).
+    ``settle``: cut a producer whose held answer says ``full`` (:func:`settled_end`);
+    False for a runner's first plan (it may be a run's only batch).
     """
     end, _, losses = latest_with_spool(
-        start, held, {}, {}, target=target, max_rows=max_rows, seen=seen
+        start, held, {}, {}, target=target, max_rows=max_rows, seen=seen, settle=settle
     )
     return end, losses
 
@@ -221,6 +224,7 @@ def latest_with_spool(
     target: Mapping[str, Position] | None = None,
     max_rows: int | None = None,
     seen: Mapping[str, HeldWindow] | None = None,
+    settle: bool = True,
 ) -> tuple[Offsets, dict[str, int], list[Loss]]:
     """:func:`latest` for a batch that also reads givers through the spool:
     ``spool_bases``/``spool_ends`` are their ranges before the budget
@@ -274,7 +278,7 @@ def latest_with_spool(
         if target is not None:
             t = target.get(p)
             goal = t.end if t is not None and t.incarnation == w.incarnation else was.end
-        elif w.full:
+        elif w.full and settle:
             goal = settled_end(was.end, w)
         bases[p] = was.end
         ends[p] = max(was.end, goal)
@@ -302,7 +306,9 @@ def settled_end(start: int, w: HeldWindow) -> int:
     records. Cut to half of what is held, the larger of the two is split and the rest
     waits one trigger: the sizes settle at half the window within two batches. A
     producer that never waits keeps the whole held end (no record waits a trigger
-    longer than it must); an availableNow run reads to its target, never cut."""
+    longer than it must); an availableNow run reads to its target, never cut, and a
+    runner's first plan is not cut either (``settle``: a run of one batch, as
+    Trigger.Once or availableNow before Spark 4.2, reads all that is held)."""
     half = -(-(w.end - min(w.first, start)) // 2)
     return max(start, min(w.end, start + half))
 

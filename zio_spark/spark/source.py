@@ -277,6 +277,8 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
         self._rt_plain: frozenset[str] = frozenset()
         # Direct mode on a Spark that calls latestOffset() without start (< 4.2).
         self._implied = direct.ImpliedStart()
+        # Direct mode: this runner planned a batch before (direct.settled_end applies).
+        self._planned = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled for the tasks only (the runner makes its reader afresh): they read
@@ -294,6 +296,7 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             "_direct_target": None,
             "_rt_plain": frozenset(),
             "_implied": direct.ImpliedStart(),
+            "_planned": False,
         }
 
     @property
@@ -366,7 +369,11 @@ class ZioStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):  # t
             target=self._direct_target,
             max_rows=max_rows,
             seen=seen,
+            # Not a runner's first plan: a run of one batch (Trigger.Once, availableNow
+            # before Spark 4.2) reads all that is held, as before the cut existed.
+            settle=self._planned,
         )
+        self._planned = True
         self._losses(losses)
         out: dict[str, Any] = direct.to_json(end)
         out.update(spool_end)
