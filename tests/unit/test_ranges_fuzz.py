@@ -102,6 +102,18 @@ REPLY_SEEDS: list[dict[str, Any]] = [
             "end": 9,
         },
     },
+    {
+        "flow": "DAT",
+        "held": {
+            "id": 0,
+            "producer": "p1",
+            "status": "held",
+            "incarnation": INC,
+            "first": 1,
+            "end": 9,
+            "full": True,
+        },
+    },
     {"flow": "DAT", "held": {"id": 0, "status": "unknown_producer"}},
     {"flow": "DAT", "seq": 1},
     {
