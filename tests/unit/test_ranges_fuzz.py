@@ -83,6 +83,7 @@ REQUEST_SEEDS: list[dict[str, Any]] = [
     {"flow": "PAY", "credit": 0, "admit": {"id": 1, "key": RUN_KEY}},
     {"flow": "PAY", "credit": 2, "admit": {"id": 0, "key": "0" * 40}},
 ]
+_HELD = {"id": 0, "producer": "p1", "status": "held", "incarnation": INC, "first": 1, "end": 9}
 REPLY_SEEDS: list[dict[str, Any]] = [
     {"flow": "DAT", "range": {"id": 0, "status": "done", "start": 1, "end": 9}},
     {"flow": "DAT", "range": {"id": 0, "status": "not_held", "first": 4, "end": 12}},
@@ -91,29 +92,8 @@ REPLY_SEEDS: list[dict[str, Any]] = [
         "flow": "DAT",
         "range": {"id": 0, "status": "other_incarnation", "incarnation": INC, "first": 1, "end": 9},
     },
-    {
-        "flow": "DAT",
-        "held": {
-            "id": 0,
-            "producer": "p1",
-            "status": "held",
-            "incarnation": INC,
-            "first": 1,
-            "end": 9,
-        },
-    },
-    {
-        "flow": "DAT",
-        "held": {
-            "id": 0,
-            "producer": "p1",
-            "status": "held",
-            "incarnation": INC,
-            "first": 1,
-            "end": 9,
-            "full": True,
-        },
-    },
+    {"flow": "DAT", "held": _HELD},
+    {"flow": "DAT", "held": {**_HELD, "full": True}},
     {"flow": "DAT", "held": {"id": 0, "status": "unknown_producer"}},
     {"flow": "DAT", "seq": 1},
     {
