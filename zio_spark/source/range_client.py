@@ -303,7 +303,8 @@ class RangeConnection:
                 raise TransportError(
                     f"range reader: the CURVE handshake failed ({what}, errno "
                     f"{got['value']}): the producer there has no CURVE, or another server "
-                    "key than this reader's curveServerKey",
+                    "key than this reader's curveServerKey, or it went away during the "
+                    "handshake (killed or restarted: a task's retry reads once it is back)",
                     endpoint=self.endpoint,
                 )
         finally:
