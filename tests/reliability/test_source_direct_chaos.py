@@ -4,7 +4,7 @@ are SIGKILLed at random (seeded) moments and restarted (issue #26, requirement 6
 
 No spool and no taker here: the driver asks each producer's held window and acks Spark's
 commits on its control flows, and each task reads its ranges from the producers. So the
-records live only in the producers until a commit acks them. Two scenarios:
+records live only in the producers until a commit acks them. Three scenarios:
 
 - **with retention** (``Producer(retention_dir=...)``): what makes a producer kill
   harmless. The restarted producer (``producer_child.py ... direct DIR``, same id, same
@@ -22,6 +22,16 @@ records live only in the producers until a commit acks them. Two scenarios:
   the ranges the source reported lost (the WARNs of the tasks and of the planner) are
   disjoint and leave no gap below the highest of them: exactly the reported ranges are
   lost, nothing else, nothing read twice.
+- **over CURVE, producers with allow-lists** (the with-retention scenario; docs/
+  direct-read.md, "Security and networks"): every producer admits only the driver's
+  public key and the run key that the driver's control flow leases to it; the tasks hold
+  the run key pair only. A restarted producer (same server key and list) holds no lease,
+  so the tasks of the batch it was in are refused at the handshake until the driver's
+  keeper has reopened its control flow, which registers the run key again; Spark's task
+  retries carry them over that. The keys are drawn by the test and given to the children
+  in their environment only. Verdict: every record exactly once, the query never failed,
+  every producer serving at the end leased a run key, and no file of the run holds a
+  secret key.
 
 Kill moments are drawn as in test_source_chaos.py (progress target, then a random
 delay; the seed printed, ``ZIO_CHAOS_SEED`` replays them), each producer kill on a producer
@@ -212,6 +222,19 @@ CURVE_SIZES = {
 }
 
 
+_LOG_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d ", re.M)
+
+
+def lost_tasks(text: str) -> list[str]:
+    """Each task attempt Spark lost, as its driver's log tells it (the "Lost task" line
+    and the traceback under it, up to the next log line)."""
+    out = []
+    for m in re.finditer(r"^.*Lost task", text, re.M):
+        end = _LOG_LINE.search(text, m.start() + 1)
+        out.append(text[m.start() : end.start() if end else len(text)])
+    return out
+
+
 def holding(root: Path, secrets: list[bytes]) -> list[str]:
     """Files under ``root`` that hold one of ``secrets`` (the tests' logs, the query's
     checkpoint and output, the producers' folders)."""
@@ -263,12 +286,13 @@ def test_direct_source_over_curve_producers_with_allow_lists_killed_exactly_once
         now = [run.current[f"producer-{i}"].line("RUN_KEY") for i in range(PRODUCERS)]
         retries = run.retries()
         table = run.finish()
-    logs = chaos.driver_logs()
+    lost = lost_tasks(chaos.driver_logs())
+    refused = sum("refused our CURVE key" in t for t in lost)
 
     run.say(
         f"{len(table)} rows of {PRODUCERS} producers, kills {[p.done for p, _ in plans.values()]} "
         f"(a range flow open at the producer kills: {chaos.read_open}, task retries {retries}, "
-        f"{logs.count('refused our CURVE key')} lines of refused run keys), producer resumes "
+        f"{refused} of them refused the run key at the handshake), producer resumes "
         f"{numbering.resumes}, run keys leased per producer "
         f"{[len(k) for k in run_keys]} ({len(set().union(*run_keys))} distinct)"
     )

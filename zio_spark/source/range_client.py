@@ -547,8 +547,11 @@ class ControlConnection(RangeConnection):
     """The driver's control flow to the producer at ``endpoint`` (BOT ``read:
     "control"``): held queries and commits, one at a time, never a range or a record.
     Bound to the incarnation its BOT stated (:attr:`incarnation`): the producer ends it
-    (EOT) when it renumbers. Opening, options and errors as :class:`RangeConnection`;
-    a peer without the capability is :class:`RangesNotServed`."""
+    (EOT) when it renumbers. It watches its connection from the BOT on: once that
+    dropped (the producer killed or restarted), every request fails at once with a
+    :class:`~zio_spark.errors.TransportError`, also one whose answer the drop cut off.
+    Opening, options and errors as :class:`RangeConnection`; a peer without the
+    capability is :class:`RangesNotServed`."""
 
     _READ = READ_CONTROL
     _CREDIT = 4  # only answers flow back: one per request
