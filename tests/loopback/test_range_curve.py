@@ -6,13 +6,22 @@ that allow-list (the driver's long-term key) and the run keys its control flows 
 reads a range; an unknown key is refused at the handshake, fast, with the endpoint and
 the fix; a run key revoked when its control flow ends; a driver key off the list; a
 producer without an allow-list (``open``); producers sharing a context, each with its own
-list; bad keys. Every socket is on 127.0.0.1 with a random port, the ``ctx`` fixture fails
-on a leaked socket, and every wait polls a condition with a deadline.
+list; bad keys; the driver's keeper registering the run key again at a restarted
+producer, also when the restart cut a request of the control flow short (a producer in a
+process of its own, stopped and killed by its pid). Every socket is on 127.0.0.1 with a
+random port, the ``ctx`` fixture fails on a leaked socket, and every wait polls a
+condition with a deadline.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -273,3 +282,135 @@ def test_the_keeper_registers_the_run_key_again_at_a_restarted_producer(ctx, clo
     # No hook of the driver runs: only the keeper can register the key there again.
     wait_until(lambda: q.run_keys == frozenset({run.public_key}), T, "the run key again")
     assert _read(q, ctx, run, 1, 2) == [b"c"]
+
+
+# A producer with an allow-list (the driver's key) in a process of its own, so that it
+# can be stopped and killed by its pid: binds ENDPOINT (again, while the killed one's
+# listener may still be going away), prints it, then the first run key it leases. No
+# heartbeats: nothing but the driver's own requests goes to it.
+_PRODUCER = """
+import os, sys, time
+from zio_spark.errors import TransportError
+from zio_spark.source.producer import Producer
+endpoint, producer_id = sys.argv[1:3]
+deadline = time.monotonic() + 15
+while True:
+    try:
+        p = Producer(
+            endpoint,
+            producer_id=producer_id,
+            linger_ms=0,
+            heartbeat_interval=None,
+            heartbeat_timeout=None,
+            curve_secret_key=os.environ["ZIO_TEST_SERVER_SECRET"],
+            curve_allowed_client_keys=[os.environ["ZIO_TEST_ALLOWED"]],
+        )
+        break
+    except TransportError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print("ENDPOINT", p.endpoint, flush=True)
+while not p.run_keys:
+    time.sleep(0.01)
+print("LEASED", min(p.run_keys).decode(), flush=True)
+sys.stdin.read()
+"""
+
+
+class _ProducerProcess:
+    """:data:`_PRODUCER`, its output in ``log``; :meth:`said` polls it, :meth:`stop`
+    kills it by its pid."""
+
+    def __init__(self, endpoint: str, keys: Keys, log: Path) -> None:
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.getcwd(),
+            ZIO_TEST_SERVER_SECRET=keys.server_secret.decode(),
+            ZIO_TEST_ALLOWED=keys.driver[0].decode(),
+        )
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _PRODUCER, endpoint, P],
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def said(self, prefix: str) -> str | None:
+        """The rest of its first output line starting with ``prefix``, if any yet."""
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith(prefix + " "):
+                return line[len(prefix) + 1 :]
+        assert self.proc.poll() is None, self.log.read_text(errors="replace")
+        return None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(T)
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+
+
+@pytest.fixture
+def producer_process(tmp_path: Path) -> Iterator[Callable[[str, Keys], _ProducerProcess]]:
+    started: list[_ProducerProcess] = []
+
+    def start(endpoint: str, keys: Keys) -> _ProducerProcess:
+        p = _ProducerProcess(endpoint, keys, tmp_path / f"producer-{len(started)}.log")
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()
+
+
+def _unread(port: int) -> int:
+    """Bytes received and not yet read on the established TCP connections of 127.0.0.1's
+    ``port`` (the server's side): a request waiting in a stopped process's socket."""
+    n = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "01" and f[1] == f"0100007F:{port:04X}":
+            n += int(f[4].split(":")[1], 16)
+    return n
+
+
+def test_a_restart_that_cuts_a_control_request_short_does_not_hold_the_run_key_back(
+    ctx, producer_process, closing, keys
+):
+    """The producer dies after a request of the control flow (here the keeper's look; an
+    ack or a trigger's held query alike) reached it and before it answered. The request
+    fails as soon as the flow's connection drops, so the keeper reopens the flow at the
+    restarted producer and registers the run key again at once, not after the flow's
+    whole timeout: the batch's tasks, refused at the handshake until then, fail fast and
+    would use up Spark's task retries in far less time than that."""
+    from zio_spark.source.direct import KEEP_INTERVAL, Controls
+
+    first = producer_process("tcp://127.0.0.1:*", keys)
+    endpoint = wait_until(lambda: first.said("ENDPOINT"), T, "the producer's endpoint")
+    controls = Controls((endpoint,), ctx=ctx, curve=keys.curve(keys.driver), timeout=T)
+    closing.append(controls)
+    run = controls.run_curve
+    assert run is not None
+    assert controls.held()[P].end == 1
+    assert wait_until(lambda: first.said("LEASED"), T, "the run key") == run.public_key.decode()
+    # Stopped: the keeper's next look reaches its socket, and nothing reads it there.
+    port = int(endpoint.rsplit(":", 1)[1])
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    wait_until(lambda: _unread(port) > 0, T, "the keeper's look waiting in the producer's socket")
+    first.stop()
+    t0 = time.monotonic()
+    second = producer_process(endpoint, keys)
+    leased = wait_until(
+        lambda: second.said("LEASED"), FAST, "the run key leased at the restarted producer"
+    )
+    took = time.monotonic() - t0
+    assert leased == run.public_key.decode()
+    # The restarted process takes most of it (start-up, imports); then a look at most.
+    assert took < FAST, took
+    assert KEEP_INTERVAL < FAST

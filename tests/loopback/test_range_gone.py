@@ -166,6 +166,7 @@ def test_a_vanished_control_flow_releases_its_run_key(ctx, closing):
         assert c.admit(run_pub) is True
         assert p.run_keys == {run_pub}
     finally:
+        c._unwatch()  # its drops monitor (a control flow watches from its BOT on)
         c.port.close(0)  # the driver's socket dropped: no EOT
     wait_until(lambda: not p.run_keys, T, "the run key released", detail=lambda: p.stats)
     assert _gone(p) == (0, 1) and p.stats["run_keys_revoked"] == 1
@@ -182,6 +183,7 @@ def test_a_commit_sent_just_before_the_socket_drops_is_applied(ctx, closing):
         inc = c.held().incarnation
         c.ep.channel.send(c.reader.send_commit(c.ep.flow, P, inc, 4))
     finally:
+        c._unwatch()  # its drops monitor (a control flow watches from its BOT on)
         c.port.close(1000)  # the commit leaves, then the socket goes: no EOT
     wait_until(lambda: p.range_flows_open == 0, T, "the control flow to end")
     assert p.acked == 4 and p.pending == 6 and p.stats["control_acks"] == 1

@@ -114,9 +114,17 @@ class SourceChaos:
         for c in self.children:
             c.stop(grace=5.0)
 
-    def spawn(self, role: str, script: str, args: Iterable[object]) -> Child:
-        """``script args`` as the current ``role`` (logs ``<role>-<n>``)."""
-        child = Child(script, [str(a) for a in args], self.logs / f"{role}-{len(self.children)}")
+    def spawn(
+        self,
+        role: str,
+        script: str,
+        args: Iterable[object],
+        env: Mapping[str, str] | None = None,
+    ) -> Child:
+        """``script args`` as the current ``role`` (logs ``<role>-<n>``), with ``env``
+        added to its environment."""
+        log = self.logs / f"{role}-{len(self.children)}"
+        child = Child(script, [str(a) for a in args], log, env)
         self.children.append(child)
         self.current[role] = child
         return child

@@ -17,6 +17,10 @@ cut short is retried; or a standalone cluster's URL), ``failOnDataLoss`` as
 ``60s``: a task whose giver was killed under its read fails only after it, as the
 giver's restart never hears from a reader that waits for records); the parquet files hold
 ``key`` too (the queue's message ids).
+With ``ZIO_CHAOS_SOURCE_SERVER_KEY``, ``ZIO_CHAOS_SOURCE_PUBLIC`` and
+``ZIO_CHAOS_SOURCE_SECRET`` in the environment (Z85; never in the command line), the
+``direct`` query reads over CURVE: ``curveServerKey`` (the givers'), ``curvePublicKey`` and
+``curveSecretKey`` (the driver's, on the givers' allow-lists).
 ``sink``: ``rate-micro-batch`` -> a UDF that fails some tasks (seeded, first attempt only,
 after part of the partition went out) -> ``writeStream.format("zio")``, on
 ``local[2,4]`` so failed tasks are retried.
@@ -27,6 +31,7 @@ stopped (SIGTERM); prints ``QUERY_EXCEPTION`` and exits 1 if the query fails.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from pyspark.sql import SparkSession
@@ -83,12 +88,20 @@ def _to_parquet(df, out: str, ckpt: str):
     )
 
 
+CURVE_ENV = {
+    "curveServerKey": "ZIO_CHAOS_SOURCE_SERVER_KEY",
+    "curvePublicKey": "ZIO_CHAOS_SOURCE_PUBLIC",
+    "curveSecretKey": "ZIO_CHAOS_SOURCE_SECRET",
+}
+
+
 def direct_query(argv: list[str]):
     endpoint, ckpt, out, per_trigger, master, *rest = argv
     defaults = ["true", "60s"]  # failOnDataLoss, connectTimeout
     fail_on_data_loss, timeout = [*rest, *defaults[len(rest) :]]
     extra = {"spark.task.maxFailures": "8"} if not master.startswith("local") else {}
     spark = session(master, "zio-chaos-direct", extra)
+    curve = {opt: os.environ[var] for opt, var in CURVE_ENV.items() if var in os.environ}
     df = (
         spark.readStream.format("zio")
         .option("endpoints", endpoint)
@@ -96,6 +109,7 @@ def direct_query(argv: list[str]):
         .option("maxRecordsPerTrigger", per_trigger)
         .option("connectTimeout", timeout)
         .option("failOnDataLoss", fail_on_data_loss)
+        .options(**curve)
         .load()
         .select("producer", "seq", "value", "key")
     )

@@ -88,9 +88,13 @@ def child_env() -> dict[str, str]:
 class Child(Driver):
     """``python tests/reliability/<script> args...`` in its own session, output to ``log``.
 
-    Inherits ``signal``/``kill``/``stop`` (process group plus every descendant, reaped)."""
+    Inherits ``signal``/``kill``/``stop`` (process group plus every descendant, reaped).
+    ``env``: more variables for this child only (e.g. CURVE keys, which so never appear
+    in its command line or a file)."""
 
-    def __init__(self, script: str, args: Sequence[str], log: Path) -> None:
+    def __init__(
+        self, script: str, args: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.log = log
         self.tree: set[int] = set()
         cmd = [sys.executable, str(HERE / script), *map(str, args)]
@@ -98,7 +102,7 @@ class Child(Driver):
             self.proc = subprocess.Popen(
                 cmd,
                 cwd=str(ROOT),
-                env=child_env(),
+                env={**child_env(), **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

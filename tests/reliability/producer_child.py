@@ -28,13 +28,23 @@ decides.
 sent again from the first (tagged with the new incarnation, so that the output tells the
 numberings apart); what the killed one held beyond the last commit is lost by design.
 
+CURVE (a bound producer: ``bind``, ``direct``, ``volatile``): with ``ZIO_CHAOS_PRODUCER_SECRET``
+in the environment (its server secret key, Z85), the producer serves over CURVE, and with
+``ZIO_CHAOS_PRODUCER_ALLOW`` too (client public keys, comma-separated) it admits only those
+keys and the run keys their control flows lease (``curve_allowed_client_keys``). Keys come
+through the environment so that no secret is in a command line or a file. Such a
+producer also waits for a run key to be leased before it produces, and prints ``RUN_KEY
+<key>`` (a public key).
+
 Prints ``ENDPOINT <ep>``, ``INCARNATION <inc>`` (``direct``, ``volatile``), ``RESUME
 <seq>`` once a taker is attached (``direct``, ``volatile``: once the driver's control flow
-is), ``SENT <count>`` when everything is queued, then waits to be killed or terminated.
+is), ``RUN_KEY <key>`` (with an allow-list), ``SENT <count>`` when everything is queued,
+then waits to be killed or terminated.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -47,6 +57,18 @@ from zio_spark.source.producer import Producer
 CHUNK = 1000
 BIND_RETRY_S = 15.0
 TAKER_WAIT_S = 600.0
+
+
+def curve_settings() -> dict[str, object]:
+    """The CURVE keywords of a bound producer from the environment (module docstring)."""
+    secret = os.environ.get("ZIO_CHAOS_PRODUCER_SECRET")
+    allow = os.environ.get("ZIO_CHAOS_PRODUCER_ALLOW")
+    if secret is None:
+        return {}
+    out: dict[str, object] = {"curve_secret_key": secret}
+    if allow:
+        out["curve_allowed_client_keys"] = allow.split(",")
+    return out
 
 
 def bind(
@@ -64,6 +86,7 @@ def bind(
                 linger_ms=0,
                 max_unacked=200_000,
                 retention_dir=retention,
+                **curve_settings(),  # type: ignore[arg-type]
             )
         except (TransportError, zmq.ZMQError):
             if time.monotonic() > deadline:
@@ -103,6 +126,14 @@ def main() -> int:
     # The taker's resume (0 on a fresh source), or the folder's last (0 when volatile).
     resume = prod.last_seq
     print("RESUME", resume, flush=True)
+    if prod.curve_allowed_client_keys is not None:
+        # The control flow registers the run key right after its BOT.
+        while not prod.run_keys:
+            if time.monotonic() > deadline:
+                print("NO_RUN_KEY", flush=True)
+                return 1
+            time.sleep(0.02)
+        print("RUN_KEY", min(prod.run_keys).decode(), flush=True)
     seq = resume + 1
     started = time.monotonic()
     while seq <= count:

@@ -4,7 +4,7 @@ are SIGKILLed at random (seeded) moments and restarted (issue #26, requirement 6
 
 No spool and no taker here: the driver asks each producer's held window and acks Spark's
 commits on its control flows, and each task reads its ranges from the producers. So the
-records live only in the producers until a commit acks them. Two scenarios:
+records live only in the producers until a commit acks them. Three scenarios:
 
 - **with retention** (``Producer(retention_dir=...)``): what makes a producer kill
   harmless. The restarted producer (``producer_child.py ... direct DIR``, same id, same
@@ -22,6 +22,16 @@ records live only in the producers until a commit acks them. Two scenarios:
   the ranges the source reported lost (the WARNs of the tasks and of the planner) are
   disjoint and leave no gap below the highest of them: exactly the reported ranges are
   lost, nothing else, nothing read twice.
+- **over CURVE, producers with allow-lists** (the with-retention scenario; docs/
+  direct-read.md, "Security and networks"): every producer admits only the driver's
+  public key and the run key that the driver's control flow leases to it; the tasks hold
+  the run key pair only. A restarted producer (same server key and list) holds no lease,
+  so the tasks of the batch it was in are refused at the handshake until the driver's
+  keeper has reopened its control flow, which registers the run key again; Spark's task
+  retries carry them over that. The keys are drawn by the test and given to the children
+  in their environment only. Verdict: every record exactly once, the query never failed,
+  every producer serving at the end leased a run key, and no file of the run holds a
+  secret key.
 
 Kill moments are drawn as in test_source_chaos.py (progress target, then a random
 delay; the seed printed, ``ZIO_CHAOS_SEED`` replays them), each producer kill on a producer
@@ -96,15 +106,18 @@ class DirectChaos:
         self.endpoints = ["tcp://127.0.0.1:*"] * PRODUCERS
         self.fail_on_data_loss = "true"
         self.read_open: list[bool] = []  # per producer kill: a task's range flow was open
+        # More environment of the producers and of the driver (CURVE keys).
+        self.producer_env: dict[str, str] = {}
+        self.driver_env: dict[str, str] = {}
 
     def start_producer(self, i: int) -> None:
         args = [self.endpoints[i], self.ids[i], self.n, self.rate, *self.mode(i)]
-        self.run.spawn(f"producer-{i}", "producer_child.py", args)
+        self.run.spawn(f"producer-{i}", "producer_child.py", args, self.producer_env)
 
     def start_driver(self) -> None:
         args = ["direct", ",".join(self.endpoints), self.run.ckpt, self.run.out]
         args += [self.per_trigger, "local[2,8]", self.fail_on_data_loss, DIRECT_TIMEOUT]
-        self.run.spawn("driver", "driver_child.py", args)
+        self.run.spawn("driver", "driver_child.py", args, self.driver_env)
 
     def start(self) -> None:
         for i in range(PRODUCERS):
@@ -148,6 +161,31 @@ class DirectChaos:
         return "\n".join(c.log.read_text(errors="replace") for c in self.run.of("driver"))
 
 
+class OneNumbering:
+    """What the producers with retention of a run printed, read before the run ends:
+    their resumes and incarnations, and whether a driver logged a refused commit ack."""
+
+    def __init__(self, run: SourceChaos, chaos: DirectChaos) -> None:
+        self.resumes = [
+            [int(r) for r in run.lines(f"producer-{i}", "RESUME")] for i in range(PRODUCERS)
+        ]
+        self.incarnations = [chaos.incarnations(i) for i in range(PRODUCERS)]
+        self.last = [run.current[f"producer-{i}"].line("INCARNATION") for i in range(PRODUCERS)]
+        self.refused = [
+            c.log.name for c in run.of("driver") if "COMMIT ACK REFUSED" in c.log.read_text()
+        ]
+
+    def check(self) -> None:
+        for incs, now, res in zip(self.incarnations, self.last, self.resumes, strict=True):
+            # Every restart of a producer reopened its folder: one numbering throughout (a
+            # new incarnation would have made the query skip the old one's records as
+            # lost). A producer killed while it was still starting printed none: the first
+            # and the last one did.
+            assert len(set(incs)) == 1 and incs[0] == now, self.incarnations
+            assert res[0] == 0 and all(r > 0 for r in res[1:]), self.resumes
+        assert not self.refused, f"commit acks refused in {self.refused}"
+
+
 @pytest.mark.parametrize("size", size_params(SIZES))
 def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, size: str) -> None:
     _, rng = chaos_rng(f"source-direct/{size}")
@@ -160,29 +198,111 @@ def test_direct_source_driver_and_producer_kills_exactly_once(tmp_path: Path, si
         plans = chaos.plans(rng, SIZES[size], 3.0 if size == "full" else 1.0)
         counts = dict.fromkeys(chaos.ids, chaos.n)
         run.run(chaos.n * PRODUCERS, plans, SIZES[size][5], counts=counts)
-        resumes = [[int(r) for r in run.lines(f"producer-{i}", "RESUME")] for i in range(PRODUCERS)]
-        incarnations = [chaos.incarnations(i) for i in range(PRODUCERS)]
-        last = [run.current[f"producer-{i}"].line("INCARNATION") for i in range(PRODUCERS)]
-        refused = [
-            c.log.name for c in run.of("driver") if "COMMIT ACK REFUSED" in c.log.read_text()
-        ]
+        numbering = OneNumbering(run, chaos)
         retries = run.retries()
         table = run.finish()
 
     run.say(
         f"{len(table)} rows of {PRODUCERS} producers, kills {[p.done for p, _ in plans.values()]} "
         f"(a range flow open at the producer kills: {chaos.read_open}, task retries {retries}), "
-        f"producer resumes {resumes}"
+        f"producer resumes {numbering.resumes}"
     )
     check_exactly_once(table, counts)
-    for incs, now, res in zip(incarnations, last, resumes, strict=True):
-        # Every restart of a producer reopened its folder: one numbering throughout (a new
-        # incarnation would have made the query skip the old one's records as lost). A
-        # producer killed while it was still starting printed none: the first and the
-        # last one did.
-        assert len(set(incs)) == 1 and incs[0] == now, incarnations
-        assert res[0] == 0 and all(r > 0 for r in res[1:]), resumes
-    assert not refused, f"commit acks refused in {refused}"
+    numbering.check()
+    check_kills_hit([p for p, _ in plans.values()], chaos.n * PRODUCERS)
+
+
+CURVE_SIZES = {
+    # As SIZES. CI: two producer kills, no driver kill (a driver's restart costs ~20 s on
+    # the loaded 2 cores); production spans ~15 s, so that the producer kills (up to 40 %
+    # of the committed output) come while the producers still send. Full: six producer
+    # kills and two driver kills (each restarted runner draws a new run key).
+    "ci": (5_000, 0, 2, 333, 1_500, 240),
+    "full": (200_000, 2, 6, 4_000, 15_000, 1200),
+}
+
+
+_LOG_LINE = re.compile(r"^\d\d/\d\d/\d\d \d\d:\d\d:\d\d ", re.M)
+
+
+def lost_tasks(text: str) -> list[str]:
+    """Each task attempt Spark lost, as its driver's log tells it (the "Lost task" line
+    and the traceback under it, up to the next log line)."""
+    out = []
+    for m in re.finditer(r"^.*Lost task", text, re.M):
+        end = _LOG_LINE.search(text, m.start() + 1)
+        out.append(text[m.start() : end.start() if end else len(text)])
+    return out
+
+
+def holding(root: Path, secrets: list[bytes]) -> list[str]:
+    """Files under ``root`` that hold one of ``secrets`` (the tests' logs, the query's
+    checkpoint and output, the producers' folders)."""
+    return [
+        str(f.relative_to(root))
+        for f in sorted(root.rglob("*"))
+        if f.is_file() and any(k in f.read_bytes() for k in secrets)
+    ]
+
+
+@pytest.mark.parametrize("size", size_params(CURVE_SIZES))
+def test_direct_source_over_curve_producers_with_allow_lists_killed_exactly_once(
+    tmp_path: Path, size: str
+) -> None:
+    """The with-retention scenario over CURVE, per query run keys: every producer admits
+    only the driver's public key (its allow-list) and the run key the driver's control
+    flow leases to it; the tasks hold the run key pair only. A killed producer comes back
+    (same endpoint, id, folder, server key and list) with no lease: the tasks of the batch
+    it was in are refused at the handshake until the driver's keeper has reopened its
+    control flow, which registers the run key again. Spark's task retries (``local[2,8]``)
+    must carry them over that, and the query must never fail. Verdict: every record of
+    every producer exactly once; the current producers hold a run key; no secret key
+    in any file of the run."""
+    import zmq
+
+    _, rng = chaos_rng(f"source-direct-curve/{size}")
+    server_public, server_secret = zmq.curve_keypair()
+    driver_public, driver_secret = zmq.curve_keypair()
+    retention = tmp_path / "retention"
+    with SourceChaos(tmp_path, f"source-direct-curve/{size}") as run:
+        chaos = DirectChaos(
+            run, "chaos-curve", lambda i: ["direct", retention / str(i)], CURVE_SIZES[size]
+        )
+        chaos.producer_env = {
+            "ZIO_CHAOS_PRODUCER_SECRET": server_secret.decode(),
+            "ZIO_CHAOS_PRODUCER_ALLOW": driver_public.decode(),
+        }
+        chaos.driver_env = {
+            "ZIO_CHAOS_SOURCE_SERVER_KEY": server_public.decode(),
+            "ZIO_CHAOS_SOURCE_PUBLIC": driver_public.decode(),
+            "ZIO_CHAOS_SOURCE_SECRET": driver_secret.decode(),
+        }
+        chaos.start()
+        plans = chaos.plans(rng, CURVE_SIZES[size], 3.0 if size == "full" else 1.0)
+        counts = dict.fromkeys(chaos.ids, chaos.n)
+        run.run(chaos.n * PRODUCERS, plans, CURVE_SIZES[size][5], counts=counts)
+        numbering = OneNumbering(run, chaos)
+        run_keys = [run.lines(f"producer-{i}", "RUN_KEY") for i in range(PRODUCERS)]
+        now = [run.current[f"producer-{i}"].line("RUN_KEY") for i in range(PRODUCERS)]
+        retries = run.retries()
+        table = run.finish()
+    lost = lost_tasks(chaos.driver_logs())
+    refused = sum("refused our CURVE key" in t for t in lost)
+
+    run.say(
+        f"{len(table)} rows of {PRODUCERS} producers, kills {[p.done for p, _ in plans.values()]} "
+        f"(a range flow open at the producer kills: {chaos.read_open}, task retries {retries}, "
+        f"{refused} of them refused the run key at the handshake), producer resumes "
+        f"{numbering.resumes}, run keys leased per producer "
+        f"{[len(k) for k in run_keys]} ({len(set().union(*run_keys))} distinct)"
+    )
+    check_exactly_once(table, counts)
+    numbering.check()
+    # Every producer that serves now leased a run key (the last driver's: the tasks read
+    # with nothing else), and no key is the driver's own.
+    assert all(now), run_keys
+    assert driver_public.decode() not in set().union(*run_keys), run_keys
+    assert not holding(tmp_path, [server_secret, driver_secret])
     check_kills_hit([p for p, _ in plans.values()], chaos.n * PRODUCERS)
 
 

@@ -96,9 +96,10 @@ log = logging.getLogger("zio_spark.transport")
 DEFAULT_CREDIT = 64
 """DATs in flight per range flow (the giver may lower it)."""
 _EOT_WAIT = 2.0  # seconds, at most, for the echo of our EOT when the flow ends
-# A range flow lives and dies with its connection: the giver keeps a flow by the
-# connection it came on, so once that drops (the producer killed or restarted, a
-# network cut) no DAT of it can come. A reader waiting for records watches for it.
+# A flow lives and dies with its connection: the giver keeps a flow by the connection it
+# came on, so once that drops (the producer killed or restarted, a network cut) no DAT
+# of it can come. A reader waiting for records watches for it, and so does the driver's
+# control flow, whatever it waits for.
 _DROP_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 _MONITORS = itertools.count()  # unique inproc addresses of the drops monitors
 _AFTER_WATCH = 1.0  # seconds to read a message the socket already holds
@@ -169,6 +170,9 @@ class RangeConnection:
 
     _READ = READ_RANGE  # the BOT's read mode
     _CREDIT = DEFAULT_CREDIT  # credit when none is given
+    _WATCH_FROM_BOT = False  # watch for drops once the flow is open (else from read())
+    # What follows when the connection drops while an answer is awaited.
+    _DROPPED = "the task fails now so that Spark retries it"
     # What to do when the producer's ZAP handler refuses our CURVE key.
     _REFUSED_FIX = (
         "a task reads with its query run's key, which the producer admits only while "
@@ -255,7 +259,10 @@ class RangeConnection:
             # column: the receiver stores its DATs' origin).
             self.origin = 0
             self.reader = RangeReader(self.terms)
+            if self._WATCH_FROM_BOT:
+                self._watch_drops()
         except BaseException:
+            self._unwatch()
             self.port.close(0)
             raise
 
@@ -296,7 +303,8 @@ class RangeConnection:
                 raise TransportError(
                     f"range reader: the CURVE handshake failed ({what}, errno "
                     f"{got['value']}): the producer there has no CURVE, or another server "
-                    "key than this reader's curveServerKey",
+                    "key than this reader's curveServerKey, or it went away during the "
+                    "handshake (killed or restarted: a task's retry reads once it is back)",
                     endpoint=self.endpoint,
                 )
         finally:
@@ -337,6 +345,21 @@ class RangeConnection:
             self.port.socket.disable_monitor()
             drops.close(0)
 
+    def _watch_drops(self) -> None:
+        """From now on a drop of the connection is seen by the waits of
+        :meth:`_next_dat` with ``watch`` (idempotent)."""
+        if self._drops is not None:
+            return
+        # An address of its own: pyzmq's default one is named by the socket's fd, and
+        # libzmq lets go of a stopped monitor's address only later (its reaper thread),
+        # so a second monitor on this socket (after the CURVE handshake's) or on a
+        # socket reusing the fd could find it still taken.
+        self._drops = self.port.socket.get_monitor_socket(
+            _DROP_EVENTS, addr=f"inproc://zio-range-drops-{os.getpid()}-{next(_MONITORS)}"
+        )
+        self._watch.register(self.port.socket, zmq.POLLIN)
+        self._watch.register(self._drops, zmq.POLLIN)
+
     def _await_data(self, what: str) -> bool:
         """Wait until a message is there to read, within ``timeout``: whether one is
         (False: the time ran out).
@@ -344,9 +367,9 @@ class RangeConnection:
         Raises
         ------
         TransportError
-            If the connection to the giver drops first (a range flow cannot outlive it:
-            the task fails now, and Spark's retry reads the range from the producer
-            once it is back).
+            If the connection to the giver drops first (a flow cannot outlive it: a task
+            fails now, and Spark's retry reads the range from the producer once it is
+            back; the driver opens a new control flow).
         """
         drops = self._drops
         assert drops is not None  # read() watches before it asks
@@ -358,7 +381,7 @@ class RangeConnection:
             raise TransportError(
                 f"range reader: the connection to the producer dropped while {what} "
                 "was awaited (it stopped or restarted, or the network cut it): the "
-                "flow is gone with it; the task fails now so that Spark retries it",
+                f"flow is gone with it; {self._DROPPED}",
                 endpoint=self.endpoint,
             )
         return False
@@ -417,7 +440,7 @@ class RangeConnection:
             If the answer breaks the protocol (e.g. another incarnation than its BOT's).
         """
         self.ep.channel.send(self.reader.send_query(self.ep.flow, producer))
-        attrs, _ = self._next_dat("the held window")
+        attrs, _ = self._next_dat("the held window", watch=self._drops is not None)
         reply = self.reader.on_dat(attrs)
         if isinstance(reply, UnknownProducer):
             raise TransportError(
@@ -447,16 +470,7 @@ class RangeConnection:
             incarnation...).
         """
         reader = self.reader
-        if self._drops is None:  # before asking: a drop from now on is seen
-            # An address of its own: pyzmq's default one is named by the socket's fd,
-            # and libzmq lets go of a stopped monitor's address only later (its reaper
-            # thread), so a second monitor on this socket (after the CURVE handshake's)
-            # or on a socket reusing the fd could find it still taken.
-            self._drops = self.port.socket.get_monitor_socket(
-                _DROP_EVENTS, addr=f"inproc://zio-range-drops-{os.getpid()}-{next(_MONITORS)}"
-            )
-            self._watch.register(self.port.socket, zmq.POLLIN)
-            self._watch.register(self._drops, zmq.POLLIN)
+        self._watch_drops()  # before asking: a drop from now on is seen
         self.ep.channel.send(reader.send_request(self.ep.flow, producer, incarnation, start, end))
         while True:
             attrs, payload = self._next_dat(f"records [{start}, {end}) of {producer!r}", watch=True)
@@ -533,11 +547,20 @@ class ControlConnection(RangeConnection):
     """The driver's control flow to the producer at ``endpoint`` (BOT ``read:
     "control"``): held queries and commits, one at a time, never a range or a record.
     Bound to the incarnation its BOT stated (:attr:`incarnation`): the producer ends it
-    (EOT) when it renumbers. Opening, options and errors as :class:`RangeConnection`;
-    a peer without the capability is :class:`RangesNotServed`."""
+    (EOT) when it renumbers. It watches its connection from the BOT on: once that
+    dropped (the producer killed or restarted), every request fails at once with a
+    :class:`~zio_spark.errors.TransportError`, also one whose answer the drop cut off.
+    Opening, options and errors as :class:`RangeConnection`; a peer without the
+    capability is :class:`RangesNotServed`."""
 
     _READ = READ_CONTROL
     _CREDIT = 4  # only answers flow back: one per request
+    # A request whose answer a drop cut off fails at once, not after ``timeout``: a
+    # producer killed or restarted before it answered a held query, an ack or the
+    # keeper's look would otherwise hold the driver's lane to it (and the run key's
+    # registration at the restarted process) for the whole timeout.
+    _WATCH_FROM_BOT = True
+    _DROPPED = "the driver opens a new control flow"
     _REFUSED_FIX = (
         "put the source's curvePublicKey (the driver's key) on the producer's allow-list "
         "(Producer(curve_allowed_client_keys=...), zio-spark produce --curve-allow)"
@@ -561,7 +584,7 @@ class ControlConnection(RangeConnection):
         """
         text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
         self.ep.channel.send(self.reader.send_admit(self.ep.flow, text))
-        attrs, _ = self._next_dat("the answer to the run key's admission")
+        attrs, _ = self._next_dat("the answer to the run key's admission", watch=True)
         reply = self.reader.on_dat(attrs)
         self._repay()
         if not isinstance(reply, Admitted):  # pragma: no cover - on_dat checks it
@@ -619,7 +642,7 @@ class ControlConnection(RangeConnection):
         """
         producer = self._producer(producer)
         self.ep.channel.send(self.reader.send_commit(self.ep.flow, producer, incarnation, upto))
-        attrs, _ = self._next_dat(f"the answer to the ack of {upto} of {producer!r}")
+        attrs, _ = self._next_dat(f"the answer to the ack of {upto} of {producer!r}", watch=True)
         reply = self.reader.on_dat(attrs)
         self._repay()
         if isinstance(reply, Acked):
