@@ -5,7 +5,8 @@ moments and restarted from its checkpoint: every row is published exactly once.
 ``rate-micro-batch`` makes batch ``b`` hold exactly the values ``b*R .. (b+1)*R - 1``,
 the same when Spark re-runs it, so exactly-once is checked value by value. The driver is
 ``driver_child.py sink`` (as ``tests/spark/sink_driver_child.py`` plus a UDF that fails
-the first attempt of a seeded share of the tasks after 900 of their rows); the
+the first attempt of a seeded share of the tasks, and always of batch 1's partition 0,
+after 900 of their rows); the
 consumer lives in this process. Kill moments: once the published rows reach a random
 fraction of the total, after a random delay; the seed is printed.
 """
