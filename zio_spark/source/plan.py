@@ -184,7 +184,7 @@ def pack(
     ``waves_of`` partitions of near-equal size (:func:`cut`), at least as many as the
     cut above makes, so the batch's tasks fill whole waves of that many task slots. A
     batch of 1.18M records with ``step`` 500k was three tasks on two cores: a second
-    wave of one task with the other core idle (bench/README.md, "Partitions in waves").
+    wave of one task with the other core idle (bench/README.md, "Batch sizes and waves").
     """
     if waves_of > 1:
         n = len(_greedy(ranges, step))

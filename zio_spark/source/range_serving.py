@@ -125,7 +125,6 @@ from zio_spark.protocol.ranges import (
     Admitted,
     CommitRefused,
     HeldQuery,
-    HeldReport,
     RangeGiver,
     Records,
     Window,
@@ -482,14 +481,12 @@ class RangeFlow:
             return _STALE
         producer = self.giver.producer
         window = service.window(records) if producer == service.policy.producer_id else None
-        mark = self._waits_told
-        if window is not None:
-            # A held answer says whether a send began to wait for room since the last one.
-            full, mark = service.backlog.window_full_since(self._waits_told)
+        if window is not None and isinstance(self.giver.request, HeldQuery):
+            # Its answer (a HeldReport) says whether a send began to wait for room since
+            # this flow's last one; range DATs never ask.
+            full, self._waits_told = service.backlog.window_full_since(self._waits_told)
             window = Window(window.first, window.end, full=full)
         got = self.giver.next(window, self.batch)
-        if isinstance(got, HeldReport):
-            self._waits_told = mark
         if isinstance(got, Records):
             taken = records.take(got.first, got.count, DAT_BYTES)
             if taken is None or taken.first != got.first or not taken.values:
